@@ -1,0 +1,153 @@
+"""`krait serve | generate | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from krait.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: demo)")
+    p.add_argument("--model", dest="model_opt", default=None, help="same as the positional MODEL")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--mamba-ssm-cache-dtype", default="float32")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        load_format=args.load_format,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """The model directory; the demo model (announced on stderr) when none is given."""
+    model = args.model_opt or args.model
+    if model is None:
+        from krait.demo import DEMO_NOTICE, ensure_demo_model
+
+        print(DEMO_NOTICE, file=sys.stderr)
+        model = ensure_demo_model()
+    return model
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from krait import LLM, SamplingParams
+
+    llm = LLM(model=resolve_model(args), **engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["Hello, my name is"]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for o in outs:
+        if args.json:
+            print(json.dumps({"prompt": o.prompt, "text": o.outputs[0].text,
+                              "token_ids": o.outputs[0].token_ids,
+                              "finish_reason": o.outputs[0].finish_reason}))
+        else:
+            print(f"Prompt: {o.prompt!r}\nOutput: {o.outputs[0].text!r}\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from krait.server import api_server
+
+    args.model = resolve_model(args)
+    args.engine_config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
+    return api_server.run_server(args) or 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_cmd == "serve":
+        from krait.bench import serve
+
+        return serve.main(args) or 0
+    from krait.bench import offline
+
+    args.model = resolve_model(args)
+    return offline.main(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="krait", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="complete prompts offline and print them")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="one JSON object per completion")
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    try:
+        from krait.server import api_server
+
+        api_server.add_cli_args(s)
+    except ImportError as e:  # fastapi missing
+        s.set_defaults(server_import_error=str(e))
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    for name in ("latency", "throughput"):
+        bp = bsub.add_parser(name)
+        add_engine_args(bp)
+        try:
+            from krait.bench import offline
+
+            offline.add_cli_args(bp, name)
+        except ImportError:
+            pass
+        bp.set_defaults(func=cmd_bench)
+    bs = bsub.add_parser("serve")
+    try:
+        from krait.bench import serve
+
+        serve.add_cli_args(bs)
+    except ImportError:
+        pass
+    bs.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))

@@ -1,0 +1,223 @@
+"""Engine configuration: one frozen dataclass per concern, composed into EngineConfig."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _json_floats(obj: Any) -> Any:
+    """Undo transformers' `{"__float__": "Infinity"}` encoding (and plain "Infinity" strings)."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"}:
+            return float(obj["__float__"])
+        return {k: _json_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_floats(v) for v in obj]
+    if isinstance(obj, str) and obj in ("Infinity", "-Infinity", "NaN"):
+        return float(obj)
+    return obj
+
+
+def read_hf_config(model_dir: str | Path) -> Any:
+    """Reads config.json into a transformers PretrainedConfig, tolerant of the float encodings
+    that differ between transformers versions."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(f"model: no config.json in {model_dir}")
+    raw = _json_floats(json.loads(path.read_text()))
+    model_type = raw.get("model_type")
+    try:
+        cls = AutoConfig.for_model(model_type).__class__ if model_type else PretrainedConfig
+    except ValueError:
+        cls = PretrainedConfig
+    return cls.from_dict(raw)
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(cfg_dtype, str):
+            cfg_dtype = _DTYPES.get(cfg_dtype)
+        if cfg_dtype in (torch.bfloat16, torch.float16):
+            return cfg_dtype
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    load_format: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # overrides the memory-based pool size
+    kv_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "float32"
+    enable_prefix_caching: bool = False
+    cpu_kv_cache_gib: float = 2.0  # memory budget for the cache on CPU
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: torch.device
+    enforce_eager: bool = False
+    speculative: SpeculativeConfig | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        model: str,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        num_kv_blocks: int | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
+        enforce_eager: bool = False,
+        speculative_config: dict | SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        enable_prefix_caching: bool = False,
+        kv_cache_dtype: str = "auto",
+        mamba_ssm_cache_dtype: str = "float32",
+        tokenizer: str | None = None,
+        cpu_kv_cache_gib: float = 2.0,
+    ) -> EngineConfig:
+        """Builds and validates the whole configuration from LLM(...)-style keyword options."""
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy; got {load_format!r}")
+        dev = resolve_device(device)
+        hf_config = read_hf_config(model)
+        derived_len = _derived_max_len(hf_config)
+        if max_model_len is None:
+            max_model_len = derived_len
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if num_kv_blocks is not None and num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {num_kv_blocks}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet")
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
+        if speculative_config is not None:
+            raise ValueError("speculative_config: speculative decoding is not supported yet")
+        vocab_size = getattr(hf_config, "vocab_size", None)
+        if vocab_size is None:
+            raise ValueError("model: config.json has no vocab_size")
+        return cls(
+            model=ModelConfig(
+                model=str(model),
+                hf_config=hf_config,
+                dtype=resolve_dtype(dtype, hf_config, dev),
+                max_model_len=int(max_model_len),
+                vocab_size=int(vocab_size),
+                load_format=load_format,
+                seed=seed,
+                tokenizer=tokenizer,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_dtype=kv_cache_dtype,
+                mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                enable_prefix_caching=enable_prefix_caching,
+                cpu_kv_cache_gib=cpu_kv_cache_gib,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
+            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+            device=dev,
+            enforce_eager=enforce_eager,
+            speculative=speculative_config,
+        )
+
+
+def engine_option_names() -> list[str]:
+    """Keyword options EngineConfig.from_kwargs accepts (used by the CLI and LLM)."""
+    import inspect
+
+    return [p for p in inspect.signature(EngineConfig.from_kwargs).parameters if p != "cls"]
+
+
+def _derived_max_len(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 4096  # pure state-space models have no positional limit

@@ -1,0 +1,263 @@
+"""LLMEngine: add_request / step / abort_request, with vLLM's names."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+
+from krait.config import EngineConfig
+from krait.engine.detokenizer import IncrementalDetokenizer
+from krait.engine.kv_cache_manager import KVCacheManager, cdiv
+from krait.engine.request import Request, RequestStatus
+from krait.engine.scheduler import Scheduler
+from krait.outputs import CompletionOutput, RequestOutput
+from krait.runner.model_runner import ModelRunner
+from krait.sampling_params import SamplingParams
+from krait.tokenizer_utils import eos_token_ids, get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Parent:
+    """A user request; with n > 1 it fans out into n child requests."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[str]
+    outputs: dict[str, CompletionOutput] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.tokenizer = get_tokenizer(mc.tokenizer or mc.model)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config)
+        self.runner = ModelRunner(config)
+        num_blocks, num_slots = self._size_cache()
+        self.runner.initialize_cache(num_blocks, num_slots)
+        self.kv = KVCacheManager(
+            num_blocks, config.cache.block_size, num_slots, self.runner.model_state.slots_per_request
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            mc.max_model_len,
+        )
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, str] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    # -- cache sizing -----------------------------------------------------------------
+    def _size_cache(self) -> tuple[int, int]:
+        cc, sc = self.config.cache, self.config.scheduler
+        ms = self.runner.model_state
+        per_block = ms.kv_bytes_per_block()
+        per_slot = ms.state_bytes_per_slot()
+        slots = sc.max_num_seqs * ms.slots_per_request
+        budget = self._memory_budget()
+        if slots and slots * per_slot > budget:
+            raise ValueError(
+                f"max_num_seqs={sc.max_num_seqs}: the recurrent state of that many requests needs "
+                f"{slots * per_slot / 2**30:.2f} GiB but only {budget / 2**30:.2f} GiB is free for "
+                "the cache; lower max_num_seqs or give the cache more memory "
+                "(gpu_memory_utilization, or cpu_kv_cache_gib on CPU)"
+            )
+        if per_block == 0:
+            return 0, slots
+        max_useful = sc.max_num_seqs * cdiv(self.config.model.max_model_len, cc.block_size) + 1
+        if cc.num_kv_blocks is not None:
+            blocks = cc.num_kv_blocks + 1  # + the null block
+        else:
+            blocks = min(int((budget - slots * per_slot) // per_block), max_useful)
+        if blocks < 2:
+            raise ValueError(
+                "not enough memory for even one KV cache block; raise gpu_memory_utilization "
+                "(or cpu_kv_cache_gib), or lower max_num_seqs"
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); %d state slots",
+            blocks - 1, cc.block_size, (blocks - 1) * cc.block_size, slots,
+        )
+        return blocks, slots
+
+    def _memory_budget(self) -> int:
+        dev = self.config.device
+        if dev.type == "cuda":
+            from krait.runner.memory import profile_free_memory  # noqa: PLC0415
+
+            return profile_free_memory(self.runner, self.config)
+        return int(self.config.cache.cpu_kv_cache_gib * 2**30)
+
+    # -- requests ---------------------------------------------------------------------
+    def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request. Raises ValueError naming the field for bad input."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        mc = self.config.model
+        params.validate(mc.vocab_size)
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {mc.vocab_size})"
+            )
+        if len(ids) >= mc.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; max_model_len is {mc.max_model_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self._parents[request_id] = _Parent(request_id, text, ids, children)
+        for i, cid in enumerate(children):
+            cp = params
+            if params.n > 1:
+                cp = _child_params(params, i)
+            req = Request(
+                request_id=cid,
+                prompt_token_ids=list(ids),
+                params=cp,
+                eos_token_ids=self.eos_token_ids,
+                prompt=text,
+                arrival_time=arrival,
+            )
+            self._child_parent[cid] = request_id
+            self._detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, cp)
+            self.scheduler.add_request(req)
+        self.num_prompt_tokens_total += len(ids) * len(children)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for cid in parent.children:
+                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+                self._child_parent.pop(cid, None)
+                self._detok.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    def get_stats(self) -> dict:
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": self.kv.usage(),
+            "prompt_tokens_total": self.num_prompt_tokens_total,
+            "generation_tokens_total": self.num_generation_tokens_total,
+        }
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + model step; an output for each request that made progress."""
+        sched = self.scheduler.schedule()
+        sampled = self.runner.execute_model(sched)
+        progressed = self.scheduler.update_from_output(sched, sampled)
+        touched: dict[str, None] = {}
+        for req in progressed:
+            self.num_generation_tokens_total += len(sampled[req.request_id].token_ids)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            detok = self._detok.get(req.request_id)
+            new_ids = sampled[req.request_id].token_ids
+            if detok is not None:
+                stop = detok.update(new_ids)
+                if stop is not None and not req.is_finished:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                    req.stop_reason = stop
+                elif stop is not None:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = stop
+            pid = self._child_parent.get(req.request_id)
+            if pid is None:
+                continue
+            parent = self._parents[pid]
+            parent.outputs[req.request_id] = self._completion(req, parent)
+            touched[pid] = None
+        outputs = []
+        for pid in touched:
+            parent = self._parents[pid]
+            comps = [parent.outputs[c] for c in parent.children if c in parent.outputs]
+            finished = len(comps) == len(parent.children) and all(c.finished() for c in comps)
+            outputs.append(
+                RequestOutput(
+                    request_id=pid,
+                    prompt=parent.prompt,
+                    prompt_token_ids=parent.prompt_token_ids,
+                    outputs=comps,
+                    finished=finished,
+                )
+            )
+            if finished:
+                del self._parents[pid]
+                for c in parent.children:
+                    self._child_parent.pop(c, None)
+                    self._detok.pop(c, None)
+        return outputs
+
+    def _completion(self, req: Request, parent: _Parent) -> CompletionOutput:
+        detok = self._detok.get(req.request_id)
+        text = detok.output_text if detok is not None else ""
+        token_ids = list(req.output_token_ids)
+        return CompletionOutput(
+            index=parent.children.index(req.request_id),
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+
+
+def _child_params(params: SamplingParams, i: int) -> SamplingParams:
+    import copy
+
+    cp = copy.copy(params)
+    cp.n = 1
+    if params.seed is not None:
+        cp.seed = params.seed + i
+    return cp
+
+
+__all__ = ["LLMEngine"]

@@ -1,0 +1,263 @@
+"""Token-budget scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Each step, running requests go first (decodes and unfinished prefill chunks, oldest first), then
+waiting requests in arrival order while budget, `max_num_seqs`, blocks and state slots allow. A
+request's step is `num_scheduled_tokens` tokens from `num_computed_tokens`: a prefill chunk or one
+decode token alike. When blocks run out, the newest running request is preempted: its blocks and
+slots are freed and it waits at the head of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from krait.engine.kv_cache_manager import KVCacheManager
+from krait.engine.request import Request, RequestStatus
+from krait.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far (resumed requests recompute their outputs)
+    num_prompt_tokens: int  # tokens of token_ids that are prefill (all of them)
+    params: SamplingParams
+    block_ids: list[int]
+    state_slots: list[int]
+    num_computed_tokens: int
+    num_output_tokens: int  # outputs already generated (seeded sampling offsets)
+    eos_token_ids: list[int]
+
+
+@dataclass
+class CachedRequestData:
+    """A running request the runner already holds."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class SampledTokens:
+    """What the runner sampled for one request in a step (empty for a mid-prefill chunk)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None  # per token: id -> logprob
+    ranks: list[int] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the runner in the next step
+        self._preempted_ids: set[str] = set()
+        self._seen_by_runner: set[str] = set()
+
+    # -- queue management ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Ends a request (abort, or a stop found by the detokenizer) and frees its cache."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        self.kv.free(req)
+        if request_id in self._seen_by_runner:
+            self._finished_ids.add(request_id)
+            self._seen_by_runner.discard(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- scheduling -----------------------------------------------------------------------
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        return min(req.num_tokens - req.num_computed_tokens, budget)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        if req.request_id in self._seen_by_runner:
+            self._preempted_ids.add(req.request_id)
+            self._seen_by_runner.discard(req.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached: list[CachedRequestData] = []
+        new: list[NewRequestData] = []
+        preempted_now = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv.allocate(req, n)
+                if new_blocks is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break  # req itself was preempted; everything after it is gone too
+            num_scheduled[req.request_id] = n
+            budget -= n
+            cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted_now:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            req = self.waiting[0]
+            n = self._num_new_tokens(req, budget)
+            if not self.kv.allocate_slots(req):
+                break
+            if self.kv.allocate(req, n) is None:
+                self.kv.free(req)
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            self._seen_by_runner.add(req.request_id)
+            new.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    token_ids=req.all_token_ids,
+                    num_prompt_tokens=req.num_tokens,
+                    params=req.params,
+                    block_ids=list(req.block_ids),
+                    state_slots=list(req.state_slots),
+                    num_computed_tokens=req.num_computed_tokens,
+                    num_output_tokens=req.num_output_tokens,
+                    eos_token_ids=req.eos_token_ids,
+                )
+            )
+
+        out = SchedulerOutput(
+            new_reqs=new,
+            cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=self._preempted_ids,
+        )
+        self._finished_ids = set()
+        self._preempted_ids = set()
+        return out
+
+    # -- after the model step -------------------------------------------------------------
+    def update_from_output(
+        self, sched: SchedulerOutput, sampled: dict[str, SampledTokens]
+    ) -> list[Request]:
+        """Advances counters, appends sampled tokens, applies token-level stops.
+        Returns the requests that made progress (got a token or finished)."""
+        progressed: list[Request] = []
+        for req_id, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            got = sampled.get(req_id)
+            if got is None or not got.token_ids:
+                continue
+            for j, tok in enumerate(got.token_ids):
+                req.output_token_ids.append(tok)
+                if got.logprobs is not None and req.logprobs is not None:
+                    self._append_logprobs(req, got, j, tok)
+                if self._check_stop(req, tok):
+                    break
+            progressed.append(req)
+            if req.is_finished:
+                self.running.remove(req)
+                self.requests.pop(req_id, None)
+                self.kv.free(req)
+                self._finished_ids.add(req_id)
+                self._seen_by_runner.discard(req_id)
+        return progressed
+
+    @staticmethod
+    def _append_logprobs(req: Request, got: SampledTokens, j: int, tok: int) -> None:
+        from krait.outputs import Logprob
+
+        entry = got.logprobs[j]
+        k = req.params.logprobs or 0
+        items = list(entry.items())
+        sampled_lp = entry[tok]
+        top = items[1 : 1 + k] if items and items[0][0] == tok else items[:k]
+        d = {tok: Logprob(sampled_lp, rank=got.ranks[j] if got.ranks else None)}
+        for rank, (tid, lp) in enumerate(top, start=1):
+            d.setdefault(tid, Logprob(lp, rank=rank))
+        req.logprobs.append(d)
+        req.cumulative_logprob += sampled_lp
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if tok in p.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+                return True
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,53 @@
+"""Paged attention layer: writes this step's K/V into the cache, then attends."""
+
+from __future__ import annotations
+
+import torch
+
+from krait.ops.kv_write import write_kv
+from krait.ops.paged_attention import paged_attention
+from krait.runner.attention_metadata import AttentionMetadata
+
+
+class Attention(torch.nn.Module):
+    """The runner binds `kv_cache` ([2, num_blocks, block_size, kv_heads, head_dim])."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping[:T])
+        out = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            meta.max_query_len,
+            meta.max_seq_len,
+            self.scale,
+            self.sliding_window,
+        )
+        return out.reshape(T, self.num_heads * self.head_dim)

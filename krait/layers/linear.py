@@ -1,0 +1,32 @@
+"""Linear layers. `MergedLinear` fuses several HF projections (q/k/v, gate/up) into one GEMM."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Linear(torch.nn.Linear):
+    """A plain linear layer (tensor-parallel variants come with the parallelism work)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+
+
+class MergedLinear(torch.nn.Module):
+    """One weight [sum(out_sizes), in_features] holding several projections side by side.
+    `load_shard(i, w)` copies projection i's checkpoint tensor (weight or bias) into place."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.out_sizes = list(out_sizes)
+        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.weight = torch.nn.Parameter(torch.empty(sum(out_sizes), in_features))
+        self.bias = torch.nn.Parameter(torch.empty(sum(out_sizes))) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def load_shard(self, shard: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        target = self.bias if is_bias else self.weight
+        lo = self.offsets[shard]
+        target.data[lo : lo + self.out_sizes[shard]].copy_(tensor)

@@ -1,0 +1,66 @@
+"""Offline batch generation: LLM(model=...).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from krait.config import EngineConfig
+from krait.engine.engine import LLMEngine
+from krait.outputs import RequestOutput
+from krait.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """Offline engine: every option of DESIGN.md's public API is a keyword here."""
+
+    def __init__(self, model: str, **engine_options) -> None:
+        self.llm_engine = LLMEngine.from_config(EngineConfig.from_kwargs(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs all prompts to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError("sampling_params: need one per prompt, or a single one")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except ValueError:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        pending = set(ids)
+        while pending:
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    results[out.request_id] = out
+                    pending.discard(out.request_id)
+                    bar.update(1)
+        bar.close()
+        return [results[r] for r in ids]

@@ -1,0 +1,142 @@
+"""Llama-family dense decoders: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from krait.layers.activation import SiluAndMul
+from krait.layers.attention import Attention
+from krait.layers.linear import Linear, MergedLinear
+from krait.layers.norm import RMSNorm
+from krait.layers.rotary import RotaryEmbedding, rope_parameters
+from krait.models.weights import load_named_weights
+from krait.runner.attention_metadata import StepMetadata
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(
+            self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg), is_neox=True
+        )
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window
+        )
+        self.split = [q_size, kv_size, kv_size]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous(), meta.attn)
+        return self.o_proj(out)
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        window = None
+        if getattr(cfg, "use_sliding_window", True) and getattr(cfg, "sliding_window", None):
+            types = getattr(cfg, "layer_types", None)
+            if types is None or types[layer_idx] == "sliding_attention":
+                window = cfg.sliding_window
+        self.self_attn = LlamaAttention(cfg, qkv_bias, qk_norm, window)
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported for {type(self)}")
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """HF `LlamaForCausalLM` (also Mistral, Qwen2, Qwen3 through the class flags)."""
+
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name fragment -> (merged parameter fragment, shard index)
+    stacked = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.config = cfg
+        qkv_bias = self.qkv_bias or getattr(cfg, "attention_bias", False)
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, self.stacked, strip_prefix="model.")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

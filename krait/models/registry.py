@@ -1,0 +1,34 @@
+"""Model classes by the architecture name in config.json."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+}
+
+
+def register_model(arch: str, module: str, cls_name: str) -> None:
+    _MODELS[arch] = (module, cls_name)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config) -> type:
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError("model: config.json names no architectures")
+    arch = archs[0]
+    if arch not in _MODELS:
+        raise ValueError(
+            f"model architecture {arch!r} is not supported; supported: "
+            + ", ".join(supported_architectures())
+        )
+    module, cls_name = _MODELS[arch]
+    return getattr(importlib.import_module(f"krait.models.{module}"), cls_name)

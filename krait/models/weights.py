@@ -1,0 +1,69 @@
+"""Copying checkpoint tensors into a model's parameters by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from krait.layers.linear import MergedLinear
+
+
+def load_named_weights(
+    model: torch.nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: dict[str, tuple[str, int]] | None = None,
+    strip_prefix: str | tuple[str, ...] = (),
+    rename: Callable[[str], str | None] | None = None,
+    skip_missing: tuple[str, ...] = ("rotary_emb.inv_freq",),
+) -> set[str]:
+    """Loads (name, tensor) pairs into `model`.
+
+    Names lose `strip_prefix`, then go through `rename` (which may return None to drop a
+    tensor); a name holding a key of `stacked` is loaded as one shard of a MergedLinear.
+    Raises ValueError for names the model has no parameter for, and for parameters left
+    unloaded (tied lm_head excepted)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else strip_prefix
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        for p in prefixes:
+            if name.startswith(p):
+                name = name[len(p) :]
+                break
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                continue
+        if any(s in name for s in skip_missing):
+            continue
+        for frag, (merged, shard) in (stacked or {}).items():
+            if frag in name:
+                target = name.replace(frag, merged)
+                mod_name, _, kind = target.rpartition(".")
+                mod = modules.get(mod_name)
+                if isinstance(mod, MergedLinear):
+                    mod.load_shard(shard, tensor, is_bias=(kind == "bias"))
+                    loaded.add(target)
+                    break
+        else:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(name)
+    tied = {n for n, p in params.items() if n not in loaded and _is_tied(model, n, p, loaded, params)}
+    missing = set(params) - loaded - tied
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:8])}")
+    return loaded
+
+
+def _is_tied(model, name, param, loaded, params) -> bool:
+    return any(params[other] is param for other in loaded if other in params)

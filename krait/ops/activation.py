@@ -1,0 +1,76 @@
+"""MLP activations: gated SiLU (`silu_and_mul`) and squared ReLU (`relu2`, NemotronH)."""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from krait.ops._dispatch import use_triton
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.maximum(x, 0.0)
+    tl.store(out_ptr + offs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(x: Tensor) -> Tensor:
+    """Triton launcher of `silu_and_mul`."""
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)  # [T, I]
+    if x2.shape[0] > 0 and inter > 0:
+        grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
+        _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=_BLOCK)
+    return out.view(*x.shape[:-1], inter)
+
+
+def silu_and_mul_ref(x: Tensor) -> Tensor:
+    """Torch reference of `silu_and_mul`."""
+    inter = x.shape[-1] // 2
+    h = x.float()
+    return (F.silu(h[..., :inter]) * h[..., inter:]).to(x.dtype)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """[T, 2I] -> [T, I]: silu(x[:, :I]) * x[:, I:], computed in float32, returned in x's dtype."""
+    return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_ref(x)
+
+
+def relu2_triton(x: Tensor) -> Tensor:
+    """Triton launcher of `relu2`."""
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    n = xc.numel()
+    if n > 0:
+        _relu2_kernel[(triton.cdiv(n, _BLOCK),)](xc, out, n, BLOCK=_BLOCK)
+    return out
+
+
+def relu2_ref(x: Tensor) -> Tensor:
+    """Torch reference of `relu2`."""
+    return torch.relu(x.float()).square().to(x.dtype)
+
+
+def relu2(x: Tensor) -> Tensor:
+    """relu(x) ** 2, elementwise, any shape (NemotronH MLP)."""
+    return relu2_triton(x) if use_triton(x) else relu2_ref(x)

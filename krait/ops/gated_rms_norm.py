@@ -1,0 +1,96 @@
+"""Gated, grouped RMSNorm of Mamba2 (Hugging Face `MambaRMSNormGated`).
+
+h = x.float(); h = h * silu(z.float()) when z is given; every group of `group_size` channels is
+RMS-normalised on its own; out = weight * h.to(x.dtype), returned in x's dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from krait.ops._dispatch import use_triton
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, z_ptr, w_ptr, out_ptr,
+    num_rows, group_size, eps,
+    stride_x, stride_z, stride_out,
+    HAS_Z: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    # One program: BLOCK_M rows x one group of channels.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * group_size + tl.arange(0, BLOCK_G)
+    row_ok = rows < num_rows
+    col_ok = tl.arange(0, BLOCK_G) < group_size
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    h = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    h = h.to(tl.float32)  # [BLOCK_M, BLOCK_G]
+    if HAS_Z:
+        z = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
+        z = z.to(tl.float32)
+        h = h * z * tl.sigmoid(z)
+    var = tl.sum(h * h, axis=1) / group_size  # [BLOCK_M]
+    h = h * tl.rsqrt(var + eps)[:, None]
+    h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    out = (w[None, :] * h).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], out, mask=mask)
+
+
+def _rows(t: Tensor) -> Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def gated_rms_norm_triton(
+    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int
+) -> Tensor:
+    """Triton launcher of `gated_rms_norm`."""
+    dim = x.shape[-1]
+    assert dim % group_size == 0, "group_size must divide the channel count"
+    x2 = _rows(x)
+    z2 = _rows(z) if z is not None else x2
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [T, D]
+    num_rows = x2.shape[0]
+    if num_rows > 0:
+        block_g = triton.next_power_of_2(group_size)
+        block_m = max(1, min(64, 4096 // block_g))
+        grid = (triton.cdiv(num_rows, block_m), dim // group_size)
+        _gated_rms_norm_kernel[grid](
+            x2, z2, weight.contiguous(), out,
+            num_rows, group_size, eps,
+            x2.stride(0), z2.stride(0), out.stride(0),
+            HAS_Z=z is not None, BLOCK_M=block_m, BLOCK_G=block_g,
+            num_warps=4 if block_g * block_m <= 4096 else 8,
+        )
+    return out.view(x.shape)
+
+
+def gated_rms_norm_ref(
+    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int
+) -> Tensor:
+    """Torch reference of `gated_rms_norm`."""
+    h = x.float()
+    if z is not None:
+        h = h * F.silu(z.float())
+    *prefix, dim = h.shape
+    hg = h.view(*prefix, dim // group_size, group_size)  # [..., groups, group_size]
+    hg = hg * torch.rsqrt(hg.square().mean(-1, keepdim=True) + eps)
+    h = hg.view(*prefix, dim)
+    return (weight.float() * h.to(x.dtype).float()).to(x.dtype)
+
+
+def gated_rms_norm(
+    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int
+) -> Tensor:
+    """x, z [T, D], weight [D] -> [T, D] in x's dtype (HF MambaRMSNormGated, gate applied first).
+
+    `group_size` must divide D; each group of channels gets its own RMS statistic.
+    """
+    if use_triton(x):
+        return gated_rms_norm_triton(x, z, weight, eps, group_size)
+    return gated_rms_norm_ref(x, z, weight, eps, group_size)

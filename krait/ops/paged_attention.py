@@ -1,0 +1,190 @@
+"""Paged attention over a block KV cache: one varlen kernel for prefill chunks and decode rows.
+
+Row b's q_len = qsl[b+1] - qsl[b] query tokens are its last tokens: token i sits at absolute
+position seq_len - q_len + i and attends causally to keys 0..that position, restricted to keys with
+pos > query_pos - sliding_window when a window is given (HF semantics). The key/value of position p
+live in block block_table[b, p // block_size] at offset p % block_size. GQA: query head h reads kv
+head h // (Hq // Hkv).
+
+The Triton grid is (batch rows, kv heads, query tiles). A program takes BLOCK_Q query tokens times
+the Hq // Hkv query heads that share its kv head (BLOCK_M rows of the score matrix), so each key
+tile is read once per group, and runs an online softmax over key tiles up to its last query's
+position — the loop is bound by the row's real seq_len, never by max_seq_len.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from krait.ops._dispatch import use_triton
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale, head_dim, block_size, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kc_b, stride_kc_o, stride_kc_h,
+    stride_vc_b, stride_vc_o, stride_vc_h,
+    stride_bt,
+    GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    tile_q0 = tl.program_id(2) * BLOCK_Q
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    if (tile_q0 < q_len) & (seq_len > 0):
+        context_len = seq_len - q_len
+        m = tl.arange(0, BLOCK_M)
+        tok = tile_q0 + m // GROUP  # query token within the row
+        head = kv_head * GROUP + m % GROUP
+        row_ok = (m < BLOCK_Q * GROUP) & (tok < q_len)
+        q_pos = context_len + tok
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+
+        q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so fully masked rows stay NaN-free
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        hi = context_len + tl.minimum(tile_q0 + BLOCK_Q, q_len)  # one past the tile's last query
+        lo = 0
+        if USE_WINDOW:
+            lo = tl.maximum(context_len + tile_q0 - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+        bt_row = block_table_ptr + row * stride_bt
+        for start_n in range(lo, hi, BLOCK_N):
+            k_pos = start_n + tl.arange(0, BLOCK_N)
+            k_ok = k_pos < hi
+            blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+            off = k_pos % block_size
+            k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
+            k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+                        mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            if USE_WINDOW:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(allowed, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
+            v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _tile_sizes(max_query_len: int, group: int, interpret: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N). BLOCK_M = query tokens per program x group, at least 16 for tl.dot."""
+    cap = 128 if interpret or max_query_len * group > 64 else 64
+    block_m = min(max(16, triton.next_power_of_2(max(max_query_len, 1) * group)), cap)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_n = 128 if interpret else 64
+    return block_m, block_n
+
+
+def paged_attention_triton(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor,
+    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+    max_query_len: int, max_seq_len: int, scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Triton launcher of `paged_attention`."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q)  # [T, Hq, D]; rows that attend nothing stay zero
+    num_rows = seq_lens.shape[0]
+    if num_tokens == 0 or num_rows == 0 or max_query_len <= 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_table.stride(-1) == 1
+    interpret = q.device.type == "cpu"
+    block_m, block_n = _tile_sizes(max_query_len, group, interpret)
+    grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, block_m // group))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_table,
+        scale * math.log2(math.e), head_dim, k_cache.shape[1], sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+def paged_attention_ref(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor,
+    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+    max_query_len: int, max_seq_len: int, scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Torch reference of `paged_attention`: per row, one gather of its blocks + a masked matmul."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q)  # [T, Hq, D]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        q_len = end - start
+        if q_len <= 0 or seq_len <= 0:
+            continue
+        blocks = block_table[b, : (seq_len + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].float()  # [S, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].float()  # [S, Hkv, D]
+        qb = q[start:end].float().view(q_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", qb, k) * scale  # [Hkv, G, q_len, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos  # [q_len, S]
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v)  # [q_len, Hkv, G, D]
+        out[start:end] = o.reshape(q_len, num_q_heads, head_dim).to(q.dtype)
+    return out
+
+
+def paged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor,
+    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+    max_query_len: int, max_seq_len: int, scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Varlen causal paged attention; returns [T, Hq, D] in q's dtype.
+
+    q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; query_start_loc int32 [B+1];
+    seq_lens int32 [B] (total length including this step's tokens); block_table int32
+    [B, max_blocks_per_seq]. Rows with q_len 0 or seq_len 0 produce nothing; output tokens that
+    no row covers are zero.
+    """
+    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
+    return fn(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+              max_query_len, max_seq_len, scale, sliding_window)

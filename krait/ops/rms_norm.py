@@ -1,0 +1,101 @@
+"""RMSNorm and fused residual-add + RMSNorm with Hugging Face rounding semantics.
+
+h = x.float(); h = h * rsqrt(mean(h^2) + eps); out = weight * h.to(x.dtype)  (in x's dtype)
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from krait.ops._dispatch import use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    dim, eps,
+    stride_x, stride_res, stride_out, stride_sum,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        # The sum is rounded to the model dtype before it is normalized, as in HF.
+        s = (x + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / dim
+    h = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    dim = x.shape[-1]
+    x2 = x.reshape(-1, dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [T, D]
+    if residual is None:
+        res2, summed = x2, out
+    else:
+        res2 = residual.reshape(-1, dim)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+        summed = torch.empty_like(out)  # [T, D]
+    if x2.shape[0] > 0:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, res2, weight.contiguous(), out, summed,
+            dim, eps,
+            x2.stride(0), res2.stride(0), out.stride(0), summed.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK_D=triton.next_power_of_2(dim),
+        )
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Triton launcher of `rms_norm`."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Torch reference of `rms_norm`."""
+    h = x.float()
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * h.to(x.dtype).float()).to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [T, D], weight [D] -> [T, D] in x's dtype (HF RMSNorm semantics)."""
+    return rms_norm_triton(x, weight, eps) if use_triton(x) else rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm_triton(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Triton launcher of `fused_add_rms_norm`."""
+    return _launch(x, residual, weight, eps)
+
+
+def fused_add_rms_norm_ref(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Torch reference of `fused_add_rms_norm`."""
+    summed = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+def fused_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first.
+
+    Functional: neither input is modified.
+    """
+    if use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_ref(x, residual, weight, eps)

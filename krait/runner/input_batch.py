@@ -1,0 +1,109 @@
+"""InputBatch: the flat inputs of one model step, built each step from RequestStates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class InputBatch:
+    num_reqs: int  # real rows; rows [num_reqs, num_reqs_padded) are padding
+    num_reqs_padded: int
+    num_tokens: int  # real tokens
+    num_tokens_padded: int
+    req_ids: list[str]
+    idx_mapping: torch.Tensor  # int32 [num_reqs_padded]: batch row -> req_state_idx, -1 = padding
+    idx_mapping_np: np.ndarray
+    query_start_loc: torch.Tensor  # int32 [num_reqs_padded + 1]
+    query_start_loc_np: np.ndarray
+    seq_lens: torch.Tensor  # int32 [num_reqs_padded]
+    seq_lens_cpu_upper_bound: np.ndarray  # int32 [num_reqs_padded]
+    num_computed_tokens_np: np.ndarray  # int32 [num_reqs_padded]
+    num_scheduled_tokens_np: np.ndarray  # int32 [num_reqs_padded]
+    is_prefilling: np.ndarray  # bool [num_reqs_padded]
+    num_decodes: int  # decode rows come first in the batch
+    num_draft_tokens_per_req: np.ndarray | None  # None without speculative decoding
+    input_ids: torch.Tensor  # int64 [num_tokens_padded]
+    positions: torch.Tensor  # int64 [num_tokens_padded]
+    slot_mapping: torch.Tensor  # int64 [num_tokens_padded], -1 for padding tokens
+    block_table: torch.Tensor  # int32 [num_reqs_padded, max_blocks_per_req]
+    logits_indices: torch.Tensor  # int64 [num_reqs]: last scheduled token of each row
+
+
+def build_input_batch(
+    states,
+    req_ids: list[str],
+    num_scheduled: list[int],
+    block_size: int,
+    device: torch.device,
+    num_reqs_padded: int | None = None,
+    num_tokens_padded: int | None = None,
+) -> InputBatch:
+    """Gathers the step's rows from RequestStates (`states`) into flat tensors.
+
+    `req_ids` must already be ordered decode rows first."""
+    num_reqs = len(req_ids)
+    num_reqs_padded = num_reqs_padded or num_reqs
+    idx = np.full(num_reqs_padded, -1, dtype=np.int32)
+    idx[:num_reqs] = [states.index[r] for r in req_ids]
+    real = idx[:num_reqs]
+    sched = np.zeros(num_reqs_padded, dtype=np.int32)
+    sched[:num_reqs] = num_scheduled
+    qsl = np.zeros(num_reqs_padded + 1, dtype=np.int32)
+    np.cumsum(sched, out=qsl[1:])
+    num_tokens = int(qsl[num_reqs])
+    num_tokens_padded = num_tokens_padded or num_tokens
+
+    computed = np.zeros(num_reqs_padded, dtype=np.int32)
+    computed[:num_reqs] = states.num_computed_tokens[real]
+    seq_lens = computed + sched
+    is_prefilling = np.zeros(num_reqs_padded, dtype=bool)
+    is_prefilling[:num_reqs] = computed[:num_reqs] < states.num_prompt_tokens[real]
+    num_decodes = int(np.count_nonzero(~is_prefilling[:num_reqs]))
+
+    # per-token row index and position
+    row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int64), sched[:num_reqs])
+    pos = computed[:num_reqs].astype(np.int64)[row_of_token] + (
+        np.arange(num_tokens, dtype=np.int64) - qsl[:num_reqs].astype(np.int64)[row_of_token]
+    )
+    positions = np.zeros(num_tokens_padded, dtype=np.int64)
+    positions[:num_tokens] = pos
+    input_ids = np.zeros(num_tokens_padded, dtype=np.int64)
+    input_ids[:num_tokens] = states.token_ids[real[row_of_token], pos]
+
+    block_table = np.zeros((num_reqs_padded, states.block_table.shape[1]), dtype=np.int32)
+    block_table[:num_reqs] = states.block_table[real]
+    slot_mapping = np.full(num_tokens_padded, -1, dtype=np.int64)
+    if block_table.shape[1] > 0 and num_tokens:
+        blk = block_table[row_of_token, pos // block_size].astype(np.int64)
+        slot_mapping[:num_tokens] = blk * block_size + pos % block_size
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    return InputBatch(
+        num_reqs=num_reqs,
+        num_reqs_padded=num_reqs_padded,
+        num_tokens=num_tokens,
+        num_tokens_padded=num_tokens_padded,
+        req_ids=req_ids,
+        idx_mapping=dev(idx),
+        idx_mapping_np=idx,
+        query_start_loc=dev(qsl),
+        query_start_loc_np=qsl,
+        seq_lens=dev(seq_lens),
+        seq_lens_cpu_upper_bound=seq_lens,
+        num_computed_tokens_np=computed,
+        num_scheduled_tokens_np=sched,
+        is_prefilling=is_prefilling,
+        num_decodes=num_decodes,
+        num_draft_tokens_per_req=None,
+        input_ids=dev(input_ids),
+        positions=dev(positions),
+        slot_mapping=dev(slot_mapping),
+        block_table=dev(block_table),
+        logits_indices=dev(qsl[1 : num_reqs + 1].astype(np.int64) - 1),
+    )

@@ -1,0 +1,159 @@
+"""The model runner: execute_model(scheduler output) -> sampled tokens, the step pipeline."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from krait.config import EngineConfig
+from krait.engine.kv_cache_manager import cdiv
+from krait.engine.scheduler import SampledTokens, SchedulerOutput
+from krait.models.loader import load_model
+from krait.runner.input_batch import InputBatch, build_input_batch
+from krait.runner.model_states import create_model_state
+from krait.runner.request_states import RequestStates
+from krait.runner.sampler import Sampler, SamplerOutput, SamplingRow, build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """One worker's model, caches and persistent request tables."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = config.model.vocab_size
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(config.model, self.device)
+        self.model_state = create_model_state(self.model, config)
+        self.sampler = Sampler()
+        self.states: RequestStates | None = None
+        self.num_blocks = 0
+        self.num_slots = 0
+
+    # -- set-up -----------------------------------------------------------------------
+    def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.model_state.allocate_caches(num_blocks, num_slots)
+        max_blocks = cdiv(self.max_model_len, self.block_size) if num_blocks else 0
+        self.states = RequestStates(
+            self.config.scheduler.max_num_seqs,
+            self.max_model_len,
+            max_blocks,
+            self.model_state.slots_per_request,
+        )
+
+    # -- the step ---------------------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        st = self.states
+        for rid in sched.finished_req_ids | sched.preempted_req_ids:
+            st.remove(rid)
+        for new in sched.new_reqs:
+            i = st.add(
+                new.req_id,
+                new.token_ids,
+                new.num_prompt_tokens,
+                new.num_computed_tokens,
+                new.num_output_tokens,
+                new.params,
+                new.block_ids,
+                new.state_slots,
+                new.eos_token_ids,
+            )
+            self.model_state.add_request(i, new.state_slots)
+        for cached in sched.cached_reqs:
+            i = st.index[cached.req_id]
+            st.append_blocks(i, cached.new_block_ids)
+            st.num_computed_tokens[i] = cached.num_computed_tokens
+
+    def _ordered_rows(self, sched: SchedulerOutput) -> tuple[list[str], list[int]]:
+        """Decode rows first, then prefill rows (the hybrid ops rely on this split)."""
+        st = self.states
+        decodes, prefills = [], []
+        for rid, n in sched.num_scheduled_tokens.items():
+            i = st.index[rid]
+            (prefills if st.num_computed_tokens[i] < st.num_prompt_tokens[i] else decodes).append(
+                (rid, n)
+            )
+        rows = decodes + prefills
+        return [r for r, _ in rows], [n for _, n in rows]
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledTokens]:
+        self._update_states(sched)
+        if sched.total_num_scheduled_tokens == 0:
+            return {}
+        req_ids, num_scheduled = self._ordered_rows(sched)
+        batch = build_input_batch(
+            self.states, req_ids, num_scheduled, self.block_size, self.device
+        )
+        hidden = self.forward(batch)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return self._sample_and_update(batch, logits)
+
+    def forward(self, batch: InputBatch) -> torch.Tensor:
+        meta = self.model_state.prepare_attn(batch, for_capture=False)
+        return self.model(batch.input_ids, batch.positions, meta)
+
+    def _sample_and_update(self, batch: InputBatch, logits: torch.Tensor) -> dict[str, SampledTokens]:
+        st = self.states
+        idx = batch.idx_mapping_np[: batch.num_reqs]
+        end = batch.num_computed_tokens_np[: batch.num_reqs] + batch.num_scheduled_tokens_np[
+            : batch.num_reqs
+        ]
+        samples = end >= st.num_tokens[idx]  # the chunk reaches the last known token
+        rows = np.nonzero(samples)[0]
+        out: dict[str, SampledTokens] = {}
+        if len(rows):
+            result = self._sample(logits[torch.from_numpy(rows).to(logits.device)], idx[rows])
+            tokens = result.sampled_token_ids.tolist()
+            lp = result.logprobs
+            lp_ids = lp.token_ids.tolist() if lp is not None else None
+            lp_vals = lp.logprobs.tolist() if lp is not None else None
+            lp_ranks = lp.ranks.tolist() if lp is not None else None
+            for j, r in enumerate(rows):
+                i = idx[r]
+                st.append_token(i, tokens[j])
+                sampled = SampledTokens([tokens[j]])
+                if lp is not None and st.params[i].logprobs is not None:
+                    sampled.logprobs = [dict(zip(lp_ids[j], lp_vals[j]))]
+                    sampled.ranks = [lp_ranks[j]]
+                out[batch.req_ids[r]] = sampled
+        st.num_computed_tokens[idx] = end
+        num_sampled = torch.from_numpy(samples.astype(np.int32)).to(self.device)
+        self.model_state.postprocess_state(
+            batch.idx_mapping[: batch.num_reqs], num_sampled, batch.seq_lens[: batch.num_reqs]
+        )
+        return out
+
+    def _sample(self, logits: torch.Tensor, idx: np.ndarray) -> SamplerOutput:
+        st = self.states
+        params = [st.params[i] for i in idx]
+        simple = all(
+            p.is_greedy
+            and p.logprobs is None
+            and p.min_tokens == 0
+            and p.presence_penalty == 0
+            and p.frequency_penalty == 0
+            and p.repetition_penalty == 1
+            for p in params
+        )
+        if simple:
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+        needs_prompt = [p.repetition_penalty != 1.0 for p in params]
+        rows = [
+            SamplingRow(
+                params=p,
+                prompt_token_ids=st.prompt_token_ids(i) if np_ else [],
+                output_token_ids=st.output_token_ids(i),
+                eos_token_ids=st.eos_token_ids[i],
+            )
+            for p, i, np_ in zip(params, idx, needs_prompt)
+        ]
+        meta = build_sampling_metadata(rows, logits.shape[-1], logits.device)
+        return self.sampler(logits, meta)

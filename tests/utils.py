@@ -1,0 +1,77 @@
+"""Tiny random Hugging Face checkpoints for tests (built here; nothing is downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 512  # the bundled demo tokenizer's size
+
+
+def _save(model, directory: Path) -> str:
+    from krait.tokenizer_utils import save_demo_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    save_demo_tokenizer(directory)
+    return str(directory)
+
+
+def make_tiny_llama(path: str | Path, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Saves a tiny random dense model (`arch`: llama, qwen3, qwen2, mistral) with the demo
+    tokenizer into `path` and returns the directory."""
+    import transformers as tf
+
+    cls_cfg, cls_model = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
+    kwargs = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = cls_model(cls_cfg(**kwargs)).eval()
+    return _save(model, Path(path))
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int):
+    """HF transformers (CPU, float32) greedy continuation and per-step log-softmax, one prompt
+    at a time. Returns (token lists, per-token logprob-of-chosen lists, full logprob rows)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens, lps, rows = [], [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=2,
+                eos_token_id=None,
+            )
+            new = out.sequences[0, len(p) :].tolist()
+            logp = torch.stack([torch.log_softmax(s[0].float(), -1) for s in out.logits])
+            tokens.append(new)
+            lps.append([logp[i, t].item() for i, t in enumerate(new)])
+            rows.append(logp)
+    return tokens, lps, rows
