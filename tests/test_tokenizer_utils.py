@@ -100,5 +100,9 @@ def test_committed_file_matches_script():
     spec = importlib.util.spec_from_file_location("make_demo_tokenizer", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    fresh = module.to_json(module.build_tokenizer())
-    assert DEMO_TOKENIZER_FILE.read_text(encoding="utf-8") == fresh
+    fresh = json.loads(module.build_tokenizer().to_str())
+    committed = json.loads(DEMO_TOKENIZER_FILE.read_text(encoding="utf-8"))
+    # The trained content, not the serialisation details of one `tokenizers` version.
+    for key in ("vocab", "merges"):
+        assert committed["model"][key] == fresh["model"][key]
+    assert committed["added_tokens"] == fresh["added_tokens"]

@@ -75,3 +75,74 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int):
             lps.append([logp[i, t].item() for i, t in enumerate(new)])
             rows.append(logp)
     return tokens, lps, rows
+
+
+def _hybrid_specs():
+    import transformers as tf
+
+    mamba = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    return {
+        "mamba2": (
+            tf.Mamba2Config,
+            tf.Mamba2ForCausalLM,
+            dict(mamba, num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=16,
+                 conv_kernel=4, chunk_size=16),
+        ),
+        "bamba": (
+            tf.BambaConfig,
+            tf.BambaForCausalLM,
+            dict(mamba, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
+                 mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                 mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=256),
+        ),
+        "granitemoehybrid": (
+            tf.GraniteMoeHybridConfig,
+            tf.GraniteMoeHybridForCausalLM,
+            dict(mamba, num_hidden_layers=3, intermediate_size=64, shared_intermediate_size=96,
+                 num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                 num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"],
+                 mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+                 mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                 max_position_embeddings=256, embedding_multiplier=2.0,
+                 logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2),
+        ),
+        "nemotronh": (
+            tf.NemotronHConfig,
+            tf.NemotronHForCausalLM,
+            dict(mamba, num_hidden_layers=4, hybrid_override_pattern="M*-E",
+                 intermediate_size=128, moe_intermediate_size=64, moe_shared_expert_intermediate_size=64,
+                 n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
+                 mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
+                 max_position_embeddings=256),
+        ),
+        "falconh1": (
+            tf.FalconH1Config,
+            tf.FalconH1ForCausalLM,
+            dict(mamba, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, mamba_n_heads=8, mamba_d_head=16,
+                 mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                 mamba_chunk_size=16, max_position_embeddings=256),
+        ),
+    }
+
+
+def make_tiny_hybrid(path: str | Path, arch: str, seed: int = 0, **overrides) -> str:
+    """Saves a tiny random hybrid checkpoint (`arch`: mamba2, bamba, granitemoehybrid,
+    nemotronh, falconh1) with the demo tokenizer into `path`. Configs may need adjusting per
+    transformers version: every field here is a documented config field of that class."""
+    cls_cfg, cls_model, kwargs = _hybrid_specs()[arch]
+    kwargs = {**kwargs, **overrides}
+    torch.manual_seed(seed)
+    model = cls_model(cls_cfg(**kwargs)).eval()
+    return _save(model, Path(path))

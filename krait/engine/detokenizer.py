@@ -125,7 +125,7 @@ class IncrementalDetokenizer:
                 continue
             # A match must end in the new text; earlier ones were searched before.
             pos = window.find(stop, max(new_start - len(stop) + 1 - window_start, 0))
-            if pos >= 0 and (best is None or False):
+            if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:
             return None

@@ -33,6 +33,15 @@ def softplus_clamp(dt, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr, dt_min
 
 
 @triton.jit
+def _mma(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b. DOT_PRECISION "upcast" (the interpreter, whose tl.dot multiplies the bit
+    patterns of bf16 operands) does the product in float32 on the already-rounded operands."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _chunk_cumsum_kernel(
     dt_ptr, dt_bias_ptr, A_ptr, dt_out_ptr, dA_cs_ptr, chunk_start_ptr, chunk_len_ptr,
     heads, chunk_size, max_chunks, dt_min, dt_max,
@@ -104,7 +113,7 @@ def _chunk_state_kernel(
             dt_k = tl.load(dt_ptr + row + offs_k, mask=k_ok, other=0.0)
             scale = tl.exp(tl.minimum(a_last - a_k, 0.0)) * dt_k
             b = (b.to(tl.float32) * scale[:, None]).to(xt.dtype)
-            acc += tl.dot(xt, b, input_precision=DOT_PRECISION)
+            acc = _mma(xt, b, acc, DOT_PRECISION)
         out = states_ptr + (c.to(tl.int64) * heads + h) * head_dim * d_state
         tl.store(
             out + offs_p[:, None] * d_state + offs_n[None, :], acc,
@@ -178,7 +187,7 @@ def _bmm_chunk_kernel(
                 b_base + offs_s[None, :] * stride_B_t + offs_n[:, None] * stride_B_n,
                 mask=(offs_s < clen)[None, :] & n_ok[:, None], other=0.0,
             )
-            acc += tl.dot(cm, bt, input_precision=DOT_PRECISION)
+            acc = _mma(cm, bt, acc, DOT_PRECISION)
         out = cb_ptr + (c.to(tl.int64) * groups + g) * chunk_size * chunk_size
         tl.store(
             out + offs_m[:, None] * chunk_size + offs_s[None, :], acc,
@@ -228,7 +237,7 @@ def _chunk_scan_kernel(
                 s_base + offs_p[None, :] * d_state + offs_n[:, None],
                 mask=p_ok[None, :] & n_ok[:, None], other=0.0,
             )  # [BLOCK_N, BLOCK_P]
-            acc += tl.dot(cm, st.to(cm.dtype), input_precision=DOT_PRECISION)
+            acc = _mma(cm, st.to(cm.dtype), acc, DOT_PRECISION)
         acc *= tl.exp(a_m)[:, None]
 
         cb_base = cb_ptr + (c.to(tl.int64) * groups + g) * chunk_size * chunk_size
@@ -248,7 +257,7 @@ def _chunk_scan_kernel(
                 x_base + offs_k[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
                 mask=k_ok[:, None] & p_ok[None, :], other=0.0,
             )  # [BLOCK_K, BLOCK_P]
-            acc += tl.dot(w.to(xk.dtype), xk, input_precision=DOT_PRECISION)
+            acc = _mma(w.to(xk.dtype), xk, acc, DOT_PRECISION)
 
         xm = tl.load(
             x_base + offs_m[:, None] * stride_x_t + offs_p[None, :] * stride_x_p,
@@ -318,8 +327,8 @@ def mamba_chunk_scan_triton(
     dA_cs = torch.empty(heads, max_chunks, chunk_size, dtype=f32, device=dev)  # [H, c, cs]
     states = torch.empty(max_chunks, heads, head_dim, d_state, dtype=f32, device=dev)  # [c,H,P,N]
     cb = torch.empty(max_chunks, groups, chunk_size, chunk_size, dtype=f32, device=dev)
-    precision = "ieee" if x.dtype == f32 else "tf32"
     interp = _interpreting()
+    precision = "upcast" if interp else ("ieee" if x.dtype == f32 else "tf32")
     block_cs = max(16, triton.next_power_of_2(chunk_size))
     clamp = dt_limit != (0.0, float("inf"))
 

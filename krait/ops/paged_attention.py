@@ -23,6 +23,39 @@ from krait.ops._dispatch import use_triton
 
 
 @triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start_n, hi, q_pos, kv_head, qk_scale, sliding_window,
+    k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
+    stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N)."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < hi
+    blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+    off = k_pos % block_size
+    k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
+    k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+                mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
+    v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
@@ -60,33 +93,28 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         hi = context_len + tl.minimum(tile_q0 + BLOCK_Q, q_len)  # one past the tile's last query
-        lo = 0
+        bt_row = block_table_ptr + row * stride_bt
         if USE_WINDOW:
             lo = tl.maximum(context_len + tile_q0 - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
-        bt_row = block_table_ptr + row * stride_bt
-        for start_n in range(lo, hi, BLOCK_N):
-            k_pos = start_n + tl.arange(0, BLOCK_N)
-            k_ok = k_pos < hi
-            blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
-            off = k_pos % block_size
-            k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
-            k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
-                        mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-            allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-            if USE_WINDOW:
-                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-            s = tl.where(allowed, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
-            v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            mid = lo
+        else:
+            # Keys below the tile's first query position are visible to every row: no mask there.
+            lo = 0
+            mid = (context_len + tile_q0 + 1) // BLOCK_N * BLOCK_N
+            for start_n in range(lo, mid, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, start_n, hi, q_pos, kv_head, qk_scale, sliding_window,
+                    k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
+                    stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                    False, False, DOT_PRECISION, BLOCK_N,
+                )
+        for start_n in range(mid, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start_n, hi, q_pos, kv_head, qk_scale, sliding_window,
+                k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
+                stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                True, USE_WINDOW, DOT_PRECISION, BLOCK_N,
+            )
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -94,13 +122,14 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _tile_sizes(max_query_len: int, group: int, interpret: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N). BLOCK_M = query tokens per program x group, at least 16 for tl.dot."""
-    cap = 128 if interpret or max_query_len * group > 64 else 64
-    block_m = min(max(16, triton.next_power_of_2(max(max_query_len, 1) * group)), cap)
+def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str, int]:
+    """Tile sizes and launch options. BLOCK_M = query tokens per program x group, >= 16 for tl.dot."""
+    if interpret:  # few, large programs: each one costs ~0.5 ms under the interpreter
+        block_m = min(max(16, triton.next_power_of_2(max_query_len * group)), 128)
+        return dict(BLOCK_M=max(block_m, triton.next_power_of_2(group)), BLOCK_N=128)
+    block_m = min(max(16, triton.next_power_of_2(max_query_len * group)), 128)
     block_m = max(block_m, triton.next_power_of_2(group))
-    block_n = 128 if interpret else 64
-    return block_m, block_n
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4 if block_m <= 64 else 8, num_stages=2)
 
 
 def paged_attention_triton(
@@ -122,8 +151,8 @@ def paged_attention_triton(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_table.stride(-1) == 1
     interpret = q.device.type == "cpu"
-    block_m, block_n = _tile_sizes(max_query_len, group, interpret)
-    grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, block_m // group))
+    config = _launch_config(max_query_len, group, interpret)
+    grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_table,
@@ -134,7 +163,7 @@ def paged_attention_triton(
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=triton.next_power_of_2(head_dim), **config,
     )
     return out
 

@@ -6,11 +6,92 @@ ssm_states[state_indices[b]]; -1 skips the row (nothing written, its output rows
 Math is float32 (the state is read and written in its own dtype, fp32 or bf16); y is in x's dtype.
 """
 
+import os
+
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.mamba_ssd import discretize_dt_ref
+from krait.ops.mamba_ssd import discretize_dt_ref, softplus_clamp
+
+# ----------------------------------------------------------------------------- triton
+
+
+@triton.jit
+def _ssu_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, slots_ptr,
+    head_dim, d_state, heads_per_group, dt_min, dt_max,
+    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
+    stride_x_b, stride_x_h, stride_x_p, stride_dt_b, stride_dt_h,
+    stride_B_b, stride_B_g, stride_B_n, stride_C_b, stride_C_g, stride_C_n,
+    stride_y_b, stride_y_h,
+    DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program: batch row b, head h, BLOCK_P rows of the [P, N] state (all of N).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + b)
+    if slot >= 0:
+        g = h // heads_per_group
+        offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        p_ok = offs_p < head_dim
+        n_ok = offs_n < d_state
+        s_ptrs = (
+            state_ptr + slot.to(tl.int64) * stride_s_slot + h * stride_s_h
+            + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
+        )
+        s_ok = p_ok[:, None] & n_ok[None, :]
+        state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
+        x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p, mask=p_ok,
+                    other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
+        dt = softplus_clamp(dt + tl.load(dt_bias_ptr + h).to(tl.float32), DT_SOFTPLUS, DT_CLAMP,
+                            dt_min, dt_max)
+        decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
+        bv = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n * stride_B_n, mask=n_ok,
+                     other=0.0).to(tl.float32)
+        cv = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n * stride_C_n, mask=n_ok,
+                     other=0.0).to(tl.float32)
+        state = state * decay + (dt * x)[:, None] * bv[None, :]
+        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_ok)
+        y = tl.sum(state * cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
+        tl.store(y_ptr + b * stride_y_b + h * stride_y_h + offs_p, y.to(y_ptr.dtype.element_ty),
+                 mask=p_ok)
+
+
+def selective_state_update_triton(
+    ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+    D: Tensor, dt_bias: Tensor, state_indices: Tensor, dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> Tensor:
+    """Triton launcher of `selective_state_update`."""
+    batch, heads, head_dim = x.shape
+    groups, d_state = B.shape[1], B.shape[2]
+    y = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)  # [B, H, P]
+    if batch == 0:
+        return y
+    block_n = triton.next_power_of_2(d_state)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        block_p = triton.next_power_of_2(head_dim)
+    else:
+        block_p = max(1, min(triton.next_power_of_2(head_dim), 2048 // block_n))
+    clamp = dt_limit != (0.0, float("inf"))
+    _ssu_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
+        ssm_states, x, dt, A, B, C, D, dt_bias, y, state_indices.to(torch.int32),
+        head_dim, d_state, heads // groups,
+        float(dt_limit[0]), float(dt_limit[1]) if clamp else 0.0,
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
+        x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
+        B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
+        y.stride(0), y.stride(1),
+        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n,
+    )
+    return y
+
 
 # ----------------------------------------------------------------------------- torch reference
 

@@ -47,6 +47,7 @@ class ModelRunner:
             max_blocks,
             self.model_state.slots_per_request,
         )
+        self.model_state.request_states = self.states
 
     # -- the step ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:

@@ -13,11 +13,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from krait.engine.async_engine import (
@@ -67,6 +68,9 @@ _KNOWN_PARAMS = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest
                  | {"prompt_token_ids"})
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
 class ModelNotFoundError(Exception):
     """The request names a model this server does not serve."""
 
@@ -81,6 +85,15 @@ def _param_of(message: str) -> str | None:
     """The request field a ValueError's message starts with, if any (the engine names it)."""
     first = message.split(" ", 1)[0].rstrip(":,")
     return first if first in _KNOWN_PARAMS else None
+
+
+async def parse_body(raw: Request, model: type[_M]) -> _M:
+    """The JSON body as `model`, whatever the Content-Type; invalid JSON or fields raise
+    RequestValidationError (answered with 400)."""
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
 
 
 def _sse(payload: str) -> str:
@@ -527,7 +540,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
                                for name in state.served_model_names])
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
+    async def completions(raw: Request) -> Response:
+        req = await parse_body(raw, CompletionRequest)
         model = state.model_name(req.model)
         params = req.to_sampling_params()
         params.validate(state.vocab_size)
@@ -542,7 +556,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
         return await unless_disconnected(raw, builder.full(rid, model, streams), streams)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+    async def chat_completions(raw: Request) -> Response:
+        req = await parse_body(raw, ChatCompletionRequest)
         model = state.model_name(req.model)
         params = req.to_sampling_params()
         params.validate(state.vocab_size)
@@ -555,7 +570,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
         return await unless_disconnected(raw, builder.full(rid, model, streams), streams)
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        req = await parse_body(raw, TokenizeRequest)
         state.model_name(req.model)
         tok = state.need_tokenizer("prompt")
         if req.messages is not None:
@@ -572,7 +588,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
                                 token_strs=strs)
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(raw: Request) -> DetokenizeResponse:
+        req = await parse_body(raw, DetokenizeRequest)
         state.model_name(req.model)
         tok = state.need_tokenizer("tokens")
         bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]

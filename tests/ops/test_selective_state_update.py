@@ -7,12 +7,8 @@ import torch.nn.functional as F
 from krait.ops import mamba_ssd
 from krait.ops import selective_state_update as ssu
 
-UPDATE = {"ref": ssu.selective_state_update_ref}
-if hasattr(ssu, "selective_state_update_triton"):
-    UPDATE["triton"] = ssu.selective_state_update_triton
-SCAN = {"ref": mamba_ssd.mamba_chunk_scan_ref}
-if hasattr(mamba_ssd, "mamba_chunk_scan_triton"):
-    SCAN["triton"] = mamba_ssd.mamba_chunk_scan_triton
+UPDATE = {"ref": ssu.selective_state_update_ref, "triton": ssu.selective_state_update_triton}
+SCAN = {"ref": mamba_ssd.mamba_chunk_scan_ref, "triton": mamba_ssd.mamba_chunk_scan_triton}
 IMPLS = ["ref", "triton"]
 HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 16, 2, 16
 
@@ -50,12 +46,6 @@ def _inputs(batch, num_slots=7, dtype=torch.float32, state_dtype=torch.float32, 
     return states, x, dt, A, B, C, D, dt_bias
 
 
-def _run(table, impl, *args, **kw):
-    if impl not in table:
-        pytest.skip("Triton kernel not written yet")
-    return table[impl](*args, **kw)
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("softplus,limit", [(True, (0.0, float("inf"))), (False, (0.05, 0.5))])
 def test_matches_oracle(impl, softplus, limit):
@@ -63,7 +53,7 @@ def test_matches_oracle(impl, softplus, limit):
     slots = torch.tensor([3, -1, 0, 6, 1], dtype=torch.int32)
     want, want_states = _oracle(states, *args, slots, softplus, limit)
     got_states = states.clone()
-    y = _run(UPDATE, impl, got_states, *args, slots, dt_softplus=softplus, dt_limit=limit)
+    y = UPDATE[impl](got_states, *args, slots, dt_softplus=softplus, dt_limit=limit)
     rows = slots >= 0
     torch.testing.assert_close(y[rows].double(), want[rows], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_states.double(), want_states, atol=1e-5, rtol=1e-5)
@@ -76,7 +66,7 @@ def test_bf16_activations_and_state(impl):
     slots = torch.tensor([2, 0, 5], dtype=torch.int32)
     want, want_states = _oracle(states, *args, slots, True, (0.0, float("inf")))
     got_states = states.clone()
-    y = _run(UPDATE, impl, got_states, *args, slots)
+    y = UPDATE[impl](got_states, *args, slots)
     assert y.dtype == torch.bfloat16 and got_states.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), want, atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(got_states.double(), want_states, atol=2e-2, rtol=2e-2)
@@ -87,11 +77,11 @@ def test_one_token_prefill_equals_update(impl):
     states, x, dt, A, B, C, D, dt_bias = _inputs(4, seed=2)
     slots = torch.tensor([1, 4, -1, 2], dtype=torch.int32)
     upd_states = states.clone()
-    y_upd = _run(UPDATE, impl, upd_states, x, dt, A, B, C, D, dt_bias, slots)
+    y_upd = UPDATE[impl](upd_states, x, dt, A, B, C, D, dt_bias, slots)
     scan_states = states.clone()
     qsl = torch.arange(5, dtype=torch.int32)
-    y_scan = _run(
-        SCAN, impl, x, dt, A, B, C, D, dt_bias, scan_states, qsl, slots,
+    y_scan = SCAN[impl](
+        x, dt, A, B, C, D, dt_bias, scan_states, qsl, slots,
         torch.ones(4, dtype=torch.bool), 8,
     )
     rows = slots >= 0

@@ -24,6 +24,7 @@ class DefaultModelState:
         self.block_size = config.cache.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_dtype = config.model.dtype
+        self.request_states = None  # RequestStates, bound by the runner once caches exist
 
     # -- cache sizing and allocation -----------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -1,0 +1,167 @@
+"""The Mamba2 mixer over packed varlen batches with per-request state slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from krait.layers.linear import Linear
+from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.mamba_ssd import mamba_chunk_scan
+from krait.ops.selective_state_update import selective_state_update
+
+
+@dataclass
+class MambaMetadata:
+    """Per step, built by MambaHybridModelState. Decode rows come first in the batch, one token
+    each; prefill rows (any chunk of a prompt, a final chunk of one token included) follow."""
+
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    state_indices: torch.Tensor  # int32 [num_reqs_padded]: slot of each row, -1 = padding
+    prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], from 0
+    prefill_has_initial_state: torch.Tensor  # bool [num_prefills]
+    # only with speculative decoding (invariant 3); None otherwise
+    num_accepted_tokens: torch.Tensor | None = None
+    num_decode_draft_tokens: torch.Tensor | None = None
+
+    @property
+    def decode_state_indices(self) -> torch.Tensor:
+        # padded decode rows (CUDA graphs) carry -1 and are skipped by the ops
+        return self.state_indices[: self.state_indices.shape[0] - self.num_prefills]
+
+    @property
+    def prefill_state_indices(self) -> torch.Tensor:
+        n = self.state_indices.shape[0]
+        return self.state_indices[n - self.num_prefills :]
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    d_conv: int
+    chunk_size: int
+    eps: float
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    norm_group_size: int | None = None  # default intermediate // n_groups
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    activation: str = "silu"
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.d_state
+
+
+def time_step_limit(cfg) -> tuple[float, float]:
+    """The config's dt clamp, tolerating a missing key and the JSON encodings of infinity."""
+    lim = getattr(cfg, "time_step_limit", None)
+    if not lim:
+        return (0.0, float("inf"))
+    lo, hi = (float(v["__float__"]) if isinstance(v, dict) else float(v) for v in lim)
+    return (lo, hi)
+
+
+class Mamba2Mixer(torch.nn.Module):
+    """HF Mamba2Mixer semantics: in_proj -> [gate | xBC | dt]; causal conv on xBC; SSD scan;
+    gated RMSNorm; out_proj. The runner binds `conv_state` [num_slots, conv_dim, d_conv - 1] and
+    `ssm_state` [num_slots, heads, head_dim, d_state]."""
+
+    has_recurrent_state = True
+
+    def __init__(self, d: Mamba2Dims) -> None:
+        super().__init__()
+        self.d = d
+        self.in_proj = Linear(d.hidden_size, d.intermediate + d.conv_dim + d.num_heads, d.use_bias)
+        # stored as HF's Conv1d weight [conv_dim, 1, d_conv]
+        self.conv1d_weight = torch.nn.Parameter(torch.empty(d.conv_dim, 1, d.d_conv))
+        self.conv1d_bias = torch.nn.Parameter(torch.empty(d.conv_dim)) if d.use_conv_bias else None
+        self.dt_bias = torch.nn.Parameter(torch.empty(d.num_heads))
+        self.A_log = torch.nn.Parameter(torch.empty(d.num_heads))
+        self.D = torch.nn.Parameter(torch.empty(d.num_heads))
+        self.norm_weight = torch.nn.Parameter(torch.ones(d.intermediate))
+        self.out_proj = Linear(d.intermediate, d.hidden_size, d.use_bias)
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        d = self.d
+        return (d.conv_dim, d.d_conv - 1), (d.num_heads, d.head_dim, d.d_state)
+
+    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        d = self.d
+        T = x.shape[0]
+        proj = self.in_proj(x)
+        gate, xbc, dt = proj.split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
+        w = self.conv1d_weight.squeeze(1)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(T, d.num_heads, d.head_dim, dtype=x.dtype, device=x.device)
+        nd = meta.num_decode_tokens
+        if nd:
+            xbc_d = causal_conv1d_update(
+                xbc[:nd], self.conv_state, w, self.conv1d_bias, meta.decode_state_indices[:nd],
+                d.activation,
+            )
+            xs, B, C = self._split_xbc(xbc_d)
+            y[:nd] = selective_state_update(
+                self.ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
+                meta.decode_state_indices[:nd], True, d.time_step_limit,
+            )
+        if meta.num_prefills:
+            end = nd + meta.num_prefill_tokens
+            xbc_p = causal_conv1d_fn(
+                xbc[nd:end].contiguous(), w, self.conv1d_bias, self.conv_state,
+                meta.prefill_query_start_loc, meta.prefill_state_indices,
+                meta.prefill_has_initial_state, d.activation,
+            )
+            xs, B, C = self._split_xbc(xbc_p)
+            y[nd:end] = mamba_chunk_scan(
+                xs, dt[nd:end], A, B, C, self.D, self.dt_bias, self.ssm_state,
+                meta.prefill_query_start_loc, meta.prefill_state_indices,
+                meta.prefill_has_initial_state, d.chunk_size, True, d.time_step_limit,
+            )
+        if T > nd + meta.num_prefill_tokens:  # padded tokens
+            y[nd + meta.num_prefill_tokens :] = 0
+        group = d.norm_group_size or d.intermediate // d.n_groups
+        out = gated_rms_norm(y.view(T, d.intermediate), gate, self.norm_weight, d.eps, group)
+        return self.out_proj(out)
+
+    def _split_xbc(self, xbc: torch.Tensor):
+        d = self.d
+        n = xbc.shape[0]
+        xs, B, C = xbc.split([d.intermediate, d.n_groups * d.d_state, d.n_groups * d.d_state], -1)
+        return (
+            xs.reshape(n, d.num_heads, d.head_dim),
+            B.reshape(n, d.n_groups, d.d_state),
+            C.reshape(n, d.n_groups, d.d_state),
+        )
+
+
+def mixer_weight_name(name: str, fragment: str = ".mixer.") -> str:
+    """Maps HF mixer tensor names (conv1d.weight/bias, norm.weight) under `fragment` onto
+    Mamba2Mixer's parameter names; other names pass through."""
+    if fragment not in name:
+        return name
+    head, tail = name.split(fragment, 1)
+    tail = _MIXER_RENAMES.get(tail, tail)
+    return head + fragment + tail
+
+
+_MIXER_RENAMES = {
+    "conv1d.weight": "conv1d_weight",
+    "conv1d.bias": "conv1d_bias",
+    "norm.weight": "norm_weight",
+}

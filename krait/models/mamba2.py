@@ -1,0 +1,74 @@
+"""HF `Mamba2ForCausalLM`: a stack of Mamba2 mixers, no attention."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from krait.layers.linear import Linear
+from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
+from krait.layers.norm import RMSNorm
+from krait.models.weights import load_named_weights
+from krait.runner.attention_metadata import StepMetadata
+
+
+def mamba2_dims(cfg: Any, **overrides) -> Mamba2Dims:
+    """Mixer shapes from a Mamba2-style config (field names shared by the hybrid families)."""
+    kw = dict(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        n_groups=cfg.n_groups,
+        d_state=cfg.state_size,
+        d_conv=cfg.conv_kernel,
+        chunk_size=cfg.chunk_size,
+        eps=cfg.layer_norm_epsilon,
+        use_conv_bias=getattr(cfg, "use_conv_bias", True),
+        use_bias=getattr(cfg, "use_bias", False),
+        time_step_limit=time_step_limit(cfg),
+    )
+    kw.update(overrides)
+    return Mamba2Dims(**kw)
+
+
+class Mamba2Block(torch.nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mixer = Mamba2Mixer(mamba2_dims(cfg))
+
+    def forward(self, x, residual, meta: StepMetadata):
+        if residual is None:
+            residual = x
+            x = self.norm(x)
+        else:
+            x, residual = self.norm(x, residual)
+        return self.mixer(x, meta.mamba), residual
+
+
+class Mamba2ForCausalLM(torch.nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embeddings = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = torch.nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata):
+        x = self.embeddings(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, meta)
+        x, _ = self.norm_f(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, strip_prefix="backbone.", rename=mixer_weight_name)

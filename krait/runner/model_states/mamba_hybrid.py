@@ -1,0 +1,118 @@
+"""MambaHybridModelState: models with Mamba2 layers (alone or beside attention)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from krait.config import EngineConfig, resolve_dtype
+from krait.layers.mamba2 import MambaMetadata
+from krait.ops.num_accepted import fill_num_accepted
+from krait.runner.attention_metadata import StepMetadata
+from krait.runner.input_batch import InputBatch
+from krait.runner.model_states.default import DefaultModelState
+
+
+class MambaHybridModelState(DefaultModelState):
+    """Adds per-request state slots (conv + SSM state of every Mamba layer) to the KV cache.
+
+    A running request owns 1 slot without speculative decoding (1 + k with k draft tokens).
+    Slots are reset when (re)assigned. `num_accepted_tokens` exists only with speculation on."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        super().__init__(model, config)
+        self.mamba_layers = [m for m in model.modules() if getattr(m, "has_recurrent_state", False)]
+        spec = config.speculative
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.slots_per_request = 1 + self.num_spec_tokens
+        self.ssm_dtype = resolve_dtype(config.cache.mamba_ssm_cache_dtype, None, config.device)
+        self.conv_dtype = config.model.dtype
+        self.num_accepted_tokens: torch.Tensor | None = None
+        if spec is not None:
+            # int32 per request row; 1 is the neutral count
+            self.num_accepted_tokens = torch.ones(
+                config.scheduler.max_num_seqs, dtype=torch.int32, device=self.device
+            )
+        self._state_indices_np = None
+
+    # -- cache sizing and allocation -----------------------------------------------------
+    def state_bytes_per_slot(self) -> int:
+        c = torch.empty((), dtype=self.conv_dtype).element_size()
+        s = torch.empty((), dtype=self.ssm_dtype).element_size()
+        total = 0
+        for m in self.mamba_layers:
+            conv, ssm = m.state_shapes()
+            total += int(np.prod(conv)) * c + int(np.prod(ssm)) * s
+        return total
+
+    def allocate_caches(self, num_blocks: int, num_slots: int) -> None:
+        super().allocate_caches(num_blocks, num_slots)
+        for m in self.mamba_layers:
+            conv, ssm = m.state_shapes()
+            m.conv_state = torch.zeros((num_slots, *conv), dtype=self.conv_dtype, device=self.device)
+            m.ssm_state = torch.zeros((num_slots, *ssm), dtype=self.ssm_dtype, device=self.device)
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(self, req_state_idx: int, state_slots: list[int]) -> None:
+        """Resets the request's slots so nothing of an earlier owner leaks."""
+        if not state_slots:
+            return
+        idx = torch.tensor(state_slots, dtype=torch.long, device=self.device)
+        for m in self.mamba_layers:
+            m.conv_state[idx] = 0
+            m.ssm_state[idx] = 0
+        if self.num_accepted_tokens is not None:
+            self.num_accepted_tokens[req_state_idx] = 1
+
+    # -- per step ---------------------------------------------------------------------
+    def prepare_attn(self, batch: InputBatch, for_capture: bool = False) -> StepMetadata:
+        attn = self.attention_metadata(batch, for_capture) if self.attn_layers else None
+        return StepMetadata(attn=attn, mamba=self.mamba_metadata(batch))
+
+    def mamba_metadata(self, batch: InputBatch) -> MambaMetadata:
+        n, npad = batch.num_reqs, batch.num_reqs_padded
+        nd = batch.num_decodes
+        slots = np.full(npad, -1, dtype=np.int32)
+        states = self.request_states
+        slots[:n] = states.state_slots[batch.idx_mapping_np[:n], 0]
+        qsl = batch.query_start_loc_np
+        npf = n - nd
+        if npf:
+            pqsl = (qsl[nd : n + 1] - qsl[nd]).astype(np.int32)
+            has_init = batch.num_computed_tokens_np[nd:n] > 0
+            num_prefill_tokens = int(qsl[n] - qsl[nd])
+            num_decode_tokens = int(qsl[nd])
+        else:
+            pqsl = np.zeros(1, dtype=np.int32)
+            has_init = np.zeros(0, dtype=bool)
+            num_prefill_tokens = 0
+            num_decode_tokens = batch.num_tokens_padded  # padded decode rows carry slot -1
+        dev = self.device
+        meta = MambaMetadata(
+            num_decodes=nd,
+            num_prefills=npf,
+            num_decode_tokens=num_decode_tokens,
+            num_prefill_tokens=num_prefill_tokens,
+            state_indices=torch.from_numpy(slots).to(dev, non_blocking=True),
+            prefill_query_start_loc=torch.from_numpy(pqsl).to(dev, non_blocking=True),
+            prefill_has_initial_state=torch.from_numpy(has_init).to(dev, non_blocking=True),
+        )
+        if self.num_accepted_tokens is not None:
+            meta.num_accepted_tokens = self.num_accepted_tokens
+            draft = np.full(npad, -1, dtype=np.int32)
+            ndraft = batch.num_draft_tokens_per_req
+            draft[:nd] = ndraft[:nd] if ndraft is not None else 0
+            meta.num_decode_draft_tokens = torch.from_numpy(draft).to(dev, non_blocking=True)
+        return meta
+
+    def postprocess_state(
+        self,
+        idx_mapping: torch.Tensor,
+        num_sampled: torch.Tensor | int,
+        num_computed_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Records each row's accepted count (0 -> 1; -1 rows skipped). Without speculative
+        decoding every step accepts exactly one position: nothing to record."""
+        if self.num_accepted_tokens is None:
+            return
+        fill_num_accepted(self.num_accepted_tokens, idx_mapping, num_sampled)
