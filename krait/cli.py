@@ -95,7 +95,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return serve.main(args) or 0
     from krait.bench import offline
 
-    args.model = resolve_model(args)
+    if not args.config:
+        args.model = resolve_model(args)
     return offline.main(args) or 0
 
 
@@ -130,12 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("latency", "throughput"):
         bp = bsub.add_parser(name)
         add_engine_args(bp)
-        try:
-            from krait.bench import offline
+        from krait.bench import offline
 
-            offline.add_cli_args(bp, name)
-        except ImportError:
-            pass
+        offline.add_cli_args(bp, name)
         bp.set_defaults(func=cmd_bench)
     bs = bsub.add_parser("serve")
     try:

@@ -131,8 +131,12 @@ def _hybrid_specs():
             tf.FalconH1ForCausalLM,
             dict(mamba, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, mamba_n_heads=8, mamba_d_head=16,
-                 mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
-                 mamba_chunk_size=16, max_position_embeddings=256),
+                 mamba_d_ssm=128, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                 mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=256,
+                 embedding_multiplier=1.7, lm_head_multiplier=0.6, mlp_multipliers=[0.8, 1.3],
+                 key_multiplier=0.7, attention_in_multiplier=1.2, attention_out_multiplier=0.9,
+                 ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.5], ssm_in_multiplier=1.3,
+                 ssm_out_multiplier=0.85),
         ),
     }
 

@@ -40,6 +40,7 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         num_blocks, num_slots = self._size_cache()
         self.runner.initialize_cache(num_blocks, num_slots)
+        self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, num_slots, self.runner.model_state.slots_per_request
         )

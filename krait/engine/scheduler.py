@@ -235,14 +235,22 @@ class Scheduler:
     def _append_logprobs(req: Request, got: SampledTokens, j: int, tok: int) -> None:
         from krait.outputs import Logprob
 
+        # `entry` holds the sampled token and the batch's top-K (K >= k). When the sampled token
+        # is among the top-K it appears once only, so ranks come from the values, not positions:
+        # a top token's rank counts the top tokens before it, plus the sampled token if it is
+        # strictly better (the runner ranks the sampled token after its ties).
         entry = got.logprobs[j]
         k = req.params.logprobs or 0
-        items = list(entry.items())
         sampled_lp = entry[tok]
-        top = items[1 : 1 + k] if items and items[0][0] == tok else items[:k]
         d = {tok: Logprob(sampled_lp, rank=got.ranks[j] if got.ranks else None)}
-        for rank, (tid, lp) in enumerate(top, start=1):
-            d.setdefault(tid, Logprob(lp, rank=rank))
+        others = sorted(
+            ((tid, lp) for tid, lp in entry.items() if tid != tok), key=lambda x: -x[1]
+        )
+        for i, (tid, lp) in enumerate(others):
+            rank = i + 1 + (1 if sampled_lp > lp else 0)
+            if rank > k:
+                break
+            d[tid] = Logprob(lp, rank=rank)
         req.logprobs.append(d)
         req.cumulative_logprob += sampled_lp
 

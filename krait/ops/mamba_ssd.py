@@ -299,8 +299,25 @@ def chunk_layout(
     )
 
 
+# GPU launch parameters per kernel (block sizes are clipped to the problem). The interpreter
+# instead takes each dimension whole, to keep the number of programs small.
+GPU_CONFIG: dict[str, dict[str, int]] = {
+    "cumsum": {"BLOCK_H": 8, "num_warps": 4},
+    "state": {"BLOCK_P": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    "passing": {"BLOCK": 1024, "num_warps": 4},
+    "bmm": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "scan": {"BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2},
+}
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _block(cap: int, size: int, interp: bool) -> int:
+    """A power-of-two block of at least 16 (tl.dot's minimum) covering `size` up to `cap`."""
+    full = max(16, triton.next_power_of_2(size))
+    return full if interp else min(cap, full)
 
 
 def mamba_chunk_scan_triton(
@@ -329,49 +346,58 @@ def mamba_chunk_scan_triton(
     cb = torch.empty(max_chunks, groups, chunk_size, chunk_size, dtype=f32, device=dev)
     interp = _interpreting()
     precision = "upcast" if interp else ("ieee" if x.dtype == f32 else "tf32")
+    cfg = {k: dict(v) for k, v in GPU_CONFIG.items()}
+    if interp:
+        cfg = {k: {} for k in cfg}
     block_cs = max(16, triton.next_power_of_2(chunk_size))
     clamp = dt_limit != (0.0, float("inf"))
 
-    block_h = heads if interp else max(1, min(triton.next_power_of_2(heads), 8192 // block_cs))
-    block_h = triton.next_power_of_2(block_h)
+    kw = cfg["cumsum"]
+    block_h = triton.next_power_of_2(heads) if interp else min(kw.pop("BLOCK_H"), heads)
     _chunk_cumsum_kernel[(max_chunks, triton.cdiv(heads, block_h))](
         dt, dt_bias, A, dt_out, dA_cs, chunk_start, chunk_len,
         heads, chunk_size, max_chunks, float(dt_limit[0]), float(dt_limit[1]) if clamp else 0.0,
         dt.stride(0), dt.stride(1),
-        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_H=block_h, BLOCK_CS=block_cs,
+        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_H=triton.next_power_of_2(block_h),
+        BLOCK_CS=block_cs, **kw,
     )
 
-    block_p = max(16, triton.next_power_of_2(head_dim)) if interp else 64
-    block_n = max(16, triton.next_power_of_2(d_state)) if interp else 64
-    block_k = block_cs if interp else 64
+    kw = cfg["state"]
+    block_p = _block(kw.pop("BLOCK_P", 0), head_dim, interp)
+    block_n = _block(kw.pop("BLOCK_N", 0), d_state, interp)
+    block_k = _block(kw.pop("BLOCK_K", 0), chunk_size, interp)
     grid = (max_chunks, heads, triton.cdiv(head_dim, block_p) * triton.cdiv(d_state, block_n))
     _chunk_state_kernel[grid](
         x, B, dt_out, dA_cs, states, chunk_start, chunk_len,
         heads, head_dim, d_state, heads // groups, chunk_size, max_chunks,
         x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        DOT_PRECISION=precision, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=precision, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k, **kw,
     )
 
-    slots = state_indices.to(torch.int32)
-    block = min(triton.next_power_of_2(head_dim * d_state), 4096 if interp else 1024)
+    kw = cfg["passing"]
+    block = min(triton.next_power_of_2(head_dim * d_state), kw.pop("BLOCK", 4096))
     _state_passing_kernel[(num_seqs, heads, triton.cdiv(head_dim * d_state, block))](
-        states, dA_cs, ssm_states, seq_chunk_start, slots, has_initial_state.to(torch.int32),
-        heads, head_dim, d_state, chunk_size, max_chunks,
+        states, dA_cs, ssm_states, seq_chunk_start, state_indices.to(torch.int32),
+        has_initial_state.to(torch.int32), heads, head_dim, d_state, chunk_size, max_chunks,
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
-        BLOCK=block,
+        BLOCK=block, **kw,
     )
 
-    block_m = block_cs if interp else 64
-    block_sn = max(16, triton.next_power_of_2(d_state)) if interp else 64
+    kw = cfg["bmm"]
+    block_m = _block(kw.pop("BLOCK_M", 0), chunk_size, interp)
+    block_n = _block(kw.pop("BLOCK_N", 0), d_state, interp)
     grid = (max_chunks, groups, triton.cdiv(chunk_size, block_m) ** 2)
     _bmm_chunk_kernel[grid](
         C, B, cb, chunk_start, chunk_len, groups, d_state, chunk_size,
         C.stride(0), C.stride(1), C.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_S=block_m, BLOCK_N=block_sn,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_S=block_m, BLOCK_N=block_n, **kw,
     )
 
-    block_p = max(16, triton.next_power_of_2(head_dim)) if interp else 64
-    block_n = max(16, triton.next_power_of_2(d_state)) if interp else 128
+    kw = cfg["scan"]
+    block_m = _block(kw.pop("BLOCK_M", 0), chunk_size, interp)
+    block_p = _block(kw.pop("BLOCK_P", 0), head_dim, interp)
+    block_k = _block(kw.pop("BLOCK_K", 0), chunk_size, interp)
+    block_n = max(16, triton.next_power_of_2(d_state))
     grid = (max_chunks, heads, triton.cdiv(chunk_size, block_m) * triton.cdiv(head_dim, block_p))
     _chunk_scan_kernel[grid](
         x, C, cb, dt_out, dA_cs, states, D, y, chunk_start, chunk_len,
@@ -379,7 +405,7 @@ def mamba_chunk_scan_triton(
         x.stride(0), x.stride(1), x.stride(2), C.stride(0), C.stride(1), C.stride(2),
         y.stride(0), y.stride(1),
         DOT_PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k, **kw,
     )
     return y
 

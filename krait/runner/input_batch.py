@@ -41,10 +41,13 @@ def build_input_batch(
     device: torch.device,
     num_reqs_padded: int | None = None,
     num_tokens_padded: int | None = None,
+    pad_decode: bool = False,
 ) -> InputBatch:
     """Gathers the step's rows from RequestStates (`states`) into flat tensors.
 
-    `req_ids` must already be ordered decode rows first."""
+    `req_ids` must already be ordered decode rows first. Padding rows get idx_mapping -1 and
+    the null block; with `pad_decode` (CUDA-graph decode batches) each holds one token of
+    sequence length 1 whose KV write is skipped (slot -1), else they hold no token."""
     num_reqs = len(req_ids)
     num_reqs_padded = num_reqs_padded or num_reqs
     idx = np.full(num_reqs_padded, -1, dtype=np.int32)
@@ -52,6 +55,8 @@ def build_input_batch(
     real = idx[:num_reqs]
     sched = np.zeros(num_reqs_padded, dtype=np.int32)
     sched[:num_reqs] = num_scheduled
+    if pad_decode:
+        sched[num_reqs:] = 1
     qsl = np.zeros(num_reqs_padded + 1, dtype=np.int32)
     np.cumsum(sched, out=qsl[1:])
     num_tokens = int(qsl[num_reqs])
@@ -59,7 +64,7 @@ def build_input_batch(
 
     computed = np.zeros(num_reqs_padded, dtype=np.int32)
     computed[:num_reqs] = states.num_computed_tokens[real]
-    seq_lens = computed + sched
+    seq_lens = computed + sched  # padded decode rows: length 1 over the null block
     is_prefilling = np.zeros(num_reqs_padded, dtype=bool)
     is_prefilling[:num_reqs] = computed[:num_reqs] < states.num_prompt_tokens[real]
     num_decodes = int(np.count_nonzero(~is_prefilling[:num_reqs]))
@@ -106,4 +111,5 @@ def build_input_batch(
         slot_mapping=dev(slot_mapping),
         block_table=dev(block_table),
         logits_indices=dev(qsl[1 : num_reqs + 1].astype(np.int64) - 1),
+
     )

@@ -35,6 +35,7 @@ class ModelRunner:
         self.states: RequestStates | None = None
         self.num_blocks = 0
         self.num_slots = 0
+        self.cuda_graphs = None  # CudaGraphRunner once captured
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -48,6 +49,43 @@ class ModelRunner:
             self.model_state.slots_per_request,
         )
         self.model_state.request_states = self.states
+
+    def capture_cuda_graphs(self) -> None:
+        """Decode graphs for every capture size (GPU, unless enforce_eager)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from krait.runner.cuda_graphs import CudaGraphRunner
+
+        self.cuda_graphs = CudaGraphRunner(self)
+        self.cuda_graphs.capture_all()
+
+    def dummy_decode_batch(self, n: int) -> InputBatch:
+        """n padding rows of one token each (CUDA-graph capture)."""
+        return build_input_batch(
+            self.states, [], [], self.block_size, self.device,
+            num_reqs_padded=n, num_tokens_padded=n, pad_decode=True,
+        )
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """A forward pass at `num_tokens` tokens (prefill rows of at most max_model_len - 1
+        tokens) over the current caches, to measure peak activation memory."""
+        per = max(min(num_tokens, self.max_model_len - 1), 1)
+        lens = [per] * (num_tokens // per) + ([num_tokens % per] if num_tokens % per else [])
+        st = self.states
+        ids = []
+        for j, n in enumerate(lens):
+            rid = f"__profile_{j}"
+            slots = [0] if self.num_slots else []
+            st.add(rid, [0] * n, n, 0, 0, None, [], slots, [])
+            ids.append(rid)
+        try:
+            batch = build_input_batch(st, ids, lens, self.block_size, self.device)
+            hidden = self.forward(batch)
+            self.model.compute_logits(hidden[batch.logits_indices])
+        finally:
+            for rid in ids:
+                st.remove(rid)
 
     # -- the step ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -90,6 +128,17 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return {}
         req_ids, num_scheduled = self._ordered_rows(sched)
+        graph_size = None
+        if self.cuda_graphs is not None and all(n == 1 for n in num_scheduled):
+            graph_size = self.cuda_graphs.size_for(len(req_ids))
+        if graph_size is not None:
+            batch = build_input_batch(
+                self.states, req_ids, num_scheduled, self.block_size, self.device,
+                num_reqs_padded=graph_size, num_tokens_padded=graph_size, pad_decode=True,
+            )
+            if batch.num_decodes == batch.num_reqs:  # never replay a prefill in a decode graph
+                logits = self.cuda_graphs.run(batch)[: batch.num_reqs]
+                return self._sample_and_update(batch, logits)
         batch = build_input_batch(
             self.states, req_ids, num_scheduled, self.block_size, self.device
         )

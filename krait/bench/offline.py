@@ -1,0 +1,237 @@
+"""`krait bench latency` and `krait bench throughput`: JSON on stdout, a table on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from krait.bench.roofline import (
+    decode_bytes,
+    measure_ceilings,
+    model_bytes,
+    prefill_cost,
+    roofline_seconds,
+)
+from krait.config import EngineConfig
+from krait.engine.engine import LLMEngine
+from krait.sampling_params import SamplingParams
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def named_configs() -> list[str]:
+    return sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").exists())
+
+
+def add_cli_args(p: argparse.ArgumentParser, kind: str) -> None:
+    p.add_argument("--config", default=None, choices=named_configs(),
+                   help="a realistic configuration shipped with krait (implies dummy weights)")
+    if kind == "latency":
+        p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+        p.add_argument("--context-len", type=int, default=1024)
+        p.add_argument("--prompt-lens", default="512,2048,8192")
+        p.add_argument("--num-steps", type=int, default=20)
+    else:
+        p.add_argument("--num-prompts", type=int, default=256)
+        p.add_argument("--input-len", type=int, default=256)
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--hf-baseline", action="store_true",
+                       help="also run Hugging Face transformers generate on the same workload")
+        p.add_argument("--hf-batch-size", type=int, default=32)
+        p.add_argument("--hf-max-prompts", type=int, default=64,
+                       help="HF runs at most this many of the prompts (its rate is per token)")
+
+
+def _engine(args, model: str, **over) -> LLMEngine:
+    from krait.cli import engine_kwargs
+
+    kw = engine_kwargs(args)
+    if args.config:
+        kw["load_format"] = "dummy"
+    kw.update(over)
+    return LLMEngine(EngineConfig.from_kwargs(model=model, **kw))
+
+
+def _model_dir(args) -> str:
+    return str(CONFIG_DIR / args.config) if args.config else args.model
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, max(vocab - 10, 11), size=(n, length)).tolist()
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _emit(result: dict, rows: list[str]) -> None:
+    print("\n".join(rows), file=sys.stderr)
+    print(json.dumps(result, indent=1))
+
+
+def bench_latency(args) -> dict:
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",")] if args.prompt_lens else []
+    max_len = args.max_model_len or max([args.context_len + args.num_steps + 16, *prompt_lens]) + 16
+    engine = _engine(
+        args, _model_dir(args), max_model_len=max_len, max_num_seqs=max(batch_sizes),
+        max_num_batched_tokens=max(args.max_num_batched_tokens, *prompt_lens, 1),
+    )
+    dev = engine.config.device
+    ceil = measure_ceilings(dev)
+    mb = model_bytes(engine.runner.model, engine.runner.model_state)
+    vocab = engine.config.model.vocab_size
+    out = {"kind": "latency", "model": args.config or args.model, "device": _device_name(dev),
+           "context_len": args.context_len, "max_model_len": max_len,
+           "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
+           "decode": [], "prefill": []}
+    rows = [f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'ratio':>6} {'tok/s':>9}"]
+    for b in batch_sizes:
+        ms = _decode_step_ms(engine, b, args.context_len, args.num_steps, vocab, dev)
+        roof = roofline_seconds(ceil, decode_bytes(mb, b, args.context_len + args.num_steps)) * 1e3
+        out["decode"].append({"batch": b, "step_ms": ms, "roofline_ms": roof, "ratio": ms / roof,
+                              "tok_per_s": b / ms * 1e3})
+        rows.append(f"{b:>6} {ms:>9.3f} {roof:>12.3f} {ms / roof:>6.2f} {b / ms * 1e3:>9.0f}")
+    rows.append(f"{'prompt':>6} {'prefill ms':>10} {'roofline ms':>12} {'ratio':>6}")
+    for p in prompt_lens:
+        ms = _prefill_ms(engine, p, vocab, dev)
+        by, fl = prefill_cost(mb, p)
+        roof = roofline_seconds(ceil, by, fl) * 1e3
+        out["prefill"].append({"prompt_len": p, "ms": ms, "roofline_ms": roof, "ratio": ms / roof})
+        rows.append(f"{p:>6} {ms:>10.3f} {roof:>12.3f} {ms / roof:>6.2f}")
+    return out, rows
+
+
+def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [f"lat{batch}_{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, _prompts(batch, context, vocab, seed=batch)):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        _sync(dev)
+        t = time.perf_counter()
+        engine.step()
+        _sync(dev)
+        times.append((time.perf_counter() - t) * 1e3)
+    engine.abort_request(ids)
+    return statistics.median(times)
+
+
+def _prefill_ms(engine, prompt_len, vocab, dev) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompt = _prompts(1, prompt_len, vocab, seed=prompt_len)[0]
+    times = []
+    for rep in range(4):
+        rid = f"pre{prompt_len}_{rep}"
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        _sync(dev)
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        _sync(dev)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[1:])
+
+
+def bench_throughput(args) -> dict:
+    model = _model_dir(args)
+    max_len = args.max_model_len or args.input_len + args.output_len + 16
+    engine = _engine(args, model, max_model_len=max_len)
+    dev = engine.config.device
+    vocab = engine.config.model.vocab_size
+    prompts = _prompts(args.num_prompts, args.input_len, vocab, seed=args.seed)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    # warm-up on a few prompts (Triton compilation)
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(f"warm{i}", {"prompt_token_ids": p}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _sync(dev)
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"tp{i}", {"prompt_token_ids": p}, params)
+    n_out = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                n_out += len(o.outputs[0].token_ids)
+    _sync(dev)
+    elapsed = time.perf_counter() - t
+    out = {"kind": "throughput", "model": args.config or args.model, "device": _device_name(dev),
+           "num_prompts": args.num_prompts, "input_len": args.input_len,
+           "output_len": args.output_len, "elapsed_s": elapsed,
+           "output_tok_per_s": n_out / elapsed,
+           "total_tok_per_s": (n_out + args.num_prompts * args.input_len) / elapsed}
+    rows = [f"krait: {n_out} tokens in {elapsed:.2f} s = {n_out / elapsed:.1f} output tok/s"]
+    if args.hf_baseline:
+        hf_config = engine.config.model.hf_config
+        dtype = engine.config.model.dtype
+        del engine
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        hf = hf_generate_rate(hf_config, dtype, dev, prompts[: args.hf_max_prompts],
+                              args.output_len, args.hf_batch_size)
+        out["hf"] = hf
+        out["speedup_vs_hf"] = out["output_tok_per_s"] / hf["output_tok_per_s"]
+        rows.append(f"HF transformers: {hf['output_tok_per_s']:.1f} output tok/s "
+                    f"(batch {args.hf_batch_size}); krait / HF = {out['speedup_vs_hf']:.1f}x")
+    return out, rows
+
+
+def hf_generate_rate(hf_config, dtype, dev, prompts, output_len, batch_size) -> dict:
+    """HF transformers generate on the same config (random weights) and prompts."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(dev).eval()
+    n_out = 0
+    _sync(dev)
+    t = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch_size):
+            x = torch.tensor(prompts[i : i + batch_size], device=dev)
+            y = model.generate(x, max_new_tokens=output_len, min_new_tokens=output_len,
+                               do_sample=False, pad_token_id=0)
+            n_out += (y.shape[1] - x.shape[1]) * y.shape[0]
+    _sync(dev)
+    elapsed = time.perf_counter() - t
+    del model
+    return {"num_prompts": len(prompts), "batch_size": batch_size, "elapsed_s": elapsed,
+            "output_tok_per_s": n_out / elapsed}
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return "cpu"
+
+
+def main(args) -> int:
+    fn = bench_latency if args.bench_cmd == "latency" else bench_throughput
+    result, rows = fn(args)
+    result["versions"] = {"torch": torch.__version__, "krait": _krait_version()}
+    _emit(result, rows)
+    return 0
+
+
+def _krait_version() -> str:
+    import krait
+
+    return krait.__version__

@@ -1,0 +1,127 @@
+"""Mixture-of-experts layer: stacked expert weights run through the fused MoE op, routing helpers
+and checkpoint loading for the common expert layouts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+from krait.ops.fused_moe import fused_moe
+
+_GATE_UP = ("w13", "gate_up")
+_GATE = ("w1", "gate")
+_UP = ("w3", "up")
+_DOWN = ("w2", "down")
+
+
+def softmax_topk(router_logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k]).
+
+    renormalize=True: the softmax of the k largest logits (softmax, top-k, renormalize), as
+    Mixtral and GraniteMoe route; False: the top-k of the softmax over all experts."""
+    logits = router_logits.float()
+    if renormalize:
+        top, ids = logits.topk(k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    else:
+        weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    return weights, ids.to(torch.int32)
+
+
+class FusedMoE(torch.nn.Module):
+    """Experts of one layer: w13 [E, 2I, H] (gate rows then up rows; [E, I, H] for the non-gated
+    "relu2") and w2 [E, H, I]. forward(x [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H].
+    Routing lives with the model (see `softmax_topk`)."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"
+    ) -> None:
+        super().__init__()
+        if activation not in ("silu", "relu2"):
+            raise ValueError(f"FusedMoE: activation {activation!r} is not silu or relu2")
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.gated = activation == "silu"
+        rows = 2 * intermediate_size if self.gated else intermediate_size
+        self.w13 = torch.nn.Parameter(torch.empty(num_experts, rows, hidden_size))
+        self.w2 = torch.nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self._loaded: set[tuple[str, int | None, str]] = set()
+
+    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.activation)
+
+    def load_expert(self, name_kind: str, expert: int | None, tensor: Tensor) -> None:
+        """Copies one checkpoint tensor into place.
+
+        name_kind: "w13"/"gate_up" (all w13 rows), "w1"/"gate" (gate rows), "w3"/"up" (up rows;
+        all rows when non-gated), "w2"/"down". expert: the expert index, or None when `tensor`
+        holds every expert stacked on dim 0."""
+        inter = self.intermediate_size
+        if name_kind in _DOWN:
+            param, lo, hi, part = self.w2, 0, self.w2.shape[1], "all"
+        elif name_kind in _GATE_UP or (name_kind in _UP and not self.gated):
+            param, lo, hi, part = self.w13, 0, self.w13.shape[1], "all"
+        elif name_kind in _GATE and self.gated:
+            param, lo, hi, part = self.w13, 0, inter, "gate"
+        elif name_kind in _UP:
+            param, lo, hi, part = self.w13, inter, 2 * inter, "up"
+        else:
+            raise ValueError(f"FusedMoE ({self.activation}): unknown expert weight {name_kind!r}")
+        target = param.data[:, lo:hi] if expert is None else param.data[expert, lo:hi]
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"FusedMoE: {name_kind} tensor has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        self._loaded.add(("w2" if param is self.w2 else "w13", expert, part))
+
+    def fully_loaded(self, param_name: str) -> bool:
+        """Whether every row of `param_name` ("w13" or "w2") came through `load_expert`."""
+
+        def has(e: int | None, part: str) -> bool:
+            return (param_name, e, part) in self._loaded
+
+        if has(None, "all"):
+            return True
+        split = self.gated and param_name == "w13"
+        for e in range(self.num_experts):
+            whole = has(e, "all")
+            gate = has(None, "gate") or has(e, "gate")
+            up = has(None, "up") or has(e, "up")
+            if not (whole or (split and gate and up)):
+                return False
+        return True
+
+
+ExpertMatch = Callable[[str], tuple[str, str, int | None] | None]
+
+
+def load_expert_weights(
+    model: torch.nn.Module, weights: Iterable[tuple[str, Tensor]], match: ExpertMatch
+) -> Iterator[tuple[str, Tensor]]:
+    """Wraps a checkpoint stream for `load_named_weights`: tensors for which `match(name)`
+    returns (FusedMoE module path in `model`, name_kind, expert) go through `load_expert`;
+    the rest pass through. At the end each FusedMoE parameter that was fully loaded this way is
+    yielded under its own name (the copy onto itself is a no-op), so the loader's
+    missing-weights check covers the experts too."""
+    modules = dict(model.named_modules())
+    touched: dict[str, FusedMoE] = {}
+    for name, tensor in weights:
+        hit = match(name)
+        if hit is None:
+            yield name, tensor
+            continue
+        path, kind, expert = hit
+        mod = modules.get(path)
+        if not isinstance(mod, FusedMoE):
+            raise ValueError(f"checkpoint tensor {name!r}: {path!r} is not a FusedMoE")
+        mod.load_expert(kind, expert, tensor)
+        touched[path] = mod
+    for path, mod in touched.items():
+        for pname in ("w13", "w2"):
+            if mod.fully_loaded(pname):
+                yield f"{path}.{pname}", getattr(mod, pname).data

@@ -1,0 +1,235 @@
+"""HF `FalconH1ForCausalLM`: every layer runs a Mamba2 mixer and attention side by side on the
+same normed input, then a gated MLP. The muP multipliers are folded into weights at load time
+(each scales the output of a linear map, so folding is exact up to rounding); the embedding
+and lm_head multipliers are applied at run time (the two matrices may be tied)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from krait.layers.linear import Linear
+from krait.layers.mamba2 import (
+    Mamba2Dims,
+    Mamba2Mixer,
+    MambaMetadata,
+    mixer_weight_name,
+    time_step_limit,
+)
+from krait.layers.norm import RMSNorm
+from krait.models.llama import LlamaAttention, LlamaMLP
+from krait.models.weights import load_named_weights
+from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.mamba_ssd import mamba_chunk_scan
+from krait.ops.selective_state_update import selective_state_update
+from krait.runner.attention_metadata import StepMetadata
+
+
+def falcon_h1_dims(cfg: Any) -> Mamba2Dims:
+    """Mixer shapes from a FalconH1 config (`mamba_d_ssm`, else expand * hidden, is the width)."""
+    d_ssm = getattr(cfg, "mamba_d_ssm", None) or int(cfg.mamba_expand * cfg.hidden_size)
+    head_dim = cfg.mamba_d_head
+    if head_dim in (None, "auto"):
+        head_dim = d_ssm // cfg.mamba_n_heads
+    return Mamba2Dims(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.mamba_n_heads,
+        head_dim=head_dim,
+        n_groups=cfg.mamba_n_groups,
+        d_state=cfg.mamba_d_state,
+        d_conv=cfg.mamba_d_conv,
+        chunk_size=cfg.mamba_chunk_size,
+        eps=cfg.rms_norm_eps,
+        use_conv_bias=getattr(cfg, "mamba_conv_bias", True),
+        use_bias=getattr(cfg, "mamba_proj_bias", False),
+        time_step_limit=time_step_limit(cfg),
+        activation=getattr(cfg, "hidden_act", "silu"),
+    )
+
+
+def mup_vector(d: Mamba2Dims, multipliers: list[float]) -> torch.Tensor:
+    """Per-channel scale of in_proj's output [z | x | B | C | dt] (HF `compute_mup_vector`)."""
+    gs = d.n_groups * d.d_state
+    sizes = [d.intermediate, d.intermediate, gs, gs, d.num_heads]
+    return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, multipliers)])
+
+
+class FalconH1Mixer(Mamba2Mixer):
+    """Mamba2 mixer with FalconH1's output gating: `y * silu(z)` without a norm
+    (`mamba_rms_norm=False`), norm(y * silu(z)) (gate first), or norm(y) * silu(z)."""
+
+    def __init__(self, d: Mamba2Dims, rms_norm: bool, norm_before_gate: bool, out_bias: bool):
+        super().__init__(d)
+        self.out_proj = Linear(d.intermediate, d.hidden_size, out_bias)
+        self.rms_norm = rms_norm
+        self.norm_before_gate = norm_before_gate
+        if not rms_norm:
+            self.norm_weight = None
+
+    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        if self.rms_norm and not self.norm_before_gate:
+            return super().forward(x, meta)
+        d = self.d
+        y, gate = self._scan(x, meta)
+        if self.rms_norm:
+            y = gated_rms_norm(y, None, self.norm_weight, d.eps, d.intermediate // d.n_groups)
+        return self.out_proj(y * F.silu(gate))
+
+    def _scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SSM part of Mamba2Mixer.forward: returns (y [T, intermediate], gate)."""
+        d = self.d
+        T = x.shape[0]
+        gate, xbc, dt = self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
+        w = self.conv1d_weight.squeeze(1)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(T, d.num_heads, d.head_dim, dtype=x.dtype, device=x.device)
+        nd = meta.num_decode_tokens
+        if nd:
+            idx = meta.decode_state_indices[:nd]
+            xbc_d = causal_conv1d_update(
+                xbc[:nd], self.conv_state, w, self.conv1d_bias, idx, d.activation
+            )
+            xs, B, C = self._split_xbc(xbc_d)
+            y[:nd] = selective_state_update(
+                self.ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias, idx, True,
+                d.time_step_limit,
+            )
+        if meta.num_prefills:
+            end = nd + meta.num_prefill_tokens
+            xbc_p = causal_conv1d_fn(
+                xbc[nd:end].contiguous(), w, self.conv1d_bias, self.conv_state,
+                meta.prefill_query_start_loc, meta.prefill_state_indices,
+                meta.prefill_has_initial_state, d.activation,
+            )
+            xs, B, C = self._split_xbc(xbc_p)
+            y[nd:end] = mamba_chunk_scan(
+                xs, dt[nd:end], A, B, C, self.D, self.dt_bias, self.ssm_state,
+                meta.prefill_query_start_loc, meta.prefill_state_indices,
+                meta.prefill_has_initial_state, d.chunk_size, True, d.time_step_limit,
+            )
+        if T > nd + meta.num_prefill_tokens:  # padded tokens
+            y[nd + meta.num_prefill_tokens :] = 0
+        return y.view(T, d.intermediate), gate
+
+
+class FalconH1DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.mamba = FalconH1Mixer(
+            falcon_h1_dims(cfg),
+            rms_norm=getattr(cfg, "mamba_rms_norm", False),
+            norm_before_gate=getattr(cfg, "mamba_norm_before_gate", True),
+            out_bias=getattr(cfg, "projectors_bias", False),
+        )
+        bias = getattr(cfg, "attention_bias", False)
+        self.self_attn = LlamaAttention(cfg, qkv_bias=bias, qk_norm=False, sliding_window=None)
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"FalconH1: hidden_act {act!r} is not supported (silu)")
+        self.feed_forward = LlamaMLP(
+            cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta: StepMetadata):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.mamba(x, meta.mamba) + self.self_attn(x, positions, meta)
+        x, residual = self.pre_ff_layernorm(x, residual)
+        return self.feed_forward(x), residual
+
+    @torch.no_grad()
+    def fold_multipliers(self, cfg: Any) -> None:
+        """Scales weights by the config's muP multipliers (once, after loading)."""
+        m = self.mamba
+        ssm_in = float(getattr(cfg, "ssm_in_multiplier", 1.0))
+        mup = mup_vector(m.d, getattr(cfg, "ssm_multipliers", None) or [1.0] * 5)
+        mup = mup.to(m.in_proj.weight.device)
+        m.in_proj.weight.mul_((mup * ssm_in)[:, None].to(m.in_proj.weight.dtype))
+        if m.in_proj.bias is not None:
+            m.in_proj.bias.mul_(mup.to(m.in_proj.bias.dtype))
+        _scale(m.out_proj, float(getattr(cfg, "ssm_out_multiplier", 1.0)))
+
+        a = self.self_attn
+        attn_in = float(getattr(cfg, "attention_in_multiplier", 1.0))
+        key = float(getattr(cfg, "key_multiplier", 1.0))
+        a.qkv_proj.weight.mul_(attn_in)
+        q, kv = a.split[0], a.split[1]
+        a.qkv_proj.weight[q : q + kv].mul_(key)
+        if a.qkv_proj.bias is not None:
+            a.qkv_proj.bias[q : q + kv].mul_(key)
+        _scale(a.o_proj, float(getattr(cfg, "attention_out_multiplier", 1.0)))
+
+        gate_m, down_m = getattr(cfg, "mlp_multipliers", None) or [1.0, 1.0]
+        f = self.feed_forward
+        inter = f.gate_up_proj.out_sizes[0]
+        f.gate_up_proj.weight[:inter].mul_(float(gate_m))
+        if f.gate_up_proj.bias is not None:
+            f.gate_up_proj.bias[:inter].mul_(float(gate_m))
+        _scale(f.down_proj, float(down_m))
+
+
+def _scale(linear: torch.nn.Module, factor: float) -> None:
+    linear.weight.mul_(factor)
+    if linear.bias is not None:
+        linear.bias.mul_(factor)
+
+
+class FalconH1ForCausalLM(torch.nn.Module):
+    stacked = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = torch.nn.ModuleList(
+            FalconH1DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)
+        )
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0))
+        self.lm_head_multiplier = float(getattr(cfg, "lm_head_multiplier", 1.0))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.final_layernorm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.lm_head_multiplier != 1.0:
+            logits = logits * self.lm_head_multiplier
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(
+            self, weights, self.stacked, strip_prefix="model.",
+            rename=lambda n: mixer_weight_name(n, ".mamba."),
+        )
+        for layer in self.layers:
+            layer.fold_multipliers(self.config)

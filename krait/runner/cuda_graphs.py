@@ -1,0 +1,97 @@
+"""CUDA graphs for decode batches (every row one token).
+
+Each capture size N records embedding -> logits for N rows over static buffers. Capture builds
+the metadata with `for_capture=True` (max_seq_len = max_model_len); a replay builds the real
+batch's metadata, padded to N rows (idx_mapping -1, the null block, slot -1), and copies every
+tensor of it into the captured metadata before replaying. Batches with any prefill row never
+come here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from krait.runner.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs (and max_num_seqs itself), largest first."""
+    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs]
+    sizes += list(range(8, max_num_seqs + 1, 8))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes), reverse=True)
+
+
+def _copy_tensors(dst, src) -> None:
+    """Copies every tensor reachable through dataclass fields of src into dst's."""
+    for f in dataclasses.fields(dst):
+        d, s = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(d, torch.Tensor):
+            d.copy_(s)
+        elif dataclasses.is_dataclass(d):
+            _copy_tensors(d, s)
+
+
+class _Graph:
+    def __init__(self, graph, batch: InputBatch, meta, logits: torch.Tensor) -> None:
+        self.graph = graph
+        self.batch = batch
+        self.meta = meta
+        self.logits = logits
+
+
+class CudaGraphRunner:
+    """Captures and replays decode graphs for one ModelRunner."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.sizes = capture_sizes(runner.config.scheduler.max_num_seqs)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+
+    def size_for(self, num_reqs: int) -> int | None:
+        fitting = [s for s in self.sizes if s >= num_reqs]
+        return min(fitting) if fitting else None
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        for n in self.sizes:  # largest first: later graphs reuse its pool
+            self._capture(n)
+        torch.cuda.synchronize()
+        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+        logger.info("captured %d decode CUDA graphs (%.0f MiB)", len(self.sizes), used)
+
+    def _capture(self, n: int) -> None:
+        r = self.runner
+        batch = r.dummy_decode_batch(n)
+        meta = r.model_state.prepare_attn(batch, for_capture=True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the graph
+                r.model.compute_logits(r.model(batch.input_ids, batch.positions, meta))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = r.model.compute_logits(r.model(batch.input_ids, batch.positions, meta))
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[n] = _Graph(graph, batch, meta, logits)
+
+    def run(self, batch: InputBatch) -> torch.Tensor:
+        """batch: a decode batch already padded to a captured size. Returns logits [n, V]."""
+        g = self.graphs[batch.num_reqs_padded]
+        meta = self.runner.model_state.prepare_attn(batch, for_capture=False)
+        g.batch.input_ids.copy_(batch.input_ids)
+        g.batch.positions.copy_(batch.positions)
+        _copy_tensors(g.meta, meta)
+        g.graph.replay()
+        return g.logits

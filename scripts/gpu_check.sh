@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs go to $OUT.
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [quick|kernels|bench|all]
+set -uo pipefail
+OUT=${OUT:-/tmp/krait_gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KRAIT_TEST_GPU=1
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+run_kernels() {
+  timeout 900 python3 -m pytest -q -x -m gpu tests/ops tests/runner -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/kernels.log"
+}
+run_parity() {
+  # HF parity on the GPU in float32 (the test modules read KRAIT_TEST_DEVICE)
+  KRAIT_TEST_DEVICE=cuda timeout 900 python3 -m pytest -q -m "not slow" tests/models -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/parity.log"
+}
+bench_latency() {  # name, extra args
+  local name=$1; shift
+  timeout 600 python3 -m krait bench latency --config "$name" "$@" > "$OUT/lat_${name}.json" 2> "$OUT/lat_${name}.err"
+  tail -14 "$OUT/lat_${name}.err"
+}
+case $what in
+  quick)
+    run_kernels
+    bench_latency qwen3-0.6b --batch-sizes 1,64 --prompt-lens 2048 --num-steps 10
+    ;;
+  kernels) run_kernels; run_parity ;;
+  bench)
+    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m; done
+    ;;
+  all)
+    run_kernels
+    run_parity
+    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m; done
+    ;;
+esac
