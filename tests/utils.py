@@ -114,7 +114,8 @@ def _hybrid_specs():
                  mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
                  mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
                  max_position_embeddings=256, embedding_multiplier=2.0,
-                 logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2),
+                 logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                 position_embedding_type="rope"),
         ),
         "nemotronh": (
             tf.NemotronHConfig,

@@ -86,30 +86,56 @@ def build_input_batch(
         blk = block_table[row_of_token, pos // block_size].astype(np.int64)
         slot_mapping[:num_tokens] = blk * block_size + pos % block_size
 
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
-
+    i32 = [idx, qsl, seq_lens, block_table]
+    i64 = [input_ids, positions, slot_mapping, qsl[1 : num_reqs + 1].astype(np.int64) - 1]
+    (idx_t, qsl_t, seq_lens_t, block_table_t) = _to_device(i32, np.int32, device)
+    (input_ids_t, positions_t, slot_mapping_t, logits_indices_t) = _to_device(i64, np.int64, device)
     return InputBatch(
         num_reqs=num_reqs,
         num_reqs_padded=num_reqs_padded,
         num_tokens=num_tokens,
         num_tokens_padded=num_tokens_padded,
         req_ids=req_ids,
-        idx_mapping=dev(idx),
+        idx_mapping=idx_t,
         idx_mapping_np=idx,
-        query_start_loc=dev(qsl),
+        query_start_loc=qsl_t,
         query_start_loc_np=qsl,
-        seq_lens=dev(seq_lens),
+        seq_lens=seq_lens_t,
         seq_lens_cpu_upper_bound=seq_lens,
         num_computed_tokens_np=computed,
         num_scheduled_tokens_np=sched,
         is_prefilling=is_prefilling,
         num_decodes=num_decodes,
         num_draft_tokens_per_req=None,
-        input_ids=dev(input_ids),
-        positions=dev(positions),
-        slot_mapping=dev(slot_mapping),
-        block_table=dev(block_table),
-        logits_indices=dev(qsl[1 : num_reqs + 1].astype(np.int64) - 1),
-
+        input_ids=input_ids_t,
+        positions=positions_t,
+        slot_mapping=slot_mapping_t,
+        block_table=block_table_t,
+        logits_indices=logits_indices_t,
     )
+
+
+_PINNED: dict[np.dtype, torch.Tensor] = {}
+
+
+def _to_device(arrays: list[np.ndarray], dtype, device: torch.device) -> list[torch.Tensor]:
+    """Moves several small arrays of one dtype to `device` in one copy (through a persistent
+    pinned buffer on CUDA) and returns views shaped like the arrays."""
+    sizes = [a.size for a in arrays]
+    total = sum(sizes)
+    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, dtype)
+    if device.type == "cuda":
+        buf = _PINNED.get(np.dtype(dtype))
+        if buf is None or buf.numel() < total:
+            buf = torch.empty(max(total, 1 << 16), dtype=torch.from_numpy(flat[:0]).dtype,
+                              pin_memory=True)
+            _PINNED[np.dtype(dtype)] = buf
+        buf[:total].numpy()[:] = flat
+        dev = buf[:total].to(device, non_blocking=True)
+    else:
+        dev = torch.from_numpy(flat)
+    out, off = [], 0
+    for a, n in zip(arrays, sizes):
+        out.append(dev[off : off + n].view(a.shape))
+        off += n
+    return out

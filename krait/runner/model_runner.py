@@ -110,8 +110,9 @@ class ModelRunner:
             st.append_blocks(i, cached.new_block_ids)
             st.num_computed_tokens[i] = cached.num_computed_tokens
 
-    def _ordered_rows(self, sched: SchedulerOutput) -> tuple[list[str], list[int]]:
-        """Decode rows first, then prefill rows (the hybrid ops rely on this split)."""
+    def _ordered_rows(self, sched: SchedulerOutput) -> tuple[list[str], list[int], int]:
+        """Decode rows first, then prefill rows (the hybrid ops rely on this split); also the
+        number of prefill rows."""
         st = self.states
         decodes, prefills = [], []
         for rid, n in sched.num_scheduled_tokens.items():
@@ -120,25 +121,25 @@ class ModelRunner:
                 (rid, n)
             )
         rows = decodes + prefills
-        return [r for r, _ in rows], [n for _, n in rows]
+        return [r for r, _ in rows], [n for _, n in rows], len(prefills)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledTokens]:
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
             return {}
-        req_ids, num_scheduled = self._ordered_rows(sched)
+        req_ids, num_scheduled, num_prefills = self._ordered_rows(sched)
         graph_size = None
-        if self.cuda_graphs is not None and all(n == 1 for n in num_scheduled):
+        # never replay a prefill chunk in a decode graph, even a one-token one
+        if self.cuda_graphs is not None and num_prefills == 0 and all(n == 1 for n in num_scheduled):
             graph_size = self.cuda_graphs.size_for(len(req_ids))
         if graph_size is not None:
             batch = build_input_batch(
                 self.states, req_ids, num_scheduled, self.block_size, self.device,
                 num_reqs_padded=graph_size, num_tokens_padded=graph_size, pad_decode=True,
             )
-            if batch.num_decodes == batch.num_reqs:  # never replay a prefill in a decode graph
-                logits = self.cuda_graphs.run(batch)[: batch.num_reqs]
-                return self._sample_and_update(batch, logits)
+            logits = self.cuda_graphs.run(batch)[: batch.num_reqs]
+            return self._sample_and_update(batch, logits)
         batch = build_input_batch(
             self.states, req_ids, num_scheduled, self.block_size, self.device
         )
@@ -160,7 +161,9 @@ class ModelRunner:
         rows = np.nonzero(samples)[0]
         out: dict[str, SampledTokens] = {}
         if len(rows):
-            result = self._sample(logits[torch.from_numpy(rows).to(logits.device)], idx[rows])
+            if len(rows) < batch.num_reqs:
+                logits = logits[torch.from_numpy(rows).to(logits.device)]
+            result = self._sample(logits, idx[rows])
             tokens = result.sampled_token_ids.tolist()
             lp = result.logprobs
             lp_ids = lp.token_ids.tolist() if lp is not None else None
@@ -175,10 +178,11 @@ class ModelRunner:
                     sampled.ranks = [lp_ranks[j]]
                 out[batch.req_ids[r]] = sampled
         st.num_computed_tokens[idx] = end
-        num_sampled = torch.from_numpy(samples.astype(np.int32)).to(self.device)
-        self.model_state.postprocess_state(
-            batch.idx_mapping[: batch.num_reqs], num_sampled, batch.seq_lens[: batch.num_reqs]
-        )
+        if getattr(self.model_state, "num_accepted_tokens", None) is not None:
+            num_sampled = torch.from_numpy(samples.astype(np.int32)).to(self.device)
+            self.model_state.postprocess_state(
+                batch.idx_mapping[: batch.num_reqs], num_sampled, batch.seq_lens[: batch.num_reqs]
+            )
         return out
 
     def _sample(self, logits: torch.Tensor, idx: np.ndarray) -> SamplerOutput:

@@ -328,11 +328,14 @@ class CompletionBuilder:
         if self.k is not None and c.logprobs is not None:
             ids: list[int] = []
             lps: list[dict[int, Logprob]] = []
+            offset = start_text  # text_offset counts from the start of the echoed prompt
             if echo:
                 ids, lps = list(out.prompt_token_ids), [{} for _ in out.prompt_token_ids]
+            elif self.req.echo:
+                offset += len(self.prompt_text(i, out))
             ids += token_ids
             lps += c.logprobs[start_tok:start_tok + len(token_ids)]
-            logprobs = completion_logprobs(self.state, ids, lps, self.k, start_text)
+            logprobs = completion_logprobs(self.state, ids, lps, self.k, offset)
         return CompletionChoice(index=i * self.req.n + c.index, text=prefix + text,
                                 logprobs=logprobs, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason)
@@ -365,7 +368,7 @@ class CompletionBuilder:
                 chunk = CompletionChunk(id=rid, created=created, model=model, choices=[],
                                         usage=usage_of(finals))
                 yield _sse(chunk.model_dump_json())
-        except (EngineStepError, EngineDeadError) as exc:
+        except Exception as exc:  # the stream ends with an error event, never cut short
             yield _sse(_stream_error(exc))
         finally:
             for s in streams:
@@ -374,6 +377,8 @@ class CompletionBuilder:
 
 
 def _stream_error(exc: Exception) -> str:
+    if not isinstance(exc, (EngineStepError, EngineDeadError)):
+        logger.exception("error while streaming a response", exc_info=exc)
     err = ErrorInfo(message=str(exc), type="InternalServerError", code=500)
     return ErrorResponse(error=err).model_dump_json()
 
@@ -437,7 +442,7 @@ class ChatBuilder:
                 c = ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                         usage=usage_of({0: final}))
                 yield _sse(c.model_dump_json())
-        except (EngineStepError, EngineDeadError) as exc:
+        except Exception as exc:  # the stream ends with an error event, never cut short
             yield _sse(_stream_error(exc))
         finally:
             for s in streams:
@@ -522,6 +527,11 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, exc: EngineDeadError):
         return error_response(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception):
+        logger.error("request failed", exc_info=exc)
+        return error_response(500, f"{type(exc).__name__}: {exc}")
 
     @app.get("/health")
     async def health() -> Response:

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from krait.sampling_params import SamplingParams
 
@@ -295,6 +295,10 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(OpenAIModel):

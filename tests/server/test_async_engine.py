@@ -41,8 +41,11 @@ class FakeEngine:
         self.reqs: dict[str, _Req] = {}
         self.aborted: list[str] = []
         self.fail_next: Exception | None = None
+        self.add_error: Exception | None = None
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+        if self.add_error is not None:
+            raise self.add_error
         params.validate(self.vocab)
         if not isinstance(prompt, dict):
             raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
@@ -207,7 +210,7 @@ def test_server_survives_a_failing_step():
     fake = FakeEngine(step_delay=0.001)
     eng = AsyncLLMEngine(fake)
     try:
-        client = TestClient(build_app(eng, ["fake"]))
+        client = TestClient(build_app(eng, ["fake"]), raise_server_exceptions=False)
         body = {"model": "fake", "prompt": [3, 4], "max_tokens": 3, "temperature": 0}
         fake.fail_next = RuntimeError("device lost")
         r = client.post("/v1/completions", json=body)
@@ -219,6 +222,11 @@ def test_server_survives_a_failing_step():
         r = client.post("/v1/completions", json=dict(body, stream=True))
         events = [line for line in r.text.split("\n\n") if line]
         assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+
+        fake.add_error = KeyError("a bug")  # not a ValueError: 500, in the same JSON shape
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "a bug" in r.json()["error"]["message"]
+        fake.add_error = None
 
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "5 6 7"

@@ -1,0 +1,176 @@
+"""HF `GraniteMoeHybridForCausalLM` (Granite 4.0 H): Mamba2 and attention layers, each followed by
+a routed MoE plus a shared MLP (only the shared MLP when num_local_experts is 0), with Granite's
+embedding, residual, attention and logits multipliers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from krait.layers.activation import SiluAndMul
+from krait.layers.attention import Attention
+from krait.layers.linear import Linear, MergedLinear
+from krait.layers.mamba2 import Mamba2Mixer, mixer_weight_name
+from krait.layers.moe import FusedMoE, softmax_topk
+from krait.layers.norm import RMSNorm
+from krait.layers.rotary import RotaryEmbedding, rope_parameters
+from krait.models.bamba import _init_mixer, bamba_mamba_dims, is_mamba_layer
+from krait.models.weights import load_named_weights
+from krait.runner.attention_metadata import StepMetadata
+
+
+class GraniteAttention(torch.nn.Module):
+    """Attention scaled by `attention_multiplier`; rotary only with position_embedding_type
+    "rope" (otherwise no position encoding)."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(cfg, "attention_bias", False)
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(cfg.hidden_size, self.split, bias=bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias)
+        self.rotary = None
+        if getattr(cfg, "position_embedding_type", None) == "rope":
+            self.rotary = RotaryEmbedding(
+                self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg), is_neox=True
+            )
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, float(cfg.attention_multiplier)
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        if self.rotary is not None:
+            q, k = self.rotary(
+                positions,
+                q.reshape(T, self.num_heads, self.head_dim),
+                k.reshape(T, self.num_kv_heads, self.head_dim),
+            )
+        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous(), meta.attn)
+        return self.o_proj(out)
+
+
+class GraniteMLP(torch.nn.Module):
+    """The shared MLP: input_linear [2I, H] (gate rows, then up rows), output_linear [H, I]."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.input_linear = Linear(hidden, 2 * intermediate)
+        self.output_linear = Linear(intermediate, hidden)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_linear(self.act(self.input_linear(x)))
+
+
+class GraniteMoE(torch.nn.Module):
+    """Top-k router (softmax over the k largest logits, weights rounded to the model dtype as in
+    HF) and the experts."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.router = Linear(cfg.hidden_size, cfg.num_local_experts)
+        self.experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_topk(self.router(x), self.top_k, renormalize=True)
+        return self.experts(x, weights.to(x.dtype).float(), ids)
+
+
+class GraniteMoeHybridDecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: Any, layer_type: str) -> None:
+        super().__init__()
+        self.residual_multiplier = float(cfg.residual_multiplier)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if is_mamba_layer(layer_type):
+            self.mamba, self.self_attn = Mamba2Mixer(bamba_mamba_dims(cfg)), None
+        else:
+            self.mamba, self.self_attn = None, GraniteAttention(cfg)
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"GraniteMoeHybrid: hidden_act {cfg.hidden_act!r} is not supported")
+        self.block_sparse_moe = GraniteMoE(cfg) if cfg.num_local_experts > 0 else None
+        self.shared_mlp = GraniteMLP(cfg.hidden_size, cfg.shared_intermediate_size)
+
+    def forward(self, positions, x, residual, meta: StepMetadata):
+        """Returns (branch output already scaled by residual_multiplier, residual): the next
+        norm adds them, as HF's `residual + out * residual_multiplier`."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.mamba is not None:
+            x = self.mamba(x, meta.mamba)
+        else:
+            x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x * self.residual_multiplier, residual)
+        out = self.shared_mlp(x)
+        if self.block_sparse_moe is not None:
+            out = self.block_sparse_moe(x) + out
+        return out * self.residual_multiplier, residual
+
+
+class GraniteMoeHybridForCausalLM(torch.nn.Module):
+    stacked = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+    }
+    renames = {
+        ".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.w13",
+        ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.w2",
+        ".block_sparse_moe.router.layer.weight": ".block_sparse_moe.router.weight",
+    }
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embedding_multiplier = float(cfg.embedding_multiplier)
+        self.logits_scaling = float(cfg.logits_scaling)
+        types = list(cfg.layer_types)
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = torch.nn.ModuleList(
+            GraniteMoeHybridDecoderLayer(cfg, types[i]) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if getattr(cfg, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids) * self.embedding_multiplier
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.lm_head(hidden) / self.logits_scaling).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, self.stacked, strip_prefix="model.", rename=self._rename)
+
+    def _rename(self, name: str) -> str:
+        for old, new in self.renames.items():
+            if name.endswith(old):
+                return name[: -len(old)] + new
+        return mixer_weight_name(name, ".mamba.")
+
+    def post_dummy_init(self) -> None:
+        """Mixer parameters as HF initializes them, so random-weight runs stay stable."""
+        for layer in self.layers:
+            if layer.mamba is not None:
+                _init_mixer(layer.mamba)
