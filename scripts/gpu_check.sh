@@ -13,26 +13,31 @@ run_kernels() {
   timeout 900 python3 -m pytest -q -x -m gpu tests/ops tests/runner -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/kernels.log"
 }
 run_parity() {
-  # HF parity on the GPU in float32 (the test modules read KRAIT_TEST_DEVICE)
-  KRAIT_TEST_DEVICE=cuda timeout 900 python3 -m pytest -q -m "not slow" tests/models -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/parity.log"
+  # HF parity on the GPU in float32, CUDA graphs on and off, chunked prefill
+  timeout 600 python3 scripts/gpu_parity.py 2>&1 | grep -v Warn | tail -40 | tee "$OUT/parity.log"
 }
-bench_latency() {  # name, extra args
-  local name=$1; shift
-  timeout 600 python3 -m krait bench latency --config "$name" "$@" > "$OUT/lat_${name}.json" 2> "$OUT/lat_${name}.err"
-  tail -14 "$OUT/lat_${name}.err"
+bench_latency() {  # name, tag, extra args
+  local name=$1 tag=$2; shift 2
+  timeout 600 python3 -m krait bench latency --config "$name" "$@" > "$OUT/lat_${name}${tag}.json" 2> "$OUT/lat_${name}${tag}.err"
+  echo "== $name $tag"; grep -v Warn "$OUT/lat_${name}${tag}.err" | tail -12
 }
 case $what in
   quick)
     run_kernels
-    bench_latency qwen3-0.6b --batch-sizes 1,64 --prompt-lens 2048 --num-steps 10
+    bench_latency qwen3-0.6b "" --batch-sizes 1,64 --prompt-lens 2048 --num-steps 10
     ;;
   kernels) run_kernels; run_parity ;;
   bench)
-    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m; done
+    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done
+    ;;
+  maxlen)  # decode cost must not follow max_model_len
+    for L in 4096 131072; do
+      bench_latency granite-4.0-h-micro "_L$L" --batch-sizes 1,64 --prompt-lens "" --max-model-len $L
+    done
     ;;
   all)
     run_kernels
     run_parity
-    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m; done
+    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done
     ;;
 esac

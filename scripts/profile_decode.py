@@ -38,6 +38,22 @@ def main() -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    for rid in list(eng._parents):
+        eng.abort_request(rid)
+    # one prefill of `ctx` tokens, profiled after a warm-up of the same length
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompt = _prompts(1, ctx, vocab, 1)[0]
+    for rep in range(3):
+        eng.add_request(f"p{rep}", {"prompt_token_ids": prompt}, one)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            while eng.has_unfinished_requests():
+                eng.step()
+            torch.cuda.synchronize()
+        print(f"prefill {ctx}: {(time.perf_counter() - t) * 1e3:.2f} ms")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -82,10 +82,16 @@ def _emit(result: dict, rows: list[str]) -> None:
 def bench_latency(args) -> dict:
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     prompt_lens = [int(x) for x in args.prompt_lens.split(",")] if args.prompt_lens else []
-    max_len = args.max_model_len or max([args.context_len + args.num_steps + 16, *prompt_lens]) + 16
+    budget = max(args.max_num_batched_tokens, *prompt_lens, 1)
+    # early rows of a big batch decode while later rows still prefill: leave them room
+    prefill_steps = -(-max(batch_sizes) * args.context_len // budget)
+    need = args.context_len + prefill_steps + args.num_steps + 16
+    max_len = args.max_model_len or max([need, *prompt_lens]) + 16
+    if need > max_len:
+        raise ValueError(f"max_model_len {max_len} is too short for this run (needs {need})")
     engine = _engine(
         args, _model_dir(args), max_model_len=max_len, max_num_seqs=max(batch_sizes),
-        max_num_batched_tokens=max(args.max_num_batched_tokens, *prompt_lens, 1),
+        max_num_batched_tokens=budget,
     )
     dev = engine.config.device
     ceil = measure_ceilings(dev)
@@ -113,7 +119,7 @@ def bench_latency(args) -> dict:
 
 
 def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     ids = [f"lat{batch}_{i}" for i in range(batch)]
     for rid, prompt in zip(ids, _prompts(batch, context, vocab, seed=batch)):
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -129,7 +135,10 @@ def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> float:
         engine.step()
         _sync(dev)
         times.append((time.perf_counter() - t) * 1e3)
+    running = sum(1 for r in sched.running if r.request_id.startswith(f"lat{batch}_"))
     engine.abort_request(ids)
+    if running != batch:
+        raise RuntimeError(f"decode batch {batch}: only {running} rows ran (preempted or finished)")
     return statistics.median(times)
 
 

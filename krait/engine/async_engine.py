@@ -303,18 +303,19 @@ class AsyncLLMEngine:
             obs.on_finished(now - t.arrival, reason)
 
     def _handle_step_error(self, exc: Exception) -> None:
-        named = getattr(exc, "request_ids", None)
+        named = set(getattr(exc, "request_ids", None) or ())
         with self._cv:
             in_engine = [rid for rid, t in self._requests.items() if t.in_engine]
-        victims = [rid for rid in in_engine if rid in set(named)] if named else in_engine
+            pending_aborts, self._pending_aborts = self._pending_aborts, []
+        victims = [rid for rid in in_engine if rid in named] if named else in_engine
         # without named requests every request in the engine is failed; if the engine still
         # reports work after aborting them all, it cannot recover
         logger.error("engine step failed; failing %d request(s)", len(victims), exc_info=exc)
         error = EngineStepError(f"the engine step failed: {type(exc).__name__}: {exc}")
         try:
             with self.lock:
-                if victims:
-                    self.engine.abort_request(victims)
+                if victims or pending_aborts:
+                    self.engine.abort_request(victims + pending_aborts)
                 self._has_work = self.engine.has_unfinished_requests()
                 self.stats = dict(self.engine.get_stats())
             if self._has_work and not named:

@@ -36,7 +36,7 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.tokenizer = get_tokenizer(mc.tokenizer or mc.model)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, model_dir=mc.model)
         self.runner = ModelRunner(config)
         num_blocks, num_slots = self._size_cache()
         self.runner.initialize_cache(num_blocks, num_slots)
@@ -53,6 +53,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._text: dict[str, str] = {}  # text released so far per child (never shrinks)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
@@ -172,6 +173,7 @@ class LLMEngine:
                 self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
                 self._child_parent.pop(cid, None)
                 self._detok.pop(cid, None)
+                self._text.pop(cid, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -202,13 +204,20 @@ class LLMEngine:
             detok = self._detok.get(req.request_id)
             new_ids = sampled[req.request_id].token_ids
             if detok is not None:
+                if _ended_on_stop_token(req) and not req.params.include_stop_str_in_output:
+                    new_ids = new_ids[:-1]  # EOS / stop token ids stay out of the text
                 stop = detok.update(new_ids)
+                if stop is None and req.is_finished:
+                    stop = detok.finish()
                 if stop is not None and not req.is_finished:
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                    req.stop_reason = stop
-                elif stop is not None:
+                    detok.finish()
+                if stop is not None:
                     req.status = RequestStatus.FINISHED_STOPPED
                     req.stop_reason = stop
+                self._text[req.request_id] = (
+                    self._text.get(req.request_id, "") + detok.get_next_delta()
+                )
             pid = self._child_parent.get(req.request_id)
             if pid is None:
                 continue
@@ -234,11 +243,11 @@ class LLMEngine:
                 for c in parent.children:
                     self._child_parent.pop(c, None)
                     self._detok.pop(c, None)
+                    self._text.pop(c, None)
         return outputs
 
     def _completion(self, req: Request, parent: _Parent) -> CompletionOutput:
-        detok = self._detok.get(req.request_id)
-        text = detok.output_text if detok is not None else ""
+        text = self._text.get(req.request_id, "")
         token_ids = list(req.output_token_ids)
         return CompletionOutput(
             index=parent.children.index(req.request_id),
@@ -249,6 +258,13 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
         )
+
+
+def _ended_on_stop_token(req: Request) -> bool:
+    """The request just stopped on EOS or one of its stop_token_ids (not a stop string)."""
+    return req.status == RequestStatus.FINISHED_STOPPED and (
+        req.stop_reason is None or isinstance(req.stop_reason, int)
+    )
 
 
 def _child_params(params: SamplingParams, i: int) -> SamplingParams:

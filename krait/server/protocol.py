@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from krait.sampling_params import SamplingParams
 
+MAX_LOGPROBS = 20  # as OpenAI (top_logprobs) and vLLM's default max_logprobs
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -146,6 +148,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"best_of is not supported (must equal n={self.n}), got {self.best_of}")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
@@ -185,8 +189,9 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if not self.messages:
             raise ValueError("messages must not be empty")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         max_tokens = self.max_completion_tokens

@@ -205,6 +205,7 @@ def test_concurrent_streams_all_finish(server):
     ({"prompt": [5] * (MAX_MODEL_LEN + 10)}, "prompt", "max_model_len"),
     ({"prompt": []}, "prompt", "empty"),
     ({"max_tokens": 3}, "prompt", "required"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs"),
 ])
 def test_bad_requests_get_400(server, body, param, fragment):
     r = post(server[0], "/v1/completions", dict({"model": "tiny"}, **body))
