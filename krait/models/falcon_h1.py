@@ -154,9 +154,9 @@ class FalconH1DecoderLayer(torch.nn.Module):
         ssm_in = float(getattr(cfg, "ssm_in_multiplier", 1.0))
         mup = mup_vector(m.d, getattr(cfg, "ssm_multipliers", None) or [1.0] * 5)
         mup = mup.to(m.in_proj.weight.device)
-        m.in_proj.weight.mul_((mup * ssm_in)[:, None].to(m.in_proj.weight.dtype))
+        _scale_rows(m.in_proj.weight, (mup * ssm_in)[:, None])
         if m.in_proj.bias is not None:
-            m.in_proj.bias.mul_(mup.to(m.in_proj.bias.dtype))
+            _scale_rows(m.in_proj.bias, mup)
         _scale(m.out_proj, float(getattr(cfg, "ssm_out_multiplier", 1.0)))
 
         a = self.self_attn
@@ -176,6 +176,11 @@ class FalconH1DecoderLayer(torch.nn.Module):
         if f.gate_up_proj.bias is not None:
             f.gate_up_proj.bias[:inter].mul_(float(gate_m))
         _scale(f.down_proj, float(down_m))
+
+
+def _scale_rows(t: torch.Tensor, factor: torch.Tensor) -> None:
+    # in float32, so a low-precision weight is rounded once
+    t.copy_((t.float() * factor).to(t.dtype))
 
 
 def _scale(linear: torch.nn.Module, factor: float) -> None:

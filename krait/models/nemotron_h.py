@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from krait.layers.activation import get_act_fn
 from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
-from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name
+from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.moe import FusedMoE, load_expert_weights
 from krait.layers.norm import RMSNorm
 from krait.models.weights import load_named_weights
@@ -43,8 +43,9 @@ def nemotron_h_layer_kinds(cfg: Any) -> list[str]:
 
 
 def nemotron_h_dims(cfg: Any) -> Mamba2Dims:
-    """Mixer shapes of a NemotronH config. HF clamps dt from below at `time_step_min` (its
-    `time_step_limit` field is not read)."""
+    """Mixer shapes of a NemotronH config. dt is clamped to the config's `time_step_limit`
+    ((0, inf) in released checkpoints), as NVIDIA's reference code and HF's decode path do;
+    HF 5.x's prefill path alone clamps at (time_step_min, inf) instead."""
     return Mamba2Dims(
         hidden_size=cfg.hidden_size,
         num_heads=cfg.mamba_num_heads,
@@ -56,7 +57,7 @@ def nemotron_h_dims(cfg: Any) -> Mamba2Dims:
         eps=cfg.layer_norm_epsilon,
         use_conv_bias=getattr(cfg, "use_conv_bias", True),
         use_bias=getattr(cfg, "use_bias", False),
-        time_step_limit=(float(getattr(cfg, "time_step_min", 0.0)), float("inf")),
+        time_step_limit=time_step_limit(cfg),
         activation=getattr(cfg, "mamba_hidden_act", "silu"),
     )
 

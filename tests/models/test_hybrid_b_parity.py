@@ -167,3 +167,22 @@ def test_nemotronh_router_matches_hf():
         torch.testing.assert_close(
             w.gather(1, order.indices), hf_w.gather(1, hf_order.indices), rtol=1e-6, atol=1e-6
         )
+
+
+def test_nemotronh_layer_kinds():
+    """The layout from a bare pattern string (configs transformers does not convert), from
+    `layers_block_type` in the old and the new spelling, and a refusal of unknown kinds."""
+    from types import SimpleNamespace
+
+    from krait.models.nemotron_h import nemotron_h_layer_kinds
+
+    want = ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "moe"]
+    assert nemotron_h_layer_kinds(SimpleNamespace(hybrid_override_pattern="M-M*-ME")) == want
+    new = ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
+           "linear_attention", "moe"]
+    old = ["mamba", "mlp", "mamba", "attention", "mlp", "mamba", "moe"]
+    for types in (new, old):
+        cfg = SimpleNamespace(layers_block_type=types, hybrid_override_pattern="MMMMMMM")
+        assert nemotron_h_layer_kinds(cfg) == want
+    with pytest.raises(ValueError, match="unknown layer types"):
+        nemotron_h_layer_kinds(SimpleNamespace(hybrid_override_pattern="M*X"))
