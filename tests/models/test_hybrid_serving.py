@@ -34,9 +34,7 @@ PROMPT_LENS = [1, 2, 7, 13, 16, 17, 33, 60]
 MAX_NEW = 32
 NUM_LOGPROBS = 2
 TOL = 1e-3
-GREEDY = SamplingParams(
-    temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=NUM_LOGPROBS
-)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=NUM_LOGPROBS)
 
 
 def _prompts() -> list[list[int]]:
@@ -199,7 +197,9 @@ def test_parity_final_prefill_chunk_of_one_token(references, arch: str) -> None:
     chunks = _record_prefill_chunks(llm.llm_engine)
     for i, out in enumerate(generate_all(llm)):
         assert_matches(ref, i, out)
-    assert (1, True) in chunks, "a final prefill chunk of one token (with carried state) was expected"
+    assert (1, True) in chunks, (
+        "a final prefill chunk of one token (with carried state) was expected"
+    )
     assert chunks.count((8, True)) > 0 and max(n for n, _ in chunks) == 8
 
 
@@ -290,8 +290,13 @@ def test_parity_with_slot_reuse(references, arch: str) -> None:
 def test_slots_that_do_not_fit_fail_at_startup(checkpoints, arch: str) -> None:
     opts = device_options()
     with pytest.raises(ValueError) as err:
-        LLM(checkpoints(arch), **opts, max_num_seqs=256, cpu_kv_cache_gib=1e-6,
-            gpu_memory_utilization=1e-6)
+        LLM(
+            checkpoints(arch),
+            **opts,
+            max_num_seqs=256,
+            cpu_kv_cache_gib=1e-6,
+            gpu_memory_utilization=1e-6,
+        )
     msg = str(err.value)
     assert "max_num_seqs=256" in msg
     assert "lower max_num_seqs" in msg  # says how to fix it

@@ -125,8 +125,13 @@ def speculative_state(llm: LLM, k: int) -> MambaHybridModelState:
 
 @pytest.mark.parametrize("arch", ["mamba2", "bamba"])
 def test_invariant_3_no_speculative_buffers_without_speculation(checkpoints, arch: str) -> None:
-    llm = LLM(checkpoints(arch), **device_options(), max_num_batched_tokens=7, max_num_seqs=3,
-              enforce_eager=True)  # graph replays would hide the layer inputs
+    llm = LLM(
+        checkpoints(arch),
+        **device_options(),
+        max_num_batched_tokens=7,
+        max_num_seqs=3,
+        enforce_eager=True,
+    )  # graph replays would hide the layer inputs
     state = hybrid_state(llm)
     assert state.num_accepted_tokens is None
     assert state.slots_per_request == 1
@@ -274,8 +279,13 @@ def test_invariant_5_live_requests_never_share_a_slot(checkpoints, arch: str) ->
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_invariant_5_final_one_token_prefill_chunk_equals_decode(checkpoints, arch: str) -> None:
-    llm = LLM(checkpoints(arch), **device_options(), max_num_batched_tokens=8, max_num_seqs=1,
-              enforce_eager=True)
+    llm = LLM(
+        checkpoints(arch),
+        **device_options(),
+        max_num_batched_tokens=8,
+        max_num_seqs=1,
+        enforce_eager=True,
+    )
     metas = record_mixer_inputs(llm)
     q = PROMPTS[3]  # 16 tokens
     assert len(q) == 16
