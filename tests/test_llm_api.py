@@ -1,4 +1,4 @@
-"""The offline LLM API: ordering, text, finish reasons, stops, min_tokens, n, seeds, progress bar."""
+"""The offline LLM API: order, text, finish reasons, stops, min_tokens, n, seeds, progress bar."""
 
 from __future__ import annotations
 

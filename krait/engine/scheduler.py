@@ -265,7 +265,8 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = tok
                 return True
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+        out_of_tokens = p.max_tokens is not None and n_out >= p.max_tokens
+        if out_of_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -28,6 +28,9 @@ class MambaMetadata:
     # only with speculative decoding (invariant 3); None otherwise
     num_accepted_tokens: torch.Tensor | None = None
     num_decode_draft_tokens: torch.Tensor | None = None
+    # per-step precomputations shared by every layer (GPU kernels); None: each op computes its own
+    prefill_token_seq: torch.Tensor | None = None  # int32 [num_prefill_tokens]
+    prefill_chunk_layout: tuple | None = None  # mamba_ssd.chunk_layout(...) for chunk_size
 
     @property
     def decode_state_indices(self) -> torch.Tensor:
@@ -95,6 +98,12 @@ class Mamba2Mixer(torch.nn.Module):
         self.out_proj = Linear(d.intermediate, d.hidden_size, d.use_bias)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        self._A: torch.Tensor | None = None  # -exp(A_log) in float32, computed once
+
+    def neg_A(self) -> torch.Tensor:
+        if self._A is None or self._A.device != self.A_log.device:
+            self._A = -torch.exp(self.A_log.detach().float())
+        return self._A
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         d = self.d
@@ -107,7 +116,7 @@ class Mamba2Mixer(torch.nn.Module):
         proj = self.in_proj(x)
         gate, xbc, dt = proj.split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
         w = self.conv1d_weight.squeeze(1)
-        A = -torch.exp(self.A_log.float())
+        A = self.neg_A()
         y = torch.empty(T, d.num_heads, d.head_dim, dtype=x.dtype, device=x.device)
         nd = meta.num_decode_tokens
         if nd:
@@ -125,13 +134,14 @@ class Mamba2Mixer(torch.nn.Module):
             xbc_p = causal_conv1d_fn(
                 xbc[nd:end].contiguous(), w, self.conv1d_bias, self.conv_state,
                 meta.prefill_query_start_loc, meta.prefill_state_indices,
-                meta.prefill_has_initial_state, d.activation,
+                meta.prefill_has_initial_state, d.activation, meta.prefill_token_seq,
             )
             xs, B, C = self._split_xbc(xbc_p)
             y[nd:end] = mamba_chunk_scan(
                 xs, dt[nd:end], A, B, C, self.D, self.dt_bias, self.ssm_state,
                 meta.prefill_query_start_loc, meta.prefill_state_indices,
                 meta.prefill_has_initial_state, d.chunk_size, True, d.time_step_limit,
+                meta.prefill_chunk_layout,
             )
         if T > nd + meta.num_prefill_tokens:  # padded tokens
             y[nd + meta.num_prefill_tokens :] = 0

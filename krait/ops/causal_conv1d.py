@@ -168,9 +168,10 @@ def token_to_seq(query_start_loc: Tensor, num_tokens: int) -> Tensor:
 def causal_conv1d_fn_triton(
     x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
     query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
-    activation: str | None = "silu",
+    activation: str | None = "silu", token_seq: Tensor | None = None,
 ) -> Tensor:
-    """Triton launcher of `causal_conv1d_fn`."""
+    """Triton launcher of `causal_conv1d_fn`. `token_seq`: token_to_seq(...) of this batch when
+    the caller already has it."""
     silu = _check_activation(activation)
     num_tokens, dim = x.shape
     width = weight.shape[1]
@@ -186,7 +187,7 @@ def causal_conv1d_fn_triton(
     block_t = 32 if _interpreting() else 16
     _conv_fwd_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
         x, weight, bias_arg, conv_states, out,
-        qsl, token_to_seq(qsl, num_tokens), slots, has_init,
+        qsl, token_seq if token_seq is not None else token_to_seq(qsl, num_tokens), slots, has_init,
         num_tokens, num_seqs, dim,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), out.stride(0),
@@ -284,7 +285,7 @@ def causal_conv1d_update_ref(
 def causal_conv1d_fn(
     x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
     query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
-    activation: str | None = "silu",
+    activation: str | None = "silu", token_seq: Tensor | None = None,
 ) -> Tensor:
     """Varlen causal depthwise conv (prefill) with state slots; returns [T, dim].
 
@@ -296,7 +297,7 @@ def causal_conv1d_fn(
     if use_triton(x):
         return causal_conv1d_fn_triton(
             x, weight, bias, conv_states, query_start_loc, state_indices, has_initial_state,
-            activation,
+            activation, token_seq,
         )
     return causal_conv1d_fn_ref(
         x, weight, bias, conv_states, query_start_loc, state_indices, has_initial_state, activation

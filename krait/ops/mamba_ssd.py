@@ -326,9 +326,11 @@ def mamba_chunk_scan_triton(
     ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
     has_initial_state: Tensor, chunk_size: int, dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    layout: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Triton launcher of `mamba_chunk_scan`: chunk cumsum, chunk states, state passing,
-    C.B per chunk, chunk scan."""
+    C.B per chunk, chunk scan. `layout`: chunk_layout(...) of this batch when the caller
+    already has it (it is the same for every layer of a step)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     num_seqs = state_indices.shape[0]
@@ -336,7 +338,7 @@ def mamba_chunk_scan_triton(
     if num_tokens == 0 or num_seqs == 0:
         return y
     dev = x.device
-    chunk_start, chunk_len, seq_chunk_start = chunk_layout(
+    chunk_start, chunk_len, seq_chunk_start = layout or chunk_layout(
         query_start_loc, state_indices, chunk_size, num_tokens
     )
     max_chunks = chunk_start.shape[0]
@@ -510,6 +512,7 @@ def mamba_chunk_scan(
     ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
     has_initial_state: Tensor, chunk_size: int, dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    layout: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Varlen Mamba2 SSD prefill; returns y [T, H, P] in x's dtype.
 
@@ -521,7 +524,7 @@ def mamba_chunk_scan(
     if use_triton(x):
         return mamba_chunk_scan_triton(
             x, dt, A, B, C, D, dt_bias, ssm_states, query_start_loc, state_indices,
-            has_initial_state, chunk_size, dt_softplus, dt_limit,
+            has_initial_state, chunk_size, dt_softplus, dt_limit, layout,
         )
     return mamba_chunk_scan_ref(
         x, dt, A, B, C, D, dt_bias, ssm_states, query_start_loc, state_indices,

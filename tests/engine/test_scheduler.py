@@ -1,4 +1,4 @@
-"""Scheduler with fake requests and a fake runner: budgets, ordering, chunking, preemption, stops."""
+"""Scheduler with fake requests and a fake runner: budget, order, chunks, preemption, stops."""
 
 from __future__ import annotations
 

@@ -70,8 +70,13 @@ def assert_matches(ref: Reference, i: int, out: CompletionOutput) -> None:
     assert out.cumulative_logprob == pytest.approx(expected_cum, abs=MAX_NEW * TOL)
 
 
+def _llm(ref: Reference, **engine_options) -> LLM:
+    # float32 on any device: the oracle is HF in float32
+    return LLM(ref.model_dir, dtype="float32", **engine_options)
+
+
 def _generate(ref: Reference, **engine_options) -> tuple[LLM, list[CompletionOutput]]:
-    llm = LLM(ref.model_dir, **engine_options)
+    llm = _llm(ref, **engine_options)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == PROMPTS
     return llm, [o.outputs[0] for o in outs]
@@ -120,7 +125,7 @@ PREEMPTION_CONFIGS = {
 
 @pytest.mark.parametrize("config", list(PREEMPTION_CONFIGS))
 def test_parity_with_preemption(ref: Reference, config: str) -> None:
-    llm = LLM(ref.model_dir, **PREEMPTION_CONFIGS[config])
+    llm = _llm(ref, **PREEMPTION_CONFIGS[config])
     seen = _track_requests(llm.llm_engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert len(seen) == len(PROMPTS)
@@ -133,7 +138,7 @@ def test_parity_with_preemption(ref: Reference, config: str) -> None:
 
 @pytest.mark.parametrize("budget", [8192, 9])
 def test_parity_requests_added_while_decoding(ref: Reference, budget: int) -> None:
-    llm = LLM(ref.model_dir, max_num_batched_tokens=budget)
+    llm = _llm(ref, max_num_batched_tokens=budget)
     engine = llm.llm_engine
     done: dict[str, CompletionOutput] = {}
 

@@ -22,6 +22,10 @@ class MambaHybridModelState(DefaultModelState):
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         super().__init__(model, config)
         self.mamba_layers = [m for m in model.modules() if getattr(m, "has_recurrent_state", False)]
+        chunk_sizes = {m.d.chunk_size for m in self.mamba_layers}
+        if len(chunk_sizes) != 1:
+            raise ValueError(f"mamba layers disagree on chunk_size: {sorted(chunk_sizes)}")
+        self.chunk_size = chunk_sizes.pop()
         spec = config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.slots_per_request = 1 + self.num_spec_tokens
@@ -97,6 +101,15 @@ class MambaHybridModelState(DefaultModelState):
             prefill_query_start_loc=torch.from_numpy(pqsl).to(dev, non_blocking=True),
             prefill_has_initial_state=torch.from_numpy(has_init).to(dev, non_blocking=True),
         )
+        if npf and dev.type == "cuda":
+            from krait.ops.causal_conv1d import token_to_seq
+            from krait.ops.mamba_ssd import chunk_layout
+
+            meta.prefill_token_seq = token_to_seq(meta.prefill_query_start_loc, num_prefill_tokens)
+            meta.prefill_chunk_layout = chunk_layout(
+                meta.prefill_query_start_loc, meta.prefill_state_indices, self.chunk_size,
+                num_prefill_tokens,
+            )
         if self.num_accepted_tokens is not None:
             meta.num_accepted_tokens = self.num_accepted_tokens
             draft = np.full(npad, -1, dtype=np.int32)
