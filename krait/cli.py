@@ -81,10 +81,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if getattr(args, "server_import_error", None):
+        print(f"krait serve needs the server extras (fastapi, uvicorn, pydantic, "
+              f"prometheus-client): {args.server_import_error}", file=sys.stderr)
+        return 2
     from krait.server import api_server
 
+    is_demo = (args.model_opt or args.model) is None
     args.model = resolve_model(args)
+    if is_demo and not args.served_model_name:
+        args.served_model_name = ["krait-demo"]
+    name = (args.served_model_name or [args.model])[0]
     args.engine_config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
+    url = f"http://{args.host}:{args.port}"
+    print(f"krait: serving {name!r} at {url}/v1\n  try: curl {url}/v1/completions "
+          f"-H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+          file=sys.stderr)
     return api_server.run_server(args) or 0
 
 
