@@ -6,7 +6,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-
 from krait.config import EngineConfig
 from krait.engine.detokenizer import IncrementalDetokenizer
 from krait.engine.kv_cache_manager import KVCacheManager, cdiv
