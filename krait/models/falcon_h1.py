@@ -86,7 +86,7 @@ class FalconH1Mixer(Mamba2Mixer):
         T = x.shape[0]
         gate, xbc, dt = self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
         w = self.conv1d_weight.squeeze(1)
-        A = -torch.exp(self.A_log.float())
+        A = self.neg_A()
         y = torch.empty(T, d.num_heads, d.head_dim, dtype=x.dtype, device=x.device)
         nd = meta.num_decode_tokens
         if nd:
@@ -104,13 +104,14 @@ class FalconH1Mixer(Mamba2Mixer):
             xbc_p = causal_conv1d_fn(
                 xbc[nd:end].contiguous(), w, self.conv1d_bias, self.conv_state,
                 meta.prefill_query_start_loc, meta.prefill_state_indices,
-                meta.prefill_has_initial_state, d.activation,
+                meta.prefill_has_initial_state, d.activation, meta.prefill_token_seq,
             )
             xs, B, C = self._split_xbc(xbc_p)
             y[nd:end] = mamba_chunk_scan(
                 xs, dt[nd:end], A, B, C, self.D, self.dt_bias, self.ssm_state,
                 meta.prefill_query_start_loc, meta.prefill_state_indices,
                 meta.prefill_has_initial_state, d.chunk_size, True, d.time_step_limit,
+                meta.prefill_chunk_layout,
             )
         if T > nd + meta.num_prefill_tokens:  # padded tokens
             y[nd + meta.num_prefill_tokens :] = 0

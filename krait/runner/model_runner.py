@@ -72,6 +72,7 @@ class ModelRunner:
         tokens) over the current caches, to measure peak activation memory."""
         per = max(min(num_tokens, self.max_model_len - 1), 1)
         lens = [per] * (num_tokens // per) + ([num_tokens % per] if num_tokens % per else [])
+        lens = lens[: self.config.scheduler.max_num_seqs]  # no real batch has more rows
         st = self.states
         ids = []
         for j, n in enumerate(lens):

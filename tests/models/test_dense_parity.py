@@ -6,6 +6,7 @@ arriving while others decode)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,7 +154,7 @@ def test_parity_requests_added_while_decoding(ref: Reference, budget: int) -> No
                     done[out.request_id] = out.outputs[0]
 
     add(range(0, 4))
-    step(12)  # under the small budget the 33-token prompt is still prefilling at times
+    step(12)  # prompts 0-3 now decode; 4-7 join them (chunked under the small budget)
     assert engine.scheduler.num_running > 0 and not done
     add(range(4, 6))
     step(5)
@@ -166,7 +167,7 @@ def test_parity_requests_added_while_decoding(ref: Reference, budget: int) -> No
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_parity_other_dense_architectures(arch: str, tmp_path: pytest.TempPathFactory) -> None:
+def test_parity_other_dense_architectures(arch: str, tmp_path: Path) -> None:
     ref = _reference(make_tiny_llama(tmp_path / arch, arch=arch))
     _, outs = _generate(ref)
     for i, out in enumerate(outs):

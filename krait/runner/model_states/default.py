@@ -45,10 +45,12 @@ class DefaultModelState:
     # -- per step ---------------------------------------------------------------------
     def attention_metadata(self, batch: InputBatch, for_capture: bool) -> AttentionMetadata:
         if for_capture:
+            # a graph serves any batch of its size: size the launch for the worst case
             max_seq_len = self.max_model_len
+            sched = batch.num_scheduled_tokens_np[: batch.num_reqs_padded]
         else:
             max_seq_len = int(np.max(batch.seq_lens_cpu_upper_bound[: batch.num_reqs], initial=0))
-        sched = batch.num_scheduled_tokens_np[: batch.num_reqs]
+            sched = batch.num_scheduled_tokens_np[: batch.num_reqs]
         return AttentionMetadata(
             num_reqs=batch.num_reqs,
             num_tokens=batch.num_tokens,
