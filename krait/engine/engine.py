@@ -87,6 +87,13 @@ class LLMEngine:
                 "not enough memory for even one KV cache block; raise gpu_memory_utilization "
                 "(or cpu_kv_cache_gib), or lower max_num_seqs"
             )
+        if (blocks - 1) * cc.block_size < self.config.model.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {(blocks - 1) * cc.block_size} tokens ({blocks - 1} blocks of "
+                f"{cc.block_size}), less than one request of max_model_len="
+                f"{self.config.model.max_model_len}; raise num_kv_blocks (or "
+                "gpu_memory_utilization / cpu_kv_cache_gib), or lower max_model_len"
+            )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); %d state slots",
             blocks - 1, cc.block_size, (blocks - 1) * cc.block_size, slots,

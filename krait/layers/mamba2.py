@@ -112,22 +112,29 @@ class Mamba2Mixer(torch.nn.Module):
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         d = self.d
+        y, gate = self.scan(x, meta)
+        group = d.norm_group_size or d.intermediate // d.n_groups
+        return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
+
+    def scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing
+        the state slots: returns (y [T, intermediate], gate [T, intermediate])."""
+        d = self.d
         T = x.shape[0]
-        proj = self.in_proj(x)
-        gate, xbc, dt = proj.split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
+        gate, xbc, dt = self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
         w = self.conv1d_weight.squeeze(1)
         A = self.neg_A()
         y = torch.empty(T, d.num_heads, d.head_dim, dtype=x.dtype, device=x.device)
         nd = meta.num_decode_tokens
         if nd:
+            idx = meta.decode_state_indices[:nd]
             xbc_d = causal_conv1d_update(
-                xbc[:nd], self.conv_state, w, self.conv1d_bias, meta.decode_state_indices[:nd],
-                d.activation,
+                xbc[:nd], self.conv_state, w, self.conv1d_bias, idx, d.activation
             )
             xs, B, C = self._split_xbc(xbc_d)
             y[:nd] = selective_state_update(
-                self.ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias,
-                meta.decode_state_indices[:nd], True, d.time_step_limit,
+                self.ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias, idx, True,
+                d.time_step_limit,
             )
         if meta.num_prefills:
             end = nd + meta.num_prefill_tokens
@@ -145,9 +152,7 @@ class Mamba2Mixer(torch.nn.Module):
             )
         if T > nd + meta.num_prefill_tokens:  # padded tokens
             y[nd + meta.num_prefill_tokens :] = 0
-        group = d.norm_group_size or d.intermediate // d.n_groups
-        out = gated_rms_norm(y.view(T, d.intermediate), gate, self.norm_weight, d.eps, group)
-        return self.out_proj(out)
+        return y.view(T, d.intermediate), gate
 
     def _split_xbc(self, xbc: torch.Tensor):
         d = self.d

@@ -22,10 +22,7 @@ from krait.layers.mamba2 import (
 from krait.layers.norm import RMSNorm
 from krait.models.llama import LlamaAttention, LlamaMLP
 from krait.models.weights import load_named_weights
-from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.mamba_ssd import mamba_chunk_scan
-from krait.ops.selective_state_update import selective_state_update
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -75,47 +72,10 @@ class FalconH1Mixer(Mamba2Mixer):
         if self.rms_norm and not self.norm_before_gate:
             return super().forward(x, meta)
         d = self.d
-        y, gate = self._scan(x, meta)
+        y, gate = self.scan(x, meta)
         if self.rms_norm:
             y = gated_rms_norm(y, None, self.norm_weight, d.eps, d.intermediate // d.n_groups)
         return self.out_proj(y * F.silu(gate))
-
-    def _scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The SSM part of Mamba2Mixer.forward: returns (y [T, intermediate], gate)."""
-        d = self.d
-        T = x.shape[0]
-        gate, xbc, dt = self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
-        w = self.conv1d_weight.squeeze(1)
-        A = self.neg_A()
-        y = torch.empty(T, d.num_heads, d.head_dim, dtype=x.dtype, device=x.device)
-        nd = meta.num_decode_tokens
-        if nd:
-            idx = meta.decode_state_indices[:nd]
-            xbc_d = causal_conv1d_update(
-                xbc[:nd], self.conv_state, w, self.conv1d_bias, idx, d.activation
-            )
-            xs, B, C = self._split_xbc(xbc_d)
-            y[:nd] = selective_state_update(
-                self.ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias, idx, True,
-                d.time_step_limit,
-            )
-        if meta.num_prefills:
-            end = nd + meta.num_prefill_tokens
-            xbc_p = causal_conv1d_fn(
-                xbc[nd:end].contiguous(), w, self.conv1d_bias, self.conv_state,
-                meta.prefill_query_start_loc, meta.prefill_state_indices,
-                meta.prefill_has_initial_state, d.activation, meta.prefill_token_seq,
-            )
-            xs, B, C = self._split_xbc(xbc_p)
-            y[nd:end] = mamba_chunk_scan(
-                xs, dt[nd:end], A, B, C, self.D, self.dt_bias, self.ssm_state,
-                meta.prefill_query_start_loc, meta.prefill_state_indices,
-                meta.prefill_has_initial_state, d.chunk_size, True, d.time_step_limit,
-                meta.prefill_chunk_layout,
-            )
-        if T > nd + meta.num_prefill_tokens:  # padded tokens
-            y[nd + meta.num_prefill_tokens :] = 0
-        return y.view(T, d.intermediate), gate
 
 
 class FalconH1DecoderLayer(torch.nn.Module):

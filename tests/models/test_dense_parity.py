@@ -116,11 +116,14 @@ def _track_requests(engine: LLMEngine) -> list[Request]:
     return seen
 
 
-# The longest request holds 60 + 31 tokens in the cache: these pools fit it alone, not all.
+# The longest request holds 60 + 31 tokens in the cache: these pools fit it alone, not all
+# (and one request of max_model_len=96, which the engine checks at startup).
 PREEMPTION_CONFIGS = {
-    "blocks_16x8": dict(block_size=16, num_kv_blocks=8),
-    "blocks_4x24_chunked_7": dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=7),
-    "blocks_1x100_seqs_4": dict(block_size=1, num_kv_blocks=100, max_num_seqs=4),
+    "blocks_16x8": dict(block_size=16, num_kv_blocks=8, max_model_len=96),
+    "blocks_4x24_chunked_7": dict(
+        block_size=4, num_kv_blocks=24, max_num_batched_tokens=7, max_model_len=96
+    ),
+    "blocks_1x100_seqs_4": dict(block_size=1, num_kv_blocks=100, max_num_seqs=4, max_model_len=96),
 }
 
 

@@ -217,7 +217,10 @@ def test_invariant_6_new_blocks_not_assumed_zero(model_dir: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=0)
     results = []
     for fill in (0.0, math.nan):
-        llm = LLM(model_dir, block_size=BLOCK, max_num_batched_tokens=7, num_kv_blocks=24)
+        llm = LLM(
+            model_dir, block_size=BLOCK, max_num_batched_tokens=7, num_kv_blocks=24,
+            max_model_len=24 * BLOCK,
+        )
         for a in llm.llm_engine.runner.model_state.attn_layers:
             a.kv_cache.fill_(fill)
         outs = llm.generate(prompts, params, use_tqdm=False)

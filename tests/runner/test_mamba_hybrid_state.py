@@ -42,6 +42,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 TOL = 1e-4  # same model, different batch shapes or kernels (chunk scan vs. state update)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine torch's
+    thread pool makes each small op ~100x slower: run this module on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def device_options() -> dict:
     """CPU float32, or the device named by KRAIT_TEST_DEVICE (float32 too)."""
     return dict(device=os.environ.get("KRAIT_TEST_DEVICE", "cpu"), dtype="float32")
