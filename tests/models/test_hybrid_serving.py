@@ -45,16 +45,6 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine torch's
-    thread pool makes each small op ~100x slower: run this module on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def device_options() -> dict:
     """CPU float32, or the device named by KRAIT_TEST_DEVICE (float32 too)."""
     return dict(device=os.environ.get("KRAIT_TEST_DEVICE", "cpu"), dtype="float32")
@@ -213,10 +203,13 @@ def test_parity_final_prefill_chunk_of_one_token(references, arch: str) -> None:
     assert chunks.count((8, True)) > 0 and max(n for n, _ in chunks) == 8
 
 
-# The longest request holds 60 + 31 tokens in the cache: these pools fit it alone, not all.
+# The longest request holds 60 + 31 tokens in the cache: these pools fit it alone, not all (and
+# one request of max_model_len, which the engine checks at startup).
 PREEMPTION_CONFIGS = {
-    "blocks_16x8": dict(block_size=16, num_kv_blocks=8),
-    "blocks_4x24_chunked_7": dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=7),
+    "blocks_16x8": dict(block_size=16, num_kv_blocks=8, max_model_len=96),
+    "blocks_4x24_chunked_7": dict(
+        block_size=4, num_kv_blocks=24, max_num_batched_tokens=7, max_model_len=96
+    ),
 }
 
 

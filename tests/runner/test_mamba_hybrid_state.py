@@ -42,16 +42,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 TOL = 1e-4  # same model, different batch shapes or kernels (chunk scan vs. state update)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine torch's
-    thread pool makes each small op ~100x slower: run this module on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def device_options() -> dict:
     """CPU float32, or the device named by KRAIT_TEST_DEVICE (float32 too)."""
     return dict(device=os.environ.get("KRAIT_TEST_DEVICE", "cpu"), dtype="float32")
@@ -140,8 +130,8 @@ def test_invariant_3_no_speculative_buffers_without_speculation(checkpoints, arc
         **device_options(),
         max_num_batched_tokens=7,
         max_num_seqs=3,
-        enforce_eager=True,
-    )  # graph replays would hide the layer inputs
+        enforce_eager=True,  # graph replays would hide the layer inputs
+    )
     state = hybrid_state(llm)
     assert state.num_accepted_tokens is None
     assert state.slots_per_request == 1
@@ -262,7 +252,8 @@ def test_invariant_5_slot_is_reset_when_assigned(checkpoints, arch: str) -> None
 def test_invariant_5_live_requests_never_share_a_slot(checkpoints, arch: str) -> None:
     opts = dict(max_num_seqs=3, max_num_batched_tokens=7, enforce_eager=True)
     if arch != "mamba2":
-        opts.update(block_size=4, num_kv_blocks=20)  # tight: preemption frees and retakes slots
+        # tight: preemption frees and retakes slots
+        opts.update(block_size=4, num_kv_blocks=20, max_model_len=80)
     llm = LLM(checkpoints(arch), **device_options(), **opts)
     engine = llm.llm_engine
     kv, sched, states = engine.kv, engine.scheduler, engine.runner.states
@@ -320,7 +311,7 @@ def test_invariant_8_preemption_frees_slots_and_resumes_identically(checkpoints,
     model_dir = checkpoints(arch)
     want = generate(LLM(model_dir, **device_options()), PROMPTS)
     # the longest request needs 40 + 11 cache tokens: 4 blocks of 16, all of the pool
-    llm = LLM(model_dir, **device_options(), block_size=16, num_kv_blocks=4)
+    llm = LLM(model_dir, **device_options(), block_size=16, num_kv_blocks=4, max_model_len=64)
     engine: LLMEngine = llm.llm_engine
     kv, sched = engine.kv, engine.scheduler
     preempt = sched._preempt
