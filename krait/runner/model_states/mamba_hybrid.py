@@ -29,7 +29,8 @@ class MambaHybridModelState(DefaultModelState):
         spec = config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.slots_per_request = 1 + self.num_spec_tokens
-        self.ssm_dtype = resolve_dtype(config.cache.mamba_ssm_cache_dtype, None, config.device)
+        ssm = config.cache.mamba_ssm_cache_dtype
+        self.ssm_dtype = config.model.dtype if ssm == "auto" else resolve_dtype(ssm, None, config.device)
         self.conv_dtype = config.model.dtype
         self.num_accepted_tokens: torch.Tensor | None = None
         if spec is not None:
