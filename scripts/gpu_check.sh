@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs go to $OUT.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [quick|kernels|bench|all]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [quick|kernels|bench|maxlen|throughput|all]
+# Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
+# and pass carry=[".parity"] to the device run.
 set -uo pipefail
 OUT=${OUT:-/tmp/krait_gpu}
 mkdir -p "$OUT"
@@ -13,8 +15,14 @@ run_kernels() {
   timeout 900 python3 -m pytest -q -x -m gpu tests/ops tests/runner -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/kernels.log"
 }
 run_parity() {
-  # HF parity on the GPU in float32, CUDA graphs on and off, chunked prefill
-  timeout 600 python3 scripts/gpu_parity.py 2>&1 | grep -v Warn | tail -40 | tee "$OUT/parity.log"
+  # HF parity on the GPU in float32, CUDA graphs on and off, chunked prefill. The oracle comes
+  # from this machine's checkout: run `PYTHONPATH=. python3 scripts/gpu_parity.py make .parity`
+  # there first and name .parity in the device call's carry.
+  if [ -d .parity ]; then
+    timeout 600 python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn | tail -40 | tee "$OUT/parity.log"
+  else
+    echo "no .parity fixtures carried: GPU parity skipped" | tee "$OUT/parity.log"
+  fi
 }
 bench_latency() {  # name, tag, extra args
   local name=$1 tag=$2; shift 2
@@ -29,6 +37,13 @@ case $what in
   kernels) run_kernels; run_parity ;;
   bench)
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done
+    ;;
+  throughput)  # offline throughput against HF transformers generate, same process
+    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do
+      timeout 600 python3 -m krait bench throughput --config $m --num-prompts 256 --input-len 256 \
+        --output-len 64 --hf-baseline --hf-max-prompts 32 > "$OUT/tp_$m.json" 2> "$OUT/tp_$m.err"
+      echo "== $m"; grep -v Warn "$OUT/tp_$m.err" | tail -3
+    done
     ;;
   maxlen)  # decode cost must not follow max_model_len
     for L in 4096 131072; do
