@@ -124,35 +124,41 @@ class Mamba2Mixer(torch.nn.Module):
         gate, xbc, dt = self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
         w = self.conv1d_weight.squeeze(1)
         A = self.neg_A()
-        y = torch.empty(T, d.num_heads, d.head_dim, dtype=x.dtype, device=x.device)
         nd = meta.num_decode_tokens
+        y_dec = y_pre = None
         if nd:
             idx = meta.decode_state_indices[:nd]
             xbc_d = causal_conv1d_update(
                 xbc[:nd], self.conv_state, w, self.conv1d_bias, idx, d.activation
             )
             xs, B, C = self._split_xbc(xbc_d)
-            y[:nd] = selective_state_update(
+            y_dec = selective_state_update(
                 self.ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias, idx, True,
                 d.time_step_limit,
             )
         if meta.num_prefills:
             end = nd + meta.num_prefill_tokens
             xbc_p = causal_conv1d_fn(
-                xbc[nd:end].contiguous(), w, self.conv1d_bias, self.conv_state,
+                xbc[nd:end], w, self.conv1d_bias, self.conv_state,
                 meta.prefill_query_start_loc, meta.prefill_state_indices,
                 meta.prefill_has_initial_state, d.activation, meta.prefill_token_seq,
             )
             xs, B, C = self._split_xbc(xbc_p)
-            y[nd:end] = mamba_chunk_scan(
+            y_pre = mamba_chunk_scan(
                 xs, dt[nd:end], A, B, C, self.D, self.dt_bias, self.ssm_state,
                 meta.prefill_query_start_loc, meta.prefill_state_indices,
                 meta.prefill_has_initial_state, d.chunk_size, True, d.time_step_limit,
                 meta.prefill_chunk_layout,
             )
-        if T > nd + meta.num_prefill_tokens:  # padded tokens
-            y[nd + meta.num_prefill_tokens :] = 0
-        return y.view(T, d.intermediate), gate
+        parts = [p for p in (y_dec, y_pre) if p is not None]
+        if len(parts) == 1 and parts[0].shape[0] == T:
+            y = parts[0]  # the common case: no copy
+        else:
+            y = x.new_zeros(T, d.num_heads, d.head_dim)  # [T, heads, head_dim]
+            y[:nd] = y_dec if y_dec is not None else 0
+            if y_pre is not None:
+                y[nd : nd + y_pre.shape[0]] = y_pre
+        return y.reshape(T, d.intermediate), gate
 
     def _split_xbc(self, xbc: torch.Tensor):
         d = self.d
