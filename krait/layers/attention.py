@@ -6,6 +6,7 @@ import torch
 
 from krait.ops.kv_write import write_kv
 from krait.ops.paged_attention import paged_attention
+from krait.ops.rope_kv_write import rope_kv_write
 from krait.runner.attention_metadata import AttentionMetadata
 
 
@@ -31,17 +32,44 @@ class Attention(torch.nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+        """q [T, Hq*D], k/v [T, Hkv*D] (already position-encoded) -> [T, Hq*D]."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping[:T])
+        write_kv(k, v, self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T])
+        return self.attend(q, meta)
+
+    def forward_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary,
+        meta: AttentionMetadata,
+        q_norm=None,
+        k_norm=None,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] as they leave the projection (views are fine): optional
+        per-head q/k RMSNorm, rotary and the K/V write in one kernel, then attention."""
+        T = q.shape[0]
+        q = rope_kv_write(
+            q, k, v, positions, rotary.cos_sin_cache, rotary.is_neox,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+            self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T],
+        )
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D] over the cache (this step's K/V already written) -> [T, Hq*D]."""
+        T = q.shape[0]
         out = paged_attention(
             q,
-            k_cache,
-            v_cache,
+            self.kv_cache[0],
+            self.kv_cache[1],
             meta.query_start_loc,
             meta.seq_lens,
             meta.block_table,

@@ -47,13 +47,14 @@ class GraniteAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        if self.rotary is not None:
-            q, k = self.rotary(
-                positions,
-                q.reshape(T, self.num_heads, self.head_dim),
-                k.reshape(T, self.num_kv_heads, self.head_dim),
-            )
-        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous(), meta.attn)
+        if self.rotary is None:
+            return self.o_proj(self.attn(q, k, v, meta.attn))
+        out = self.attn.forward_rope(
+            q.view(T, self.num_heads, self.head_dim),
+            k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim),
+            positions, self.rotary, meta.attn,
+        )
         return self.o_proj(out)
 
 

@@ -38,13 +38,12 @@ class LlamaAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous(), meta.attn)
+        out = self.attn.forward_rope(
+            q.view(T, self.num_heads, self.head_dim),
+            k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim),
+            positions, self.rotary, meta.attn, self.q_norm, self.k_norm,
+        )
         return self.o_proj(out)
 
 

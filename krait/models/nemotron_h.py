@@ -79,7 +79,7 @@ class NemotronHAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        return self.o_proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous(), meta.attn))
+        return self.o_proj(self.attn(q, k, v, meta.attn))
 
 
 class NemotronHMLP(torch.nn.Module):

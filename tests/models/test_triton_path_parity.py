@@ -13,10 +13,10 @@ PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 50))]
 NUM_TOKENS = 12
 
 
-@pytest.mark.parametrize("arch", ["llama", "granitemoehybrid", "nemotronh"])
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
-    if arch == "llama":
-        d = make_tiny_llama(tmp_path / arch)
+    if arch == "qwen3":
+        d = make_tiny_llama(tmp_path / arch, arch="qwen3")
     else:
         d = make_tiny_hybrid(tmp_path / arch, arch)
     want, want_lp, _ = hf_greedy(d, PROMPTS, NUM_TOKENS)

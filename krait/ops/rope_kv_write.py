@@ -1,0 +1,154 @@
+"""One pass over a step's fresh q/k/v before attention: optional per-head RMSNorm of q and k
+(Qwen3's q_norm/k_norm), rotary embedding, and the K/V write into the paged cache.
+
+Replaces four to six launches per attention layer (two norms, rotary, contiguous copies, KV write)
+with one. Semantics equal composing `rms_norm` per head, `apply_rotary` and `write_kv`.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from krait.ops._dispatch import use_triton
+from krait.ops.kv_write import write_kv_ref
+from krait.ops.rms_norm import rms_norm_ref
+from krait.ops.rotary import apply_rotary_ref
+
+
+@triton.jit
+def _norm_rope_heads(
+    x_row, heads, num_heads, cs_row, w_ptr, eps, head_dim, rot_dim, stride_h,
+    NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """[BLOCK_H, BLOCK_D] float32: heads of one token, normalised (NORM) then rotated."""
+    d = tl.arange(0, BLOCK_D)
+    half = rot_dim // 2
+    if IS_NEOX:
+        first = d < half
+        partner = tl.where(first, d + half, d - half)
+        cs_idx = tl.where(first, d, d - half)
+    else:
+        first = d % 2 == 0
+        partner = tl.where(first, d + 1, d - 1)
+        cs_idx = d // 2
+    rotated = d < rot_dim
+    in_d = d < head_dim
+    hmask = heads[:, None] < num_heads
+    ptr = x_row + heads[:, None] * stride_h
+    x = tl.load(ptr + d[None, :], mask=hmask & in_d[None, :], other=0.0)
+    xp = tl.load(ptr + partner[None, :], mask=hmask & rotated[None, :], other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    xp = xp.to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=in_d, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        # HF rounds the normalised value to the activation dtype before the weight
+        x = (x * inv).to(dtype).to(tl.float32) * w[None, :]
+        xp = (xp * inv).to(dtype).to(tl.float32) * wp[None, :]
+        x = x.to(dtype).to(tl.float32)
+        xp = xp.to(dtype).to(tl.float32)
+    cos = tl.load(cs_row + cs_idx, mask=rotated, other=1.0)
+    sin = tl.load(cs_row + half + cs_idx, mask=rotated, other=0.0)
+    sin = tl.where(first, -sin, sin)
+    return x * cos[None, :] + xp * sin[None, :]
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, eps,
+    k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
+    num_q_heads, num_kv_heads, head_dim, rot_dim,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qot, stride_qoh, stride_cs,
+    stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+    NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    in_d = d[None, :] < head_dim
+    cs_row = cs_ptr + tl.load(pos_ptr + token) * stride_cs
+    if tl.program_id(1) * BLOCK_H < num_q_heads:
+        q = _norm_rope_heads(q_ptr + token * stride_qt, heads, num_q_heads, cs_row, qw_ptr, eps,
+                             head_dim, rot_dim, stride_qh, NORM, IS_NEOX, BLOCK_D)
+        tl.store(q_out_ptr + token * stride_qot + heads[:, None] * stride_qoh + d[None, :],
+                 q.to(q_out_ptr.dtype.element_ty), mask=(heads[:, None] < num_q_heads) & in_d)
+    slot = tl.load(slot_ptr + token)
+    if (tl.program_id(1) * BLOCK_H < num_kv_heads) & (slot >= 0):
+        k = _norm_rope_heads(k_ptr + token * stride_kt, heads, num_kv_heads, cs_row, kw_ptr, eps,
+                             head_dim, rot_dim, stride_kh, NORM, IS_NEOX, BLOCK_D)
+        kv_mask = (heads[:, None] < num_kv_heads) & in_d
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :],
+                    mask=kv_mask)
+        block = slot // block_size
+        offset = slot % block_size
+        kc = k_cache_ptr + block * stride_kc_b + offset * stride_kc_o
+        vc = v_cache_ptr + block * stride_vc_b + offset * stride_vc_o
+        tl.store(kc + heads[:, None] * stride_kc_h + d[None, :],
+                 k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(vc + heads[:, None] * stride_vc_h + d[None, :],
+                 v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def rope_kv_write_triton(
+    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, is_neox: bool,
+    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float,
+    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+) -> Tensor:
+    """Triton launcher of `rope_kv_write`."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+    if num_tokens == 0:
+        return q_out
+    norm = q_norm_weight is not None
+    block_d = triton.next_power_of_2(head_dim)
+    heads = max(num_q_heads, num_kv_heads)
+    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    grid = (num_tokens, triton.cdiv(heads, block_h))
+    _rope_kv_write_kernel[grid](
+        q, k, v, q_out, positions, cos_sin_cache,
+        q_norm_weight if norm else q, k_norm_weight if norm else k, eps,
+        k_cache, v_cache, slot_mapping, k_cache.shape[1],
+        num_q_heads, num_kv_heads, head_dim, cos_sin_cache.shape[-1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NORM=norm, IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+    return q_out
+
+
+def rope_kv_write_ref(
+    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, is_neox: bool,
+    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float,
+    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+) -> Tensor:
+    """Torch reference of `rope_kv_write`: the three ops composed."""
+    if q_norm_weight is not None:
+        q = rms_norm_ref(q.reshape(-1, q.shape[-1]), q_norm_weight, eps).view(q.shape)
+        k = rms_norm_ref(k.reshape(-1, k.shape[-1]), k_norm_weight, eps).view(k.shape)
+    q, k = apply_rotary_ref(q, k, positions, cos_sin_cache, is_neox)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def rope_kv_write(
+    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, is_neox: bool,
+    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float,
+    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+) -> Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (views with a contiguous last dim); positions int64 [T];
+    cos_sin_cache [max_pos, rot_dim] float32; q/k norm weights [D] or both None;
+    k_cache/v_cache [num_blocks, block_size, Hkv, D] written at slot_mapping int64 [T] (-1 skips).
+    Returns the normalised, rotated q [T, Hq, D]."""
+    if use_triton(q):
+        return rope_kv_write_triton(q, k, v, positions, cos_sin_cache, is_neox, q_norm_weight,
+                                    k_norm_weight, eps, k_cache, v_cache, slot_mapping)
+    return rope_kv_write_ref(q, k, v, positions, cos_sin_cache, is_neox, q_norm_weight,
+                             k_norm_weight, eps, k_cache, v_cache, slot_mapping)
