@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -43,6 +44,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError("sampling_params: need one per prompt, or a single one")
+        params_list = [dataclasses.replace(p, output_kind="final_only") for p in params_list]
         engine = self.llm_engine
         ids = []
         try:

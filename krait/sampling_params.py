@@ -31,7 +31,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
-    _stop_list: list[str] = field(default_factory=list, repr=False)
+    # "cumulative": an output every step a request progresses (streaming); "final_only": one
+    # output when it finishes (offline generation; skips per-step copies)
+    output_kind: str = "cumulative"
+    _stop_list: list[str] = field(default_factory=list, repr=False, init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +81,8 @@ class SamplingParams:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0.0:
             bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        if self.output_kind not in ("cumulative", "final_only"):
+            bad("output_kind", f"must be 'cumulative' or 'final_only', got {self.output_kind!r}")
         if vocab_size is not None:
             for t in self.stop_token_ids or []:
                 if not 0 <= t < vocab_size:

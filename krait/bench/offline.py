@@ -119,7 +119,9 @@ def bench_latency(args) -> dict:
 
 
 def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only"
+    )
     ids = [f"lat{batch}_{i}" for i in range(batch)]
     for rid, prompt in zip(ids, _prompts(batch, context, vocab, seed=batch)):
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -165,7 +167,8 @@ def bench_throughput(args) -> dict:
     dev = engine.config.device
     vocab = engine.config.model.vocab_size
     prompts = _prompts(args.num_prompts, args.input_len, vocab, seed=args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            output_kind="final_only")
     # warm-up on a few prompts (Triton compilation)
     for i, p in enumerate(prompts[:4]):
         engine.add_request(f"warm{i}", {"prompt_token_ids": p}, params)

@@ -46,6 +46,7 @@ class IncrementalDetokenizer:
         self._prefix_text = ""  # decode(token_ids[prefix_offset:read_offset])
         self._text = _TextBuffer()
         self._streamed = 0  # chars of text already returned by get_next_delta
+        self._decode_fn = _fast_decoder(tokenizer, params.skip_special_tokens)
 
     @property
     def output_text(self) -> str:
@@ -96,8 +97,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        assert self.tokenizer is not None
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self._decode_fn(ids)
 
     def _decode_next(self) -> str:
         """Text the last token of `token_ids` makes stable ("" while it is held back)."""
@@ -136,6 +136,17 @@ class IncrementalDetokenizer:
         self.stop_reason = stop
         self.finished = True
         return stop
+
+
+def _fast_decoder(tokenizer, skip_special_tokens: bool):
+    """`tokenizer.decode` for this request; straight to the Rust tokenizer when that is
+    equivalent (no clean-up pass), which skips the Python wrapper's per-call conversions."""
+    if tokenizer is None:
+        return lambda ids: ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class _TextBuffer:

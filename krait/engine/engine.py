@@ -27,7 +27,8 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[str]
-    outputs: dict[str, CompletionOutput] = field(default_factory=dict)
+    final_only: bool = False
+    reqs: dict[str, Request] = field(default_factory=dict)  # child id -> Request
 
 
 class LLMEngine:
@@ -151,7 +152,8 @@ class LLMEngine:
             )
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        self._parents[request_id] = _Parent(request_id, text, ids, children)
+        parent = _Parent(request_id, text, ids, children, params.output_kind == "final_only")
+        self._parents[request_id] = parent
         for i, cid in enumerate(children):
             cp = params
             if params.n > 1:
@@ -165,6 +167,7 @@ class LLMEngine:
                 arrival_time=arrival,
             )
             self._child_parent[cid] = request_id
+            parent.reqs[cid] = req
             self._detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, cp)
             self.scheduler.add_request(req)
         self.num_prompt_tokens_total += len(ids) * len(children)
@@ -225,22 +228,24 @@ class LLMEngine:
                     self._text.get(req.request_id, "") + detok.get_next_delta()
                 )
             pid = self._child_parent.get(req.request_id)
-            if pid is None:
-                continue
-            parent = self._parents[pid]
-            parent.outputs[req.request_id] = self._completion(req, parent)
-            touched[pid] = None
+            if pid is not None:
+                touched[pid] = None
         outputs = []
         for pid in touched:
             parent = self._parents[pid]
-            comps = [parent.outputs[c] for c in parent.children if c in parent.outputs]
-            finished = len(comps) == len(parent.children) and all(c.finished() for c in comps)
+            finished = all(r.is_finished for r in parent.reqs.values())
+            if parent.final_only and not finished:
+                continue
             outputs.append(
                 RequestOutput(
                     request_id=pid,
                     prompt=parent.prompt,
                     prompt_token_ids=parent.prompt_token_ids,
-                    outputs=comps,
+                    outputs=[
+                        self._completion(r, i)
+                        for i, r in enumerate(parent.reqs.values())
+                        if r.num_output_tokens or r.is_finished
+                    ],
                     finished=finished,
                 )
             )
@@ -252,11 +257,11 @@ class LLMEngine:
                     self._text.pop(c, None)
         return outputs
 
-    def _completion(self, req: Request, parent: _Parent) -> CompletionOutput:
+    def _completion(self, req: Request, index: int) -> CompletionOutput:
         text = self._text.get(req.request_id, "")
         token_ids = list(req.output_token_ids)
         return CompletionOutput(
-            index=parent.children.index(req.request_id),
+            index=index,
             text=text,
             token_ids=token_ids,
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
