@@ -29,10 +29,14 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def _copy_tensors(dst, src) -> None:
-    """Copies every tensor reachable through dataclass fields of src into dst's."""
+    """Copies every tensor reachable through dataclass fields of src into dst's. A block table
+    narrower than the captured one fills its leading columns: the kernels read no column past a
+    row's length."""
     for f in dataclasses.fields(dst):
         d, s = getattr(dst, f.name), getattr(src, f.name)
         if isinstance(d, torch.Tensor):
+            if d.shape != s.shape and d.dim() == 2 and s.shape[0] == d.shape[0]:
+                d = d[:, : s.shape[1]]
             d.copy_(s)
         elif dataclasses.is_dataclass(d):
             _copy_tensors(d, s)

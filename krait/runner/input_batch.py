@@ -29,7 +29,9 @@ class InputBatch:
     input_ids: torch.Tensor  # int64 [num_tokens_padded]
     positions: torch.Tensor  # int64 [num_tokens_padded]
     slot_mapping: torch.Tensor  # int64 [num_tokens_padded], -1 for padding tokens
-    block_table: torch.Tensor  # int32 [num_reqs_padded, max_blocks_per_req]
+    # int32 [num_reqs_padded, width]: width covers this step's longest row (not max_model_len),
+    # except for CUDA-graph capture batches, which take the full table width
+    block_table: torch.Tensor
     logits_indices: torch.Tensor  # int64 [num_reqs]: last scheduled token of each row
 
 
@@ -42,6 +44,7 @@ def build_input_batch(
     num_reqs_padded: int | None = None,
     num_tokens_padded: int | None = None,
     pad_decode: bool = False,
+    full_block_table: bool = False,
 ) -> InputBatch:
     """Gathers the step's rows from RequestStates (`states`) into flat tensors.
 
@@ -79,8 +82,10 @@ def build_input_batch(
     input_ids = np.zeros(num_tokens_padded, dtype=np.int64)
     input_ids[:num_tokens] = states.token_ids[real[row_of_token], pos]
 
-    block_table = np.zeros((num_reqs_padded, states.block_table.shape[1]), dtype=np.int32)
-    block_table[:num_reqs] = states.block_table[real]
+    full = states.block_table.shape[1]
+    width = full if full_block_table else min(-(-int(seq_lens.max(initial=1)) // block_size), full)
+    block_table = np.zeros((num_reqs_padded, width), dtype=np.int32)
+    block_table[:num_reqs] = states.block_table[real, :width]
     slot_mapping = np.full(num_tokens_padded, -1, dtype=np.int64)
     if block_table.shape[1] > 0 and num_tokens:
         blk = block_table[row_of_token, pos // block_size].astype(np.int64)

@@ -63,7 +63,7 @@ class ModelRunner:
         """n padding rows of one token each (CUDA-graph capture)."""
         return build_input_batch(
             self.states, [], [], self.block_size, self.device,
-            num_reqs_padded=n, num_tokens_padded=n, pad_decode=True,
+            num_reqs_padded=n, num_tokens_padded=n, pad_decode=True, full_block_table=True,
         )
 
     @torch.inference_mode()

@@ -40,3 +40,26 @@ def test_invariant_1_padded_decode_rows_have_no_state_slot(runners):
 def test_profile_run_respects_max_num_seqs(runners):
     # 200-token rows: a 8192-token profile would need 42 rows, more than max_num_seqs=8
     runners[0].profile_run(8192)
+
+
+def test_replay_copy_fills_leading_block_table_columns():
+    import torch
+
+    from krait.runner.attention_metadata import AttentionMetadata
+    from krait.runner.cuda_graphs import _copy_tensors
+
+    def meta(width: int, fill: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_reqs=2, num_tokens=2,
+            query_start_loc=torch.full((3,), fill, dtype=torch.int32),
+            seq_lens=torch.full((2,), fill, dtype=torch.int32),
+            block_table=torch.full((2, width), fill, dtype=torch.int32),
+            slot_mapping=torch.full((2,), fill, dtype=torch.int64),
+            max_query_len=1, max_seq_len=8,
+        )
+
+    captured, step = meta(6, 0), meta(2, 7)
+    _copy_tensors(captured, step)
+    assert captured.block_table[:, :2].eq(7).all() and captured.block_table[:, 2:].eq(0).all()
+    assert captured.seq_lens.eq(7).all() and captured.slot_mapping.eq(7).all()
+    assert captured.max_seq_len == 8  # ints stay as captured

@@ -166,9 +166,8 @@ def test_invariant_2_decode_metadata_independent_of_max_model_len(model_dir: str
     assert (small.num_reqs, small.num_tokens) == (large.num_reqs, large.num_tokens)
     for name in ("query_start_loc", "seq_lens", "slot_mapping"):
         assert torch.equal(getattr(small, name), getattr(large, name)), name
-    width = small.block_table.shape[1]
-    assert torch.equal(large.block_table[:, :width], small.block_table)
-    assert (large.block_table[:, width:] == 0).all()
+    # the block table the step carries spans the rows' real lengths, not max_model_len
+    assert torch.equal(large.block_table, small.block_table)
 
     # the Triton kernel runs interpreted on CPU, natively where CUDA is and no interpreter
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
