@@ -24,7 +24,7 @@ class MambaMetadata:
     num_prefill_tokens: int
     state_indices: torch.Tensor  # int32 [num_reqs_padded]: slot of each row, -1 = padding
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], from 0
-    prefill_has_initial_state: torch.Tensor  # bool [num_prefills]
+    prefill_has_initial_state: torch.Tensor  # int32 (0/1) [num_prefills]
     # only with speculative decoding (invariant 3); None otherwise
     num_accepted_tokens: torch.Tensor | None = None
     num_decode_draft_tokens: torch.Tensor | None = None

@@ -93,8 +93,8 @@ def build_input_batch(
 
     i32 = [idx, qsl, seq_lens, block_table]
     i64 = [input_ids, positions, slot_mapping, qsl[1 : num_reqs + 1].astype(np.int64) - 1]
-    (idx_t, qsl_t, seq_lens_t, block_table_t) = _to_device(i32, np.int32, device)
-    (input_ids_t, positions_t, slot_mapping_t, logits_indices_t) = _to_device(i64, np.int64, device)
+    (idx_t, qsl_t, seq_lens_t, block_table_t) = to_device(i32, np.int32, device)
+    (input_ids_t, positions_t, slot_mapping_t, logits_indices_t) = to_device(i64, np.int64, device)
     return InputBatch(
         num_reqs=num_reqs,
         num_reqs_padded=num_reqs_padded,
@@ -120,23 +120,38 @@ def build_input_batch(
     )
 
 
-_PINNED: dict[np.dtype, torch.Tensor] = {}
+class _Staging:
+    """A pinned host buffer whose last host-to-device copy is tracked by an event, so it is
+    never rewritten while a copy out of it may still be running."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
 
 
-def _to_device(arrays: list[np.ndarray], dtype, device: torch.device) -> list[torch.Tensor]:
-    """Moves several small arrays of one dtype to `device` in one copy (through a persistent
-    pinned buffer on CUDA) and returns views shaped like the arrays."""
+_STAGING: dict[tuple[str, str], _Staging] = {}
+
+
+def to_device(
+    arrays: list[np.ndarray], dtype, device: torch.device, tag: str = "batch"
+) -> list[torch.Tensor]:
+    """Moves several small arrays of one dtype to `device` in one copy (through a pinned
+    staging buffer per (dtype, tag) on CUDA) and returns views shaped like the arrays."""
     sizes = [a.size for a in arrays]
     total = sum(sizes)
-    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, dtype)
+    flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(dtype, copy=False)
     if device.type == "cuda":
-        buf = _PINNED.get(np.dtype(dtype))
-        if buf is None or buf.numel() < total:
-            buf = torch.empty(max(total, 1 << 16), dtype=torch.from_numpy(flat[:0]).dtype,
-                              pin_memory=True)
-            _PINNED[np.dtype(dtype)] = buf
-        buf[:total].numpy()[:] = flat
-        dev = buf[:total].to(device, non_blocking=True)
+        st = _STAGING.setdefault((np.dtype(dtype).name, tag), _Staging())
+        if st.event is not None:
+            st.event.synchronize()
+        if st.buf is None or st.buf.numel() < total:
+            st.buf = torch.empty(max(total, 1 << 16), dtype=torch.from_numpy(flat[:0]).dtype,
+                                 pin_memory=True)
+        st.buf[:total].numpy()[:] = flat
+        dev = st.buf[:total].to(device, non_blocking=True)
+        if st.event is None:
+            st.event = torch.cuda.Event()
+        st.event.record()
     else:
         dev = torch.from_numpy(flat)
     out, off = [], 0

@@ -9,7 +9,7 @@ from krait.config import EngineConfig, resolve_dtype
 from krait.layers.mamba2 import MambaMetadata
 from krait.ops.num_accepted import fill_num_accepted
 from krait.runner.attention_metadata import StepMetadata
-from krait.runner.input_batch import InputBatch
+from krait.runner.input_batch import InputBatch, to_device
 from krait.runner.model_states.default import DefaultModelState
 
 
@@ -93,14 +93,17 @@ class MambaHybridModelState(DefaultModelState):
             num_prefill_tokens = 0
             num_decode_tokens = batch.num_tokens_padded  # padded decode rows carry slot -1
         dev = self.device
+        slots_t, pqsl_t, init_t = to_device(
+            [slots, pqsl, has_init.astype(np.int32)], np.int32, dev, tag="mamba"
+        )
         meta = MambaMetadata(
             num_decodes=nd,
             num_prefills=npf,
             num_decode_tokens=num_decode_tokens,
             num_prefill_tokens=num_prefill_tokens,
-            state_indices=torch.from_numpy(slots).to(dev, non_blocking=True),
-            prefill_query_start_loc=torch.from_numpy(pqsl).to(dev, non_blocking=True),
-            prefill_has_initial_state=torch.from_numpy(has_init).to(dev, non_blocking=True),
+            state_indices=slots_t,
+            prefill_query_start_loc=pqsl_t,
+            prefill_has_initial_state=init_t,
         )
         if npf and dev.type == "cuda":
             from krait.ops.causal_conv1d import token_to_seq
