@@ -212,7 +212,10 @@ class LLMEngine:
                 req.first_token_time = time.monotonic()
             detok = self._detok.get(req.request_id)
             new_ids = sampled[req.request_id].token_ids
-            if detok is not None:
+            if detok is not None and _detokenize_at_end(req.params):
+                # nothing to stream, no stop string to find: one decode when it finishes
+                new_ids = req.output_token_ids if req.is_finished else None
+            if detok is not None and new_ids is not None:
                 if _ended_on_stop_token(req) and not req.params.include_stop_str_in_output:
                     new_ids = new_ids[:-1]  # EOS / stop token ids stay out of the text
                 stop = detok.update(new_ids)
@@ -269,6 +272,10 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
         )
+
+
+def _detokenize_at_end(params: SamplingParams) -> bool:
+    return params.output_kind == "final_only" and not params.stop_strings
 
 
 def _ended_on_stop_token(req: Request) -> bool:

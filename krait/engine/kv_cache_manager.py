@@ -54,6 +54,8 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Blocks so that the request can hold `num_computed_tokens + num_new_tokens` tokens.
         Returns the newly added block ids, or None (nothing changed) if the pool is short."""
+        if request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+            return []  # fits in the blocks it holds (most decode steps)
         need = self.blocks_needed(request, num_new_tokens)
         if need > len(self._free_blocks):
             return None

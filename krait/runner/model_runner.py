@@ -188,18 +188,9 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, idx: np.ndarray) -> SamplerOutput:
         st = self.states
-        params = [st.params[i] for i in idx]
-        simple = all(
-            p.is_greedy
-            and p.logprobs is None
-            and p.min_tokens == 0
-            and p.presence_penalty == 0
-            and p.frequency_penalty == 0
-            and p.repetition_penalty == 1
-            for p in params
-        )
-        if simple:
+        if st.plain_greedy[idx].all():
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+        params = [st.params[i] for i in idx]
         needs_prompt = [p.repetition_penalty != 1.0 for p in params]
         rows = [
             SamplingRow(

@@ -24,6 +24,8 @@ class RequestStates:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         self.state_slots = np.full((max_num_reqs, max(slots_per_req, 1)), -1, dtype=np.int32)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        # rows the sampler can serve with a bare argmax (greedy, no penalties/bans/logprobs)
+        self.plain_greedy = np.zeros(max_num_reqs, dtype=bool)
         self.eos_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.index: dict[str, int] = {}
@@ -55,6 +57,7 @@ class RequestStates:
         self.state_slots[i] = -1
         self.state_slots[i, : len(state_slots)] = state_slots
         self.params[i] = params
+        self.plain_greedy[i] = params is not None and _plain_greedy(params)
         self.eos_token_ids[i] = eos_token_ids
         self.req_ids[i] = req_id
         self.index[req_id] = i
@@ -86,3 +89,14 @@ class RequestStates:
 
     def prompt_token_ids(self, i: int) -> list[int]:
         return self.token_ids[i, : self.num_prompt_tokens[i] - self.num_output_offset[i]].tolist()
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    return (
+        p.is_greedy
+        and p.logprobs is None
+        and p.min_tokens == 0
+        and p.presence_penalty == 0
+        and p.frequency_penalty == 0
+        and p.repetition_penalty == 1
+    )
