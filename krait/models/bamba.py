@@ -12,7 +12,7 @@ from krait.layers.linear import Linear
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.norm import RMSNorm
 from krait.models.llama import LlamaAttention, LlamaMLP
-from krait.models.weights import load_named_weights
+from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -71,13 +71,7 @@ class BambaDecoderLayer(torch.nn.Module):
 
 
 class BambaForCausalLM(torch.nn.Module):
-    stacked = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
+    stacked = QKV_GATE_UP_SHARDS
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()

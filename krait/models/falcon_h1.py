@@ -21,7 +21,7 @@ from krait.layers.mamba2 import (
 )
 from krait.layers.norm import RMSNorm
 from krait.models.llama import LlamaAttention, LlamaMLP
-from krait.models.weights import load_named_weights
+from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.runner.attention_metadata import StepMetadata
 
@@ -151,13 +151,7 @@ def _scale(linear: torch.nn.Module, factor: float) -> None:
 
 
 class FalconH1ForCausalLM(torch.nn.Module):
-    stacked = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
+    stacked = QKV_GATE_UP_SHARDS
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()

@@ -17,7 +17,7 @@ from krait.layers.moe import FusedMoE, softmax_topk
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.bamba import _init_mixer, bamba_mamba_dims, is_mamba_layer
-from krait.models.weights import load_named_weights
+from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -121,11 +121,7 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(torch.nn.Module):
-    stacked = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
-    }
+    stacked = QKV_SHARDS
     renames = {
         ".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.w13",
         ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.w2",

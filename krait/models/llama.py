@@ -12,7 +12,7 @@ from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
-from krait.models.weights import load_named_weights
+from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -89,14 +89,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
     qkv_bias = False
     qk_norm = False
-    # checkpoint name fragment -> (merged parameter fragment, shard index)
-    stacked = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
+    stacked = QKV_GATE_UP_SHARDS
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ from krait.layers.linear import Linear, MergedLinear
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.moe import FusedMoE, load_expert_weights
 from krait.layers.norm import RMSNorm
-from krait.models.weights import load_named_weights
+from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
 # layer kinds by pattern character and by `layers_block_type` name (old and new spellings)
@@ -204,11 +204,7 @@ def _match_expert(name: str) -> tuple[str, str, int | None] | None:
 
 
 class NemotronHForCausalLM(torch.nn.Module):
-    stacked = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
-    }
+    stacked = QKV_SHARDS
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()

@@ -8,6 +8,18 @@ import torch
 
 from krait.layers.linear import MergedLinear
 
+# checkpoint name fragment -> (merged parameter fragment, shard index)
+QKV_SHARDS = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+}
+QKV_GATE_UP_SHARDS = {
+    **QKV_SHARDS,
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
 
 def load_named_weights(
     model: torch.nn.Module,
