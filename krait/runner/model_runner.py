@@ -13,6 +13,7 @@ from krait.engine.scheduler import SampledTokens, SchedulerOutput
 from krait.models.loader import load_model
 from krait.runner.input_batch import InputBatch, build_input_batch
 from krait.runner.model_states import create_model_state
+from krait.runner.penalties import PenaltyState
 from krait.runner.request_states import RequestStates
 from krait.runner.sampler import Sampler, SamplerOutput, SamplingRow, build_sampling_metadata
 
@@ -49,6 +50,7 @@ class ModelRunner:
             self.model_state.slots_per_request,
         )
         self.model_state.request_states = self.states
+        self.penalties = PenaltyState(self.states.max_num_reqs, self.vocab_size, self.device)
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs for every capture size (GPU, unless enforce_eager)."""
@@ -106,6 +108,8 @@ class ModelRunner:
                 new.eos_token_ids,
             )
             self.model_state.add_request(i, new.state_slots)
+            n_prompt = new.num_prompt_tokens - new.num_output_tokens
+            self.penalties.add(i, new.params, new.token_ids[:n_prompt], new.token_ids[n_prompt:])
         for cached in sched.cached_reqs:
             i = st.index[cached.req_id]
             st.append_blocks(i, cached.new_block_ids)
@@ -165,6 +169,7 @@ class ModelRunner:
             if len(rows) < batch.num_reqs:
                 logits = logits[torch.from_numpy(rows).to(logits.device)]
             result = self._sample(logits, idx[rows])
+            self.penalties.record(idx[rows], result.sampled_token_ids)
             tokens = result.sampled_token_ids.tolist()
             lp = result.logprobs
             lp_ids = lp.token_ids.tolist() if lp is not None else None
@@ -191,15 +196,17 @@ class ModelRunner:
         if st.plain_greedy[idx].all():
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         params = [st.params[i] for i in idx]
-        needs_prompt = [p.repetition_penalty != 1.0 for p in params]
+        num_out = st.num_tokens[idx] - (st.num_prompt_tokens[idx] - st.num_output_offset[idx])
         rows = [
             SamplingRow(
                 params=p,
-                prompt_token_ids=st.prompt_token_ids(i) if np_ else [],
-                output_token_ids=st.output_token_ids(i),
+                prompt_token_ids=[],
+                output_token_ids=[],
                 eos_token_ids=st.eos_token_ids[i],
+                num_output_tokens=int(n),
             )
-            for p, i, np_ in zip(params, idx, needs_prompt)
+            for p, i, n in zip(params, idx, num_out)
         ]
-        meta = build_sampling_metadata(rows, logits.shape[-1], logits.device)
+        counts, mask = self.penalties.gather(idx)
+        meta = build_sampling_metadata(rows, logits.shape[-1], logits.device, counts, mask)
         return self.sampler(logits, meta)

@@ -24,8 +24,16 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far (before this step)
+    output_token_ids: list[int]  # generated so far (before this step); may be left empty when
+    # num_output_tokens is given and the penalty tensors come precomputed
     eos_token_ids: list[int]  # banned while len(output) < min_tokens, unless ignore_eos
+    num_output_tokens: int | None = None  # len(output_token_ids) when that list is not given
+
+    @property
+    def num_outputs(self) -> int:
+        if self.num_output_tokens is not None:
+            return self.num_output_tokens
+        return len(self.output_token_ids)
 
 
 @dataclass
@@ -62,9 +70,16 @@ class SamplingMetadata:
 
 
 def build_sampling_metadata(
-    rows: list[SamplingRow], vocab_size: int, device: torch.device
+    rows: list[SamplingRow],
+    vocab_size: int,
+    device: torch.device,
+    output_counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
 ) -> SamplingMetadata:
-    """Gather the batch rows' sampling parameters into tensors on `device`."""
+    """Gather the batch rows' sampling parameters into tensors on `device`.
+
+    `output_counts` [B, V] float32 / `prompt_mask` [B, V] bool, when given, are the rows' token
+    statistics kept on the device by the caller; otherwise they are counted from the rows' lists."""
     params = [r.params for r in rows]
     greedy = [p.is_greedy for p in params]
     temps = [0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
@@ -89,13 +104,15 @@ def build_sampling_metadata(
         for i in range(len(rows))
         if presence[i] != 0.0 or frequency[i] != 0.0 or repetition[i] != 1.0
     ]
-    output_counts = None
-    prompt_mask = None
-    if pen_rows:
+    if not pen_rows:
+        output_counts = prompt_mask = None
+    elif output_counts is None:
         output_counts = _token_counts(
             rows, pen_rows, "output_token_ids", vocab_size, device, torch.float32
         )
-    if any(v != 1.0 for v in repetition):
+    if not any(v != 1.0 for v in repetition):
+        prompt_mask = None
+    elif prompt_mask is None:
         rep_rows = [i for i in pen_rows if repetition[i] != 1.0]
         prompt_mask = _token_counts(
             rows, rep_rows, "prompt_token_ids", vocab_size, device, torch.bool
@@ -103,7 +120,7 @@ def build_sampling_metadata(
 
     banned: list[tuple[int, list[int]]] = []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) >= r.params.min_tokens:
+        if r.num_outputs >= r.params.min_tokens:
             continue
         ids = list(r.params.stop_token_ids or [])
         if not r.params.ignore_eos:
@@ -124,7 +141,7 @@ def build_sampling_metadata(
         top_p=optional_f32(top_ps, 1.0),
         min_p=optional_f32(min_ps, 0.0),
         seeds=[p.seed for p in params],
-        seed_offsets=[len(r.output_token_ids) for r in rows],
+        seed_offsets=[r.num_outputs for r in rows],
         presence_penalty=optional_f32(presence, 0.0),
         frequency_penalty=optional_f32(frequency, 0.0),
         repetition_penalty=optional_f32(repetition, 1.0),
