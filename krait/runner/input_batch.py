@@ -45,17 +45,19 @@ def build_input_batch(
     num_tokens_padded: int | None = None,
     pad_decode: bool = False,
     full_block_table: bool = False,
+    tables=None,
 ) -> InputBatch:
     """Gathers the step's rows from RequestStates (`states`) into flat tensors.
 
     `req_ids` must already be ordered decode rows first. Padding rows get idx_mapping -1 and
     the null block; with `pad_decode` (CUDA-graph decode batches) each holds one token of
-    sequence length 1 whose KV write is skipped (slot -1), else they hold no token."""
+    sequence length 1 whose KV write is skipped (slot -1), else they hold no token. With `tables`
+    (DeviceTables, on the GPU) the token inputs and the step's block table are built on the device
+    from the persistent tables; otherwise in numpy from `states`."""
     num_reqs = len(req_ids)
     num_reqs_padded = num_reqs_padded or num_reqs
     idx = np.full(num_reqs_padded, -1, dtype=np.int32)
     idx[:num_reqs] = [states.index[r] for r in req_ids]
-    real = idx[:num_reqs]
     sched = np.zeros(num_reqs_padded, dtype=np.int32)
     sched[:num_reqs] = num_scheduled
     if pad_decode:
@@ -66,35 +68,33 @@ def build_input_batch(
     num_tokens_padded = num_tokens_padded or num_tokens
 
     computed = np.zeros(num_reqs_padded, dtype=np.int32)
-    computed[:num_reqs] = states.num_computed_tokens[real]
+    computed[:num_reqs] = states.num_computed_tokens[idx[:num_reqs]]
     seq_lens = computed + sched  # padded decode rows: length 1 over the null block
     is_prefilling = np.zeros(num_reqs_padded, dtype=bool)
-    is_prefilling[:num_reqs] = computed[:num_reqs] < states.num_prompt_tokens[real]
+    is_prefilling[:num_reqs] = computed[:num_reqs] < states.num_prompt_tokens[idx[:num_reqs]]
     num_decodes = int(np.count_nonzero(~is_prefilling[:num_reqs]))
-
-    # per-token row index and position
-    row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int64), sched[:num_reqs])
-    pos = computed[:num_reqs].astype(np.int64)[row_of_token] + (
-        np.arange(num_tokens, dtype=np.int64) - qsl[:num_reqs].astype(np.int64)[row_of_token]
-    )
-    positions = np.zeros(num_tokens_padded, dtype=np.int64)
-    positions[:num_tokens] = pos
-    input_ids = np.zeros(num_tokens_padded, dtype=np.int64)
-    input_ids[:num_tokens] = states.token_ids[real[row_of_token], pos]
 
     full = states.block_table.shape[1]
     width = full if full_block_table else min(-(-int(seq_lens.max(initial=1)) // block_size), full)
-    block_table = np.zeros((num_reqs_padded, width), dtype=np.int32)
-    block_table[:num_reqs] = states.block_table[real, :width]
-    slot_mapping = np.full(num_tokens_padded, -1, dtype=np.int64)
-    if block_table.shape[1] > 0 and num_tokens:
-        blk = block_table[row_of_token, pos // block_size].astype(np.int64)
-        slot_mapping[:num_tokens] = blk * block_size + pos % block_size
+    if tables is not None:
+        from krait.ops.prepare_inputs import prepare_inputs
 
-    i32 = [idx, qsl, seq_lens, block_table]
-    i64 = [input_ids, positions, slot_mapping, qsl[1 : num_reqs + 1].astype(np.int64) - 1]
-    (idx_t, qsl_t, seq_lens_t, block_table_t) = to_device(i32, np.int32, device)
-    (input_ids_t, positions_t, slot_mapping_t, logits_indices_t) = to_device(i64, np.int64, device)
+        (idx_t, qsl_t, seq_lens_t, computed_t) = to_device(
+            [idx, qsl, seq_lens, computed], np.int32, device
+        )
+        (logits_indices_t,) = to_device(
+            [qsl[1 : num_reqs + 1].astype(np.int64) - 1], np.int64, device
+        )
+        input_ids_t, positions_t, slot_mapping_t, block_table_t = prepare_inputs(
+            idx_t, qsl_t, computed_t, tables.token_ids, tables.block_table, block_size, width,
+            num_tokens_padded,
+        )
+    else:
+        (idx_t, qsl_t, seq_lens_t, block_table_t, input_ids_t, positions_t, slot_mapping_t,
+         logits_indices_t) = _host_inputs(
+            states, idx, qsl, computed, sched, seq_lens, num_reqs, num_tokens, num_tokens_padded,
+            block_size, width, device,
+        )
     return InputBatch(
         num_reqs=num_reqs,
         num_reqs_padded=num_reqs_padded,
@@ -130,6 +130,34 @@ class _Staging:
 
 
 _STAGING: dict[tuple[str, str], _Staging] = {}
+
+
+def _host_inputs(
+    states, idx, qsl, computed, sched, seq_lens, num_reqs, num_tokens, num_tokens_padded,
+    block_size, width, device,
+):
+    """The token inputs and the step's block table gathered in numpy, moved in two copies."""
+    real = idx[:num_reqs]
+    row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int64), sched[:num_reqs])
+    pos = computed[:num_reqs].astype(np.int64)[row_of_token] + (
+        np.arange(num_tokens, dtype=np.int64) - qsl[:num_reqs].astype(np.int64)[row_of_token]
+    )
+    positions = np.zeros(num_tokens_padded, dtype=np.int64)
+    positions[:num_tokens] = pos
+    input_ids = np.zeros(num_tokens_padded, dtype=np.int64)
+    input_ids[:num_tokens] = states.token_ids[real[row_of_token], pos]
+    block_table = np.zeros((len(idx), width), dtype=np.int32)
+    block_table[:num_reqs] = states.block_table[real, :width]
+    slot_mapping = np.full(num_tokens_padded, -1, dtype=np.int64)
+    if block_table.shape[1] > 0 and num_tokens:
+        blk = block_table[row_of_token, pos // block_size].astype(np.int64)
+        slot_mapping[:num_tokens] = blk * block_size + pos % block_size
+    i32 = [idx, qsl, seq_lens, block_table]
+    i64 = [input_ids, positions, slot_mapping, qsl[1 : num_reqs + 1].astype(np.int64) - 1]
+    (idx_t, qsl_t, seq_lens_t, block_table_t) = to_device(i32, np.int32, device)
+    (input_ids_t, positions_t, slot_mapping_t, logits_indices_t) = to_device(i64, np.int64, device)
+    return (idx_t, qsl_t, seq_lens_t, block_table_t, input_ids_t, positions_t, slot_mapping_t,
+            logits_indices_t)
 
 
 def to_device(

@@ -11,6 +11,8 @@ from krait.config import EngineConfig
 from krait.engine.kv_cache_manager import cdiv
 from krait.engine.scheduler import SampledTokens, SchedulerOutput
 from krait.models.loader import load_model
+from krait.ops._dispatch import use_triton
+from krait.runner.device_tables import DeviceTables
 from krait.runner.input_batch import InputBatch, build_input_batch
 from krait.runner.model_states import create_model_state
 from krait.runner.penalties import PenaltyState
@@ -51,6 +53,12 @@ class ModelRunner:
         )
         self.model_state.request_states = self.states
         self.penalties = PenaltyState(self.states.max_num_reqs, self.vocab_size, self.device)
+        # inputs are prepared on the device wherever the Triton kernels run
+        self.tables = None
+        if use_triton(torch.empty(0, device=self.device)):
+            self.tables = DeviceTables(
+                self.states.max_num_reqs, self.max_model_len, max_blocks, self.device
+            )
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs for every capture size (GPU, unless enforce_eager)."""
@@ -66,6 +74,7 @@ class ModelRunner:
         return build_input_batch(
             self.states, [], [], self.block_size, self.device,
             num_reqs_padded=n, num_tokens_padded=n, pad_decode=True, full_block_table=True,
+            tables=self.tables,
         )
 
     @torch.inference_mode()
@@ -83,7 +92,9 @@ class ModelRunner:
             st.add(rid, [0] * n, n, 0, 0, None, [], slots, [])
             ids.append(rid)
         try:
-            batch = build_input_batch(st, ids, lens, self.block_size, self.device)
+            batch = build_input_batch(
+                st, ids, lens, self.block_size, self.device, tables=self.tables
+            )
             hidden = self.forward(batch)
             self.model.compute_logits(hidden[batch.logits_indices])
         finally:
@@ -108,10 +119,15 @@ class ModelRunner:
                 new.eos_token_ids,
             )
             self.model_state.add_request(i, new.state_slots)
+            if self.tables is not None:
+                self.tables.set_row(i, new.token_ids)
+                self.tables.add_blocks(i, 0, new.block_ids)
             n_prompt = new.num_prompt_tokens - new.num_output_tokens
             self.penalties.add(i, new.params, new.token_ids[:n_prompt], new.token_ids[n_prompt:])
         for cached in sched.cached_reqs:
             i = st.index[cached.req_id]
+            if self.tables is not None and cached.new_block_ids:
+                self.tables.add_blocks(i, int(st.num_blocks[i]), cached.new_block_ids)
             st.append_blocks(i, cached.new_block_ids)
             st.num_computed_tokens[i] = cached.num_computed_tokens
 
@@ -134,6 +150,8 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return {}
         req_ids, num_scheduled, num_prefills = self._ordered_rows(sched)
+        if self.tables is not None:
+            self.tables.flush()
         graph_size = None
         # never replay a prefill chunk in a decode graph, even a one-token one
         if self.cuda_graphs is not None and num_prefills == 0 and all(n == 1 for n in num_scheduled):
@@ -142,11 +160,12 @@ class ModelRunner:
             batch = build_input_batch(
                 self.states, req_ids, num_scheduled, self.block_size, self.device,
                 num_reqs_padded=graph_size, num_tokens_padded=graph_size, pad_decode=True,
+                tables=self.tables,
             )
             logits = self.cuda_graphs.run(batch)[: batch.num_reqs]
             return self._sample_and_update(batch, logits)
         batch = build_input_batch(
-            self.states, req_ids, num_scheduled, self.block_size, self.device
+            self.states, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables
         )
         hidden = self.forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -170,6 +189,13 @@ class ModelRunner:
                 logits = logits[torch.from_numpy(rows).to(logits.device)]
             result = self._sample(logits, idx[rows])
             self.penalties.record(idx[rows], result.sampled_token_ids)
+            if self.tables is not None:
+                pos = st.num_tokens[idx[rows]]
+                fits = pos < self.max_model_len
+                tokens = result.sampled_token_ids
+                if not fits.all():  # rows that just reached max_model_len keep no next token
+                    tokens = tokens[torch.from_numpy(np.nonzero(fits)[0]).to(tokens.device)]
+                self.tables.write_sampled(idx[rows][fits], pos[fits], tokens)
             tokens = result.sampled_token_ids.tolist()
             lp = result.logprobs
             lp_ids = lp.token_ids.tolist() if lp is not None else None

@@ -32,3 +32,23 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         assert got.token_ids == tokens
         for entry, tok, lp in zip(got.logprobs, got.token_ids, lps):
             assert abs(entry[tok].logprob - lp) < 1e-3
+
+
+def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):
+    """Device-side input preparation keeps its tables right through preemption and resume."""
+    d = make_tiny_llama(tmp_path / "llama")
+    want, _, _ = hf_greedy(d, PROMPTS, NUM_TOKENS)
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    llm = LLM(d, device="cpu", dtype="float32", block_size=4, num_kv_blocks=20, max_model_len=64)
+    assert llm.llm_engine.runner.tables is not None
+    engine = llm.llm_engine
+    seen = []
+    add = engine.scheduler.add_request
+    engine.scheduler.add_request = lambda req: (seen.append(req), add(req))[1]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert sum(r.num_preemptions for r in seen) > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
