@@ -122,6 +122,104 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale, head_dim, block_size, sliding_window,
+    stride_qt, stride_qh,
+    stride_kc_b, stride_kc_o, stride_kc_h,
+    stride_vc_b, stride_vc_o, stride_vc_h,
+    stride_bt,
+    GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
+    exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    if (q_len == 1) & (seq_len > 0):
+        m = tl.arange(0, BLOCK_M)
+        head = kv_head * GROUP + m
+        row_ok = m < GROUP
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
+        q_off = q_start.to(tl.int64) * stride_qt + head * stride_qh
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        lo_all = 0
+        if USE_WINDOW:
+            lo_all = tl.maximum(seq_len - sliding_window, 0)
+        per = tl.cdiv(tl.cdiv(seq_len - lo_all, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        s_lo = lo_all + split * per
+        s_hi = tl.minimum(s_lo + per, seq_len)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bt_row = block_table_ptr + row * stride_bt
+        for start_n in range(s_lo, s_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, start_n, s_hi, q_pos, kv_head, qk_scale, sliding_window,
+                k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
+                stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                True, USE_WINDOW, DOT_PRECISION, BLOCK_N,
+            )
+        # partials: [rows, Hq, NUM_SPLITS, D] and [rows, Hq, NUM_SPLITS, 2]
+        part = (row * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, seq_lens_ptr, head_dim, num_q_heads,
+    stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Flash-decoding, part 2: merge a (row, head)'s splits."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + row)
+    q_len = tl.load(qsl_ptr + row + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + row)
+    if (q_len == 1) & (seq_len > 0):
+        sp = tl.arange(0, NUM_SPLITS)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        base = (row * num_q_heads + head) * NUM_SPLITS
+        m_s = tl.load(part_ml_ptr + (base + sp) * 2)
+        l_s = tl.load(part_ml_ptr + (base + sp) * 2 + 1)
+        acc = tl.load(part_acc_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :],
+                      mask=d_ok[None, :], other=0.0)  # [NUM_SPLITS, BLOCK_D]
+        m_all = tl.max(m_s, 0)
+        w = tl.exp2(m_s - m_all)
+        w = tl.where(l_s > 0.0, w, 0.0)  # empty splits
+        total = tl.sum(l_s * w, 0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
+                 out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device) -> int:
+    """Splits per decode row so that rows x kv heads x splits fills the GPU about twice; 1 when
+    the batch already does or the rows are short."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 4
+    want = triton.cdiv(2 * sms, max(num_rows * num_kv_heads, 1))
+    by_len = triton.cdiv(max_seq_len, 256)
+    return max(1, min(16, triton.next_power_of_2(min(want, by_len))))
+
+
 def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str, int]:
     """Tile sizes and launch options. BLOCK_M = query tokens per program x group, >= 16 for tl.dot."""
     block_m = min(max(16, triton.next_power_of_2(max_query_len * group)), 128)
@@ -139,9 +237,11 @@ def paged_attention_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor,
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, num_splits: int | None = None,
 ) -> Tensor:
-    """Triton launcher of `paged_attention`."""
+    """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) split each
+    row's keys over `num_splits` programs (flash-decoding; chosen from the batch shape when None)
+    when too few (row, kv head) programs would otherwise run."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -154,6 +254,14 @@ def paged_attention_triton(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_table.stride(-1) == 1
     interpret = q.device.type == "cpu"
+    if num_splits is None:
+        num_splits = 1
+        if max_query_len == 1:
+            num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len, q.device)
+    if max_query_len == 1 and num_splits > 1:
+        _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
+                      sliding_window, num_splits, interpret)
+        return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
     _paged_attention_kernel[grid](
@@ -169,6 +277,38 @@ def paged_attention_triton(
         BLOCK_D=triton.next_power_of_2(head_dim), **config,
     )
     return out
+
+
+def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
+                  sliding_window, num_splits, interpret) -> None:
+    num_rows = seq_lens.shape[0]
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    # [rows, Hq, splits, D] unnormalised outputs and [rows, Hq, splits, 2] (max, sum)
+    part_acc = torch.empty(num_rows, num_q_heads, num_splits, block_d, dtype=torch.float32,
+                           device=q.device)
+    part_ml = torch.empty(num_rows, num_q_heads, num_splits, 2, dtype=torch.float32,
+                          device=q.device)
+    opts = {} if interpret else dict(num_warps=4, num_stages=2)
+    _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, part_acc, part_ml,
+        query_start_loc, seq_lens, block_table,
+        scale * math.log2(math.e), head_dim, k_cache.shape[1], sliding_window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        GROUP=group, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, **opts,
+    )
+    _decode_combine_kernel[(num_rows, num_q_heads)](
+        out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
+        out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,
+    )
 
 
 def paged_attention_ref(

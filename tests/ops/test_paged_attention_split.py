@@ -1,0 +1,63 @@
+"""Flash-decoding path of the paged attention kernel (decode rows split over several programs)."""
+
+import pytest
+import torch
+
+from krait.ops.paged_attention import (
+    decode_num_splits,
+    paged_attention_ref,
+    paged_attention_triton,
+)
+
+
+def _decode_batch(seq_lens, hq, hkv, d=32, bs=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = len(seq_lens)
+    max_blocks = max(-(-s // bs) for s in seq_lens) + 1
+    num_blocks = rows * max_blocks + 1
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g)
+    block_table = torch.randperm(num_blocks - 1, generator=g)[: rows * max_blocks]
+    block_table = (block_table + 1).view(rows, max_blocks).to(torch.int32)
+    q_lens = [1 if s > 0 else 0 for s in seq_lens]
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=g)
+    return q, k_cache, v_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32), block_table
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_decode_matches_reference(hq, hkv, window, splits):
+    seq_lens = [1, 130, 0, 517, 64]  # a one-token row, long rows, a padding row
+    q, kc, vc, qsl, sl, bt = _decode_batch(seq_lens, hq, hkv, seed=splits)
+    args = (q, kc, vc, qsl, sl, bt, 1, max(seq_lens), 0.2, window)
+    want = paged_attention_ref(*args)
+    got = paged_attention_triton(*args, num_splits=splits)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_choice_fills_the_gpu_but_stays_bounded():
+    cpu = torch.device("cpu")  # 4 "SMs" on CPU: 8 programs wanted
+    assert decode_num_splits(1, 2, 4096, cpu) == 4
+    assert decode_num_splits(64, 8, 4096, cpu) == 1  # the batch already fills it
+    assert decode_num_splits(1, 1, 100, cpu) == 1  # short rows do not split
+    assert decode_num_splits(1, 1, 10**6, cpu) <= 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,ctx", [(1, 16384), (8, 16384), (64, 2048)])
+def test_split_decode_real_size_gpu(rows, ctx):
+    torch.manual_seed(0)
+    hq, hkv, d, bs = 32, 8, 128, 16
+    blocks_per = ctx // bs
+    kc = torch.randn(rows * blocks_per + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    bt = (torch.randperm(rows * blocks_per, device="cuda") + 1).view(rows, blocks_per).int()
+    qsl = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
+    sl = torch.full((rows,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
+    args = (q, kc, vc, qsl, sl, bt, 1, ctx, d**-0.5, None)
+    want = paged_attention_ref(*args).float()
+    got = paged_attention_triton(*args).float()
+    assert (got - want).norm() / want.norm() < 1e-2
