@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from krait.ops.seeded_noise import seeded_exponential
 from krait.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
@@ -254,14 +255,12 @@ def exponential_noise(
 ) -> torch.Tensor:
     """Exp(1) noise; a seeded row's noise depends only on (seed, offset) and the vocab size."""
     q = torch.empty(shape, dtype=torch.float32, device=device).exponential_()  # [B, V]
-    gen = None
-    for i, (seed, offset) in enumerate(zip(seeds, offsets)):
-        if seed is None:
-            continue
-        if gen is None:
-            gen = torch.Generator(device=device)
-        gen.manual_seed(hash((seed, offset)) & _SEED_MASK)
-        q[i].exponential_(generator=gen)
+    if any(seed is not None for seed in seeds):
+        mixed = [
+            -1 if seed is None else hash((seed, offset)) & _SEED_MASK
+            for seed, offset in zip(seeds, offsets)
+        ]
+        seeded_exponential(q, torch.tensor(mixed, dtype=torch.int64).to(device))
     return q
 
 
