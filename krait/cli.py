@@ -160,5 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import logging
+    import os
+
+    logging.basicConfig(
+        level=os.environ.get("KRAIT_LOG_LEVEL", "INFO"), format="%(name)s %(levelname)s: %(message)s"
+    )
     args = build_parser().parse_args(argv)
     sys.exit(args.func(args))
