@@ -147,6 +147,73 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor,
     return sorted_ids, expert_ids
 
 
+@triton.jit
+def _moe_count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    e = tl.load(ids_ptr + offs, mask=m, other=0)
+    tl.atomic_add(counts_ptr + e, 1, mask=m)
+
+
+@triton.jit
+def _moe_layout_kernel(
+    counts_ptr, cursor_ptr, expert_ids_ptr, sorted_ids_ptr, num_experts, num_blocks, n,
+    block_m, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """One program: each expert's padded run start (into cursor), the expert of every block,
+    and sorted_ids filled with the padding id n."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < num_experts
+    c = tl.load(counts_ptr + e, mask=e_ok, other=0)
+    padded = (c + block_m - 1) // block_m * block_m
+    pad_end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + e, pad_end - padded, mask=e_ok)
+    pad_end = tl.where(e_ok, pad_end, 1 << 30)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        start = b * block_m
+        owner = tl.sum((pad_end[None, :] <= start[:, None]).to(tl.int32), 1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(expert_ids_ptr + b, owner, mask=b < num_blocks)
+    for r0 in range(0, num_blocks * block_m, BLOCK_B):
+        r = r0 + tl.arange(0, BLOCK_B)
+        tl.store(sorted_ids_ptr + r, tl.zeros([BLOCK_B], tl.int32) + n,
+                 mask=r < num_blocks * block_m)
+
+
+@triton.jit
+def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    e = tl.load(ids_ptr + offs, mask=m, other=0)
+    dst = tl.atomic_add(cursor_ptr + e, 1, mask=m)
+    tl.store(sorted_ids_ptr + dst, offs.to(tl.int32), mask=m)
+
+
+def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """`moe_align` in four launches (counts, layout, scatter; one memset). Routes of one expert
+    may come in any order within its run: each route's row is computed on its own."""
+    flat = topk_ids.reshape(-1)
+    flat = flat if flat.dtype == torch.int32 else flat.to(torch.int32)
+    n = flat.numel()
+    dev = flat.device
+    max_padded = n + min(n, num_experts) * (block_m - 1)
+    num_blocks = triton.cdiv(max_padded, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)  # [E]
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)  # [E]
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)  # [num_blocks]
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+    block = 1024
+    grid = (triton.cdiv(n, block),)
+    _moe_count_kernel[grid](flat, counts, n, BLOCK=block)
+    _moe_layout_kernel[(1,)](
+        counts, cursor, expert_ids, sorted_ids, num_experts, num_blocks, n, block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_B=256,
+    )
+    _moe_scatter_kernel[grid](flat, cursor, sorted_ids, n, BLOCK=block)
+    return sorted_ids, expert_ids
+
+
 def _launch_gemm(
     a: Tensor, w: Tensor, out: Tensor, topk_w: Tensor, sorted_ids: Tensor, expert_ids: Tensor,
     num_valid: int, a_row_div: int, gated: bool, act: int, mul_weight: bool, block_m: int,
@@ -189,7 +256,7 @@ def fused_moe_triton(
         return torch.zeros_like(x)
     n = T * k
     block_m = pick_block_m(n, E)
-    sorted_ids, expert_ids = moe_align(topk_ids, E, block_m)
+    sorted_ids, expert_ids = moe_align_triton(topk_ids, E, block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     mid = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
