@@ -13,47 +13,7 @@ from torch import Tensor
 from krait.ops._dispatch import use_triton
 from krait.ops.kv_write import write_kv_ref
 from krait.ops.rms_norm import rms_norm_ref
-from krait.ops.rotary import apply_rotary_ref
-
-
-@triton.jit
-def _norm_rope_heads(
-    x_row, heads, num_heads, cs_row, w_ptr, eps, head_dim, rot_dim, stride_h,
-    NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """[BLOCK_H, BLOCK_D] float32: heads of one token, normalised (NORM) then rotated."""
-    d = tl.arange(0, BLOCK_D)
-    half = rot_dim // 2
-    if IS_NEOX:
-        first = d < half
-        partner = tl.where(first, d + half, d - half)
-        cs_idx = tl.where(first, d, d - half)
-    else:
-        first = d % 2 == 0
-        partner = tl.where(first, d + 1, d - 1)
-        cs_idx = d // 2
-    rotated = d < rot_dim
-    in_d = d < head_dim
-    hmask = heads[:, None] < num_heads
-    ptr = x_row + heads[:, None] * stride_h
-    x = tl.load(ptr + d[None, :], mask=hmask & in_d[None, :], other=0.0)
-    xp = tl.load(ptr + partner[None, :], mask=hmask & rotated[None, :], other=0.0)
-    dtype = x.dtype
-    x = x.to(tl.float32)
-    xp = xp.to(tl.float32)
-    if NORM:
-        inv = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)[:, None]
-        w = tl.load(w_ptr + d, mask=in_d, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
-        # HF rounds the normalised value to the activation dtype before the weight
-        x = (x * inv).to(dtype).to(tl.float32) * w[None, :]
-        xp = (xp * inv).to(dtype).to(tl.float32) * wp[None, :]
-        x = x.to(dtype).to(tl.float32)
-        xp = xp.to(dtype).to(tl.float32)
-    cos = tl.load(cs_row + cs_idx, mask=rotated, other=1.0)
-    sin = tl.load(cs_row + half + cs_idx, mask=rotated, other=0.0)
-    sin = tl.where(first, -sin, sin)
-    return x * cos[None, :] + xp * sin[None, :]
+from krait.ops.rotary import apply_rotary_ref, norm_rope_heads
 
 
 @triton.jit
@@ -72,13 +32,13 @@ def _rope_kv_write_kernel(
     in_d = d[None, :] < head_dim
     cs_row = cs_ptr + tl.load(pos_ptr + token) * stride_cs
     if tl.program_id(1) * BLOCK_H < num_q_heads:
-        q = _norm_rope_heads(q_ptr + token * stride_qt, heads, num_q_heads, cs_row, qw_ptr, eps,
+        q = norm_rope_heads(q_ptr + token * stride_qt, heads, num_q_heads, cs_row, qw_ptr, eps,
                              head_dim, rot_dim, stride_qh, NORM, IS_NEOX, BLOCK_D)
         tl.store(q_out_ptr + token * stride_qot + heads[:, None] * stride_qoh + d[None, :],
                  q.to(q_out_ptr.dtype.element_ty), mask=(heads[:, None] < num_q_heads) & in_d)
     slot = tl.load(slot_ptr + token)
     if (tl.program_id(1) * BLOCK_H < num_kv_heads) & (slot >= 0):
-        k = _norm_rope_heads(k_ptr + token * stride_kt, heads, num_kv_heads, cs_row, kw_ptr, eps,
+        k = norm_rope_heads(k_ptr + token * stride_kt, heads, num_kv_heads, cs_row, kw_ptr, eps,
                              head_dim, rot_dim, stride_kh, NORM, IS_NEOX, BLOCK_D)
         kv_mask = (heads[:, None] < num_kv_heads) & in_d
         v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :],

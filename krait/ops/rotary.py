@@ -13,12 +13,11 @@ from krait.ops._dispatch import use_triton
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, out_ptr, cs_ptr, token, head0, num_heads, head_dim, rot_dim,
-    stride_xt, stride_xh, stride_ot, stride_oh,
-    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+def norm_rope_heads(
+    x_row, heads, num_heads, cs_row, w_ptr, eps, head_dim, rot_dim, stride_h,
+    NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    heads = head0 + tl.arange(0, BLOCK_H)
+    """[BLOCK_H, BLOCK_D] float32: heads of one token, normalised (NORM) then rotated."""
     d = tl.arange(0, BLOCK_D)
     half = rot_dim // 2
     if IS_NEOX:
@@ -30,17 +29,42 @@ def _rotate_heads(
         partner = tl.where(first, d + 1, d - 1)
         cs_idx = d // 2
     rotated = d < rot_dim
-    cos = tl.load(cs_ptr + cs_idx, mask=rotated, other=1.0)
-    sin = tl.load(cs_ptr + half + cs_idx, mask=rotated, other=0.0)
-    sin = tl.where(first, -sin, sin)
+    in_d = d < head_dim
     hmask = heads[:, None] < num_heads
-    x_row = x_ptr + token * stride_xt + heads[:, None] * stride_xh
-    x = tl.load(x_row + d[None, :], mask=hmask & (d[None, :] < head_dim), other=0.0)
-    xp = tl.load(x_row + partner[None, :], mask=hmask & rotated[None, :], other=0.0)
-    out = x.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]
+    ptr = x_row + heads[:, None] * stride_h
+    x = tl.load(ptr + d[None, :], mask=hmask & in_d[None, :], other=0.0)
+    xp = tl.load(ptr + partner[None, :], mask=hmask & rotated[None, :], other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    xp = xp.to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=in_d, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        # HF rounds the normalised value to the activation dtype before the weight
+        x = (x * inv).to(dtype).to(tl.float32) * w[None, :]
+        xp = (xp * inv).to(dtype).to(tl.float32) * wp[None, :]
+        x = x.to(dtype).to(tl.float32)
+        xp = xp.to(dtype).to(tl.float32)
+    cos = tl.load(cs_row + cs_idx, mask=rotated, other=1.0)
+    sin = tl.load(cs_row + half + cs_idx, mask=rotated, other=0.0)
+    sin = tl.where(first, -sin, sin)
+    return x * cos[None, :] + xp * sin[None, :]
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, cs_ptr, token, head0, num_heads, head_dim, rot_dim,
+    stride_xt, stride_xh, stride_ot, stride_oh,
+    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    heads = head0 + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    out = norm_rope_heads(x_ptr + token * stride_xt, heads, num_heads, cs_ptr, x_ptr, 0.0,
+                          head_dim, rot_dim, stride_xh, False, IS_NEOX, BLOCK_D)
     o_row = out_ptr + token * stride_ot + heads[:, None] * stride_oh
     tl.store(o_row + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=hmask & (d[None, :] < head_dim))
+             mask=(heads[:, None] < num_heads) & (d[None, :] < head_dim))
 
 
 @triton.jit
