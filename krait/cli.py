@@ -24,6 +24,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--mamba-ssm-cache-dtype", default="float32")
 
 
@@ -41,6 +42,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
 

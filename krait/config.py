@@ -171,8 +171,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet")
-        if enable_prefix_caching:
-            raise ValueError("enable_prefix_caching: prefix caching is not supported yet")
         if kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype); got {kv_cache_dtype!r}")
         if mamba_ssm_cache_dtype not in ("float32", "bfloat16", "float16", "auto"):

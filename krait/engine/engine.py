@@ -41,8 +41,15 @@ class LLMEngine:
         num_blocks, num_slots = self._size_cache()
         self.runner.initialize_cache(num_blocks, num_slots)
         self.runner.capture_cuda_graphs()
+        slots_per_request = self.runner.model_state.slots_per_request
+        if config.cache.enable_prefix_caching and slots_per_request:
+            raise ValueError(
+                "enable_prefix_caching is not supported for models with recurrent (Mamba) "
+                "layers yet: their state cannot be rebuilt from cached attention blocks"
+            )
         self.kv = KVCacheManager(
-            num_blocks, config.cache.block_size, num_slots, self.runner.model_state.slots_per_request
+            num_blocks, config.cache.block_size, num_slots, slots_per_request,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -195,6 +202,8 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": self.kv.usage(),
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
         }

@@ -1,12 +1,17 @@
-"""Attention block pool and state-slot pool.
+"""Attention block pool and state-slot pool, with optional prefix caching.
 
 Block 0 is the null block: never handed out, it backs padded rows (CUDA graphs) so that
 their writes land nowhere that matters.
+
+Prefix caching (attention-only models): every full block is keyed by a hash of its tokens
+chained to the previous block's key. Blocks are reference-counted; a free block keeps its key
+(and contents) until it is handed out again, oldest-freed first, so a later request with the
+same prefix starts from it. A request always computes at least its last prompt token.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from krait.engine.request import Request
 
@@ -26,12 +31,22 @@ class KVCacheManager:
         block_size: int,
         num_state_slots: int = 0,
         slots_per_request: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         # num_blocks == 0: the model has no attention layers (pure state-space model).
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.uses_blocks = num_blocks > 0
-        self._free_blocks: deque[int] = deque(range(1, num_blocks))
+        self.prefix_caching = enable_prefix_caching and self.uses_blocks
+        # free blocks, oldest-freed first (a dict as an ordered set: O(1) removal on a cache hit)
+        self._free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._ref = [0] * max(num_blocks, 1)
+        self._key_of: dict[int, int] = {}  # block -> key of the full block it holds
+        self._block_of: dict[int, int] = {}  # key -> block
+        self._keys: dict[str, list[int]] = {}  # request id -> keys of its full blocks
+        self._published: dict[str, int] = {}  # request id -> leading blocks already published
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, tokens found in the cache
         self.num_state_slots = num_state_slots
         self.slots_per_request = slots_per_request
         self._free_slots: deque[int] = deque(range(num_state_slots))
@@ -59,9 +74,63 @@ class KVCacheManager:
         need = self.blocks_needed(request, num_new_tokens)
         if need > len(self._free_blocks):
             return None
-        new = [self._free_blocks.popleft() for _ in range(need)]
+        new = [self._take_free_block() for _ in range(need)]
         request.block_ids.extend(new)
         return new
+
+    def _take_free_block(self) -> int:
+        block, _ = self._free_blocks.popitem(last=False)
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]  # its old contents are about to be overwritten
+        self._ref[block] = 1
+        return block
+
+    # -- prefix caching -----------------------------------------------------------------
+    def _block_keys(self, request: Request) -> list[int]:
+        """Keys of the request's full blocks, extended as its tokens grow."""
+        keys = self._keys.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(keys), request.num_tokens // bs):
+            parent = keys[-1] if keys else 0
+            keys.append(hash((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))))
+        return keys
+
+    def match_prefix(self, request: Request) -> int:
+        """For a request being admitted without blocks: takes the cached blocks of its longest
+        cached prefix (never covering its last token) and returns how many tokens they hold."""
+        if not self.prefix_caching or request.block_ids:
+            return 0
+        limit = (request.num_tokens - 1) // self.block_size
+        self.prefix_queries += request.num_tokens
+        for key in self._block_keys(request)[:limit]:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            if self._ref[block] == 0:
+                del self._free_blocks[block]
+            self._ref[block] += 1
+            request.block_ids.append(block)
+        hit = len(request.block_ids) * self.block_size
+        self.prefix_hits += hit
+        return hit
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publishes the request's blocks that its computed tokens have filled."""
+        if not self.prefix_caching:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        done = self._published.get(request.request_id, 0)
+        if full <= done:
+            return  # no block filled since the last call (most decode steps)
+        self._published[request.request_id] = full
+        keys = self._block_keys(request)
+        for i in range(done, full):
+            block = request.block_ids[i]
+            if block in self._key_of or keys[i] in self._block_of:
+                continue  # published already, or the same tokens live in another block
+            self._key_of[block] = keys[i]
+            self._block_of[keys[i]] = block
 
     # -- state slots ------------------------------------------------------------------
     @property
@@ -79,8 +148,14 @@ class KVCacheManager:
 
     # -- both -------------------------------------------------------------------------
     def free(self, request: Request) -> None:
-        self._free_blocks.extend(request.block_ids)
+        # a request's last blocks are the least likely to be shared: they are evicted first
+        for block in reversed(request.block_ids):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free_blocks[block] = None
         request.block_ids = []
+        self._keys.pop(request.request_id, None)
+        self._published.pop(request.request_id, None)
         self._free_slots.extend(request.state_slots)
         request.state_slots = []
 

@@ -163,11 +163,11 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            req.num_computed_tokens = self.kv.match_prefix(req)  # 0 without prefix caching
             n = self._num_new_tokens(req, budget)
-            if not self.kv.allocate_slots(req):
-                break
-            if self.kv.allocate(req, n) is None:
+            if not self.kv.allocate_slots(req) or self.kv.allocate(req, n) is None:
                 self.kv.free(req)
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -213,6 +213,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
             got = sampled.get(req_id)
             if got is None or not got.token_ids:
                 continue
