@@ -51,6 +51,11 @@ class ServerMetrics:
             "krait:prompt_tokens", "Prefill tokens processed.", **kw))
         self.generation_tokens = one(Counter(
             "krait:generation_tokens", "Generation tokens produced.", **kw))
+        self.prefix_queries = one(Counter(
+            "krait:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", **kw))
+        self.prefix_hits = one(Counter(
+            "krait:prefix_cache_hits", "Prompt tokens found in the prefix cache.", **kw))
+        self._prefix_seen = (0, 0)
         self.ttft = one(Histogram(
             "krait:time_to_first_token_seconds", "Time to first token in seconds.",
             buckets=TTFT_BUCKETS, **kw))
@@ -72,6 +77,11 @@ class ServerMetrics:
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
+        # the engine counts since start; the counters take the increase
+        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+        self.prefix_queries.inc(max(queries - self._prefix_seen[0], 0))
+        self.prefix_hits.inc(max(hits - self._prefix_seen[1], 0))
+        self._prefix_seen = (queries, hits)
 
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)
