@@ -210,7 +210,9 @@ class ModelRunner:
                     sampled.ranks = [lp_ranks[j]]
                 out[batch.req_ids[r]] = sampled
         st.num_computed_tokens[idx] = end
-        if getattr(self.model_state, "num_accepted_tokens", None) is not None:
+        # postprocess_state only records accepted counts: skip building its input when there
+        # are none to record
+        if self.model_state.num_accepted_tokens is not None:
             num_sampled = torch.from_numpy(samples.astype(np.int32)).to(self.device)
             self.model_state.postprocess_state(
                 batch.idx_mapping[: batch.num_reqs], num_sampled, batch.seq_lens[: batch.num_reqs]

@@ -15,6 +15,8 @@ class DefaultModelState:
     """Owns the paged KV cache and builds attention metadata each step."""
 
     slots_per_request = 0
+    # accepted-position counts per request row (speculative decoding on hybrid models only)
+    num_accepted_tokens: torch.Tensor | None = None
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.model = model
