@@ -26,6 +26,34 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of {"role", "content"} messages) or to
+        several, each rendered by the tokenizer's chat template."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("messages: this model has no tokenizer to render a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            try:
+                ids = tok.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                    chat_template=chat_template,
+                )
+            except ValueError as e:  # e.g. no chat template
+                raise ValueError(f"messages: {e}") from e
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -73,8 +73,8 @@ class SamplingParams:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", f"must be non-negative, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None:
+            bad("prompt_logprobs", "is not supported yet")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

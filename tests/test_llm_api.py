@@ -183,3 +183,29 @@ def test_use_tqdm(llm: LLM, capsys: pytest.CaptureFixture) -> None:
     assert "Processed prompts" not in capsys.readouterr().err
     llm.generate(PROMPTS[:2], greedy(2), use_tqdm=True)
     assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_chat_renders_the_template_and_generates(tmp_path):
+    from krait import LLM, SamplingParams
+    from tests.utils import make_tiny_llama
+
+    llm = LLM(make_tiny_llama(tmp_path / "m"), device="cpu", dtype="float32")
+    conv = [{"role": "user", "content": "hello there"}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    out = llm.chat(conv, params, use_tqdm=False)
+    ids = llm.get_tokenizer().apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert out[0].prompt_token_ids == ids
+    direct = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+    two = llm.chat([conv, conv + [{"role": "assistant", "content": "hi"}]], params, use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+
+
+def test_prompt_logprobs_refused_not_ignored():
+    import pytest
+
+    from krait import SamplingParams
+
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=1).validate()
