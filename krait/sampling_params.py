@@ -24,7 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the token's own)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -73,8 +73,8 @@ class SamplingParams:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", f"must be non-negative, got {self.logprobs}")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs", "is not supported yet")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

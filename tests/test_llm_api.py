@@ -202,10 +202,10 @@ def test_chat_renders_the_template_and_generates(tmp_path):
     assert len(two) == 2 and two[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
 
 
-def test_prompt_logprobs_refused_not_ignored():
+def test_prompt_logprobs_must_be_non_negative():
     import pytest
 
     from krait import SamplingParams
 
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=1).validate()
+        SamplingParams(prompt_logprobs=-1).validate()

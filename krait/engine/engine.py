@@ -259,6 +259,7 @@ class LLMEngine:
                         if r.num_output_tokens or r.is_finished
                     ],
                     finished=finished,
+                    prompt_logprobs=next(iter(parent.reqs.values())).prompt_logprobs,
                 )
             )
             if finished:

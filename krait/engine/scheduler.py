@@ -59,6 +59,9 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None  # per token: id -> logprob
     ranks: list[int] | None = None
+    # prompt logprobs computed in this chunk: (prompt position, [(id, logprob): the prompt's own
+    # token, then the top-k in order], rank of the own token)
+    prompt_logprobs: list[tuple[int, list[tuple[int, float]], int]] | None = None
 
 
 class Scheduler:
@@ -163,7 +166,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
-            req.num_computed_tokens = self.kv.match_prefix(req)  # 0 without prefix caching
+            if req.params.prompt_logprobs is None:  # cached tokens would have no logprobs
+                req.num_computed_tokens = self.kv.match_prefix(req)  # 0 without prefix caching
             n = self._num_new_tokens(req, budget)
             if not self.kv.allocate_slots(req) or self.kv.allocate(req, n) is None:
                 self.kv.free(req)
@@ -215,6 +219,8 @@ class Scheduler:
             req.num_computed_tokens += n
             self.kv.cache_full_blocks(req)
             got = sampled.get(req_id)
+            if got is not None and got.prompt_logprobs:
+                _store_prompt_logprobs(req, got.prompt_logprobs)
             if got is None or not got.token_ids:
                 continue
             for j, tok in enumerate(got.token_ids):
@@ -271,3 +277,14 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+
+def _store_prompt_logprobs(req: Request, entries) -> None:
+    from krait.outputs import Logprob
+
+    for pos, pairs, rank in entries:
+        tok, own = pairs[0]
+        d = {tok: Logprob(own, rank=rank)}
+        for r, (tid, lp) in enumerate(pairs[1:], start=1):
+            d.setdefault(tid, Logprob(lp, rank=r))
+        req.prompt_logprobs[pos] = d  # a recomputed chunk (after preemption) overwrites

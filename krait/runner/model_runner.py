@@ -169,7 +169,47 @@ class ModelRunner:
         )
         hidden = self.forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return self._sample_and_update(batch, logits)
+        prompt_lps = self._prompt_logprobs(batch, hidden)  # before the tables advance
+        out = self._sample_and_update(batch, logits)
+        for rid, entries in prompt_lps.items():
+            out.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
+        return out
+
+    def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor, chunk: int = 512):
+        """Logprobs of each prompt token given the tokens before it, for the prefill rows whose
+        request asked (prompt_logprobs=k): {req_id: [(position, [(token, lp), top-k...], rank)]}."""
+        st = self.states
+        rows = range(batch.num_decodes, batch.num_reqs)
+        idx = batch.idx_mapping_np
+        if not any(st.wants_prompt_logprobs[idx[r]] for r in rows):
+            return {}
+        out = {}
+        for r in rows:
+            i = idx[r]
+            if not st.wants_prompt_logprobs[i]:
+                continue
+            k = st.params[i].prompt_logprobs
+            prompt_len = st.num_prompt_tokens[i] - st.num_output_offset[i]
+            first = int(batch.num_computed_tokens_np[r])
+            # the token at position q predicts q + 1; only prompt tokens are scored
+            last = min(first + int(batch.num_scheduled_tokens_np[r]), int(prompt_len) - 1)
+            entries = []
+            for q0 in range(first, last, chunk):
+                qs = np.arange(q0, min(q0 + chunk, last))
+                toks = torch.from_numpy(batch.query_start_loc_np[r] + qs - first).to(self.device)
+                lp = self.model.compute_logits(hidden[toks]).log_softmax(dim=-1)  # [n, V]
+                target = torch.from_numpy(st.token_ids[i, qs + 1].astype(np.int64)).to(self.device)
+                own = lp.gather(1, target[:, None])  # [n, 1]
+                ranks = (lp >= own).sum(dim=-1).tolist()
+                ids, vals = target[:, None], own
+                if k:
+                    top_v, top_i = lp.topk(k, dim=-1)
+                    ids, vals = torch.cat([ids, top_i], 1), torch.cat([vals, top_v], 1)
+                for q, row_ids, row_vals, rank in zip(qs, ids.tolist(), vals.tolist(), ranks):
+                    entries.append((int(q) + 1, list(zip(row_ids, row_vals)), rank))
+            if entries:
+                out[batch.req_ids[r]] = entries
+        return out
 
     def forward(self, batch: InputBatch) -> torch.Tensor:
         meta = self.model_state.prepare_attn(batch, for_capture=False)
