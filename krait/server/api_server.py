@@ -242,7 +242,7 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 def completion_logprobs(state: ServerState, token_ids: list[int],
                         logprobs: list[dict[int, Logprob]], k: int,
                         text_offset: int) -> CompletionLogProbs:
-    """OpenAI's legacy logprobs object; prompt tokens (echo) have `None` logprobs."""
+    """OpenAI's legacy logprobs object; an echoed prompt's first token has `None` logprobs."""
     result = CompletionLogProbs()
     offset = text_offset
     for tid, entry in zip(token_ids, logprobs):
@@ -330,7 +330,8 @@ class CompletionBuilder:
             lps: list[dict[int, Logprob]] = []
             offset = start_text  # text_offset counts from the start of the echoed prompt
             if echo:
-                ids, lps = list(out.prompt_token_ids), [{} for _ in out.prompt_token_ids]
+                ids = list(out.prompt_token_ids)
+                lps = [e or {} for e in (out.prompt_logprobs or [None] * len(ids))]
             elif self.req.echo:
                 offset += len(self.prompt_text(i, out))
             ids += token_ids

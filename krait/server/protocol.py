@@ -150,7 +150,10 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs  # echoed prompt tokens get theirs too
+        return params
 
 
 class ChatMessage(BaseModel):

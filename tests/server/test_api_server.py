@@ -134,8 +134,10 @@ def test_completion_batch_n_echo_logprobs(client):
         lp = c.logprobs
         n_prompt = 3 if c.index < 2 else 2
         assert len(lp.tokens) == n_prompt + 4
-        assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
-        assert all(x <= 0.0 for x in lp.token_logprobs[n_prompt:])
+        # as OpenAI does: the echoed prompt's first token has none, the others have theirs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x is not None and x <= 0.0 for x in lp.token_logprobs[1:])
+        assert all(1 <= len(t) <= 3 for t in lp.top_logprobs[1:n_prompt])
         assert all(1 <= len(t) <= 3 for t in lp.top_logprobs[n_prompt:])
         assert c.text.startswith("".join(lp.tokens[:n_prompt]))
 
