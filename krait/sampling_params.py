@@ -31,6 +31,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling (OpenAI's)
     # "cumulative": an output every step a request progresses (streaming); "final_only": one
     # output when it finishes (offline generation; skips per-step copies)
     output_kind: str = "cumulative"
@@ -81,6 +82,11 @@ class SamplingParams:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0.0:
             bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size):
+                bad("logit_bias", f"holds token {t!r}, outside the vocabulary")
+            if not -100.0 <= float(b) <= 100.0:
+                bad("logit_bias", f"values must be in [-100, 100], got {b} for token {t}")
         if self.output_kind not in ("cumulative", "final_only"):
             bad("output_kind", f"must be 'cumulative' or 'final_only', got {self.output_kind!r}")
         if vocab_size is not None:

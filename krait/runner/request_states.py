@@ -101,4 +101,5 @@ def _plain_greedy(p: SamplingParams) -> bool:
         and p.presence_penalty == 0
         and p.frequency_penalty == 0
         and p.repetition_penalty == 1
+        and not p.logit_bias
     )

@@ -7,7 +7,7 @@ per row and, when any row asks, the raw logprobs (log_softmax of the logits as g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -60,6 +60,8 @@ class SamplingMetadata:
     banned: list[tuple[int, list[int]]]  # (row, token ids that row must not sample)
     max_num_logprobs: int | None
     all_random: bool = False  # no greedy row: the sampler may skip the greedy argmax
+    # (row, token ids, biases) added to that row's logits first (OpenAI's logit_bias)
+    bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
 
     @property
     def needs_penalties(self) -> bool:
@@ -130,6 +132,11 @@ def build_sampling_metadata(
         if ids:
             banned.append((i, ids))
 
+    bias = [
+        (i, list(p.logit_bias), [float(v) for v in p.logit_bias.values()])
+        for i, p in enumerate(params)
+        if p.logit_bias
+    ]
     asked = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
         temperature=f32(temps),
@@ -151,6 +158,7 @@ def build_sampling_metadata(
         banned=banned,
         max_num_logprobs=max(asked) if asked else None,
         all_random=not any(greedy),
+        bias=bias,
     )
 
 
@@ -196,8 +204,16 @@ class SamplerOutput:
 
 
 def apply_bans_and_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Float32 logits with banned ids at -inf and the penalties applied; never edits `logits`."""
+    """Float32 logits with the logit biases added, banned ids at -inf and the penalties applied;
+    never edits `logits`."""
     x = logits.to(torch.float32, copy=True)  # [B, V]
+    if meta.bias:
+        rows = [i for i, ids, _ in meta.bias for _ in ids]
+        cols = [t for _, ids, _ in meta.bias for t in ids]
+        vals = [v for _, _, vs in meta.bias for v in vs]
+        idx_r = torch.tensor(rows, dtype=torch.int64, device=x.device)
+        idx_c = torch.tensor(cols, dtype=torch.int64, device=x.device)
+        x.index_put_((idx_r, idx_c), torch.tensor(vals, device=x.device), accumulate=True)
     if meta.banned:
         rows = [i for i, ids in meta.banned for _ in ids]
         cols = [t for _, ids in meta.banned for t in ids]
@@ -285,12 +301,13 @@ class Sampler(torch.nn.Module):
         if (
             meta.all_greedy
             and not meta.banned
+            and not meta.bias
             and not meta.needs_penalties
             and meta.max_num_logprobs is None
         ):
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
 
-        if meta.banned or meta.needs_penalties:
+        if meta.banned or meta.bias or meta.needs_penalties:
             x = apply_bans_and_penalties(logits, meta)
         else:
             x = logits

@@ -87,10 +87,37 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # OpenAI / vLLM fields krait does not implement: refused with a 400, never ignored
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def _refuse_unsupported(self) -> None:
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        if self.tools or self.functions:
+            raise ValueError("tools: tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: tool calling is not supported")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: guided decoding is not supported")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._refuse_unsupported()
         top_k = self.top_k
+        try:
+            bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
+        except ValueError as e:
+            raise ValueError(f"logit_bias: keys must be token ids ({e})") from e
         return SamplingParams(
+            logit_bias=bias,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

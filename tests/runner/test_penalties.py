@@ -58,3 +58,20 @@ def test_state_rows_rebuilt_on_add_and_counted_on_record():
     assert st.output_counts[1].sum() == 0 and st.prompt_mask[1].nonzero().flatten().tolist() == [7]
     counts, mask = st.gather(np.array([1, 0]))
     assert counts.shape == (2, 10) and mask.shape == (2, 10)
+
+
+def test_logit_bias_forces_and_forbids_tokens(model_dir):
+    llm = LLM(model_dir, device="cpu", dtype="float32")
+    base = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate({"prompt_token_ids": PROMPTS[0]}, base, use_tqdm=False)[0]
+    first = plain.outputs[0].token_ids[0]
+    forced = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={77: 100.0})
+    assert llm.generate({"prompt_token_ids": PROMPTS[0]}, forced, use_tqdm=False)[0] \
+        .outputs[0].token_ids == [77] * 6
+    forbid = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                            logit_bias={first: -100.0})
+    got = llm.generate({"prompt_token_ids": PROMPTS[0]}, forbid, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids[0] != first
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]},
+                     SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)

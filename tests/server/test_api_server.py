@@ -306,3 +306,17 @@ def test_bench_serve(server, capsys):
     assert result["output_throughput"] > 0 and result["mean_ttft_ms"] > 0
     assert "median_itl_ms" in result and "p99_tpot_ms" in result
     assert "krait serving benchmark" in captured.err
+
+
+def test_logit_bias_and_unsupported_fields(server, client):
+    import openai
+
+    resp = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3,
+                                     temperature=0.0, logit_bias={"77": 100},
+                                     extra_body={"ignore_eos": True})
+    want = post(server[0], "/detokenize", {"tokens": [77, 77, 77]}).json()["prompt"]
+    assert resp.choices[0].text == want
+    for extra in ({"guided_json": {"type": "object"}}, {"response_format": {"type": "json_object"}},
+                  {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra)
