@@ -364,6 +364,8 @@ class CompletionBuilder:
                     if choice is not None:
                         chunk = CompletionChunk(id=rid, created=created, model=model,
                                                 choices=[choice])
+                        if self.req.continuous_usage:
+                            chunk.usage = usage_of(finals)
                         yield _sse(chunk.model_dump_json(exclude=exclude))
             if usage:
                 chunk = CompletionChunk(id=rid, created=created, model=model, choices=[],
@@ -415,16 +417,18 @@ class ChatBuilder:
         created = int(time.time())
         usage = self.req.include_usage
         exclude = None if usage else {"usage"}
+        final = None
 
         def chunk(choice: ChatStreamChoice) -> str:
             c = ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice])
+            if self.req.continuous_usage and final is not None:
+                c.usage = usage_of({0: final})
             return _sse(c.model_dump_json(exclude=exclude))
 
         for index in range(self.req.n):
             yield chunk(ChatStreamChoice(index=index,
                                          delta=DeltaMessage(role="assistant", content="")))
         deltas: dict[int, _Delta] = {}
-        final = None
         try:
             async for _, out in merge(streams):
                 final = out

@@ -141,6 +141,11 @@ class SamplingFields(OpenAIModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far on every streamed chunk (vLLM's stream_options extension)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
 

@@ -320,3 +320,21 @@ def test_logit_bias_and_unsupported_fields(server, client):
                   {"tools": [{"type": "function", "function": {"name": "f"}}]}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra)
+
+
+def test_continuous_usage_stats(client):
+    stream = client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0.0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in with_choices)
+    assert with_choices[-1].usage.completion_tokens == 4 and chunks[-1].usage.total_tokens == 7
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})
+    chat_chunks = list(chat)
+    assert chat_chunks[-1].usage.completion_tokens == 3
+    assert any(c.usage is not None for c in chat_chunks if c.choices)
