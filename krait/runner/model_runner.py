@@ -106,6 +106,7 @@ class ModelRunner:
         st = self.states
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             st.remove(rid)
+        added: list[tuple[int, list[int]]] = []
         for new in sched.new_reqs:
             i = st.add(
                 new.req_id,
@@ -118,12 +119,14 @@ class ModelRunner:
                 new.state_slots,
                 new.eos_token_ids,
             )
-            self.model_state.add_request(i, new.state_slots)
+            added.append((i, new.state_slots))
             if self.tables is not None:
                 self.tables.set_row(i, new.token_ids)
                 self.tables.add_blocks(i, 0, new.block_ids)
             n_prompt = new.num_prompt_tokens - new.num_output_tokens
             self.penalties.add(i, new.params, new.token_ids[:n_prompt], new.token_ids[n_prompt:])
+        if added:
+            self.model_state.add_requests(added)
         for cached in sched.cached_reqs:
             i = st.index[cached.req_id]
             if self.tables is not None and cached.new_block_ids:

@@ -227,7 +227,7 @@ def test_invariant_5_slot_is_reset_when_assigned(checkpoints, arch: str) -> None
 
     llm = LLM(model_dir, **device_options(), max_num_seqs=1)  # one slot, reused by each request
     state = hybrid_state(llm)
-    add = state.add_request
+    add = state.add_requests
     assigned: list[int] = []
 
     def poison() -> None:
@@ -235,15 +235,16 @@ def test_invariant_5_slot_is_reset_when_assigned(checkpoints, arch: str) -> None
             m.conv_state.fill_(float("nan"))
             m.ssm_state.fill_(float("nan"))
 
-    def checking_add(req_state_idx: int, slots: list[int]) -> None:
+    def checking_add(new: list[tuple[int, list[int]]]) -> None:
         poison()  # whatever an earlier owner (or anyone) left there
-        add(req_state_idx, slots)
+        add(new)
         for m in state.mamba_layers:
-            for s in slots:
-                assert not m.conv_state[s].any() and not m.ssm_state[s].any(), f"slot {s}"
-        assigned.extend(slots)
+            for _, slots in new:
+                for s in slots:
+                    assert not m.conv_state[s].any() and not m.ssm_state[s].any(), f"slot {s}"
+        assigned.extend(s for _, slots in new for s in slots)
 
-    state.add_request = checking_add
+    state.add_requests = checking_add
     assert_same_outputs(generate(llm, prompts), want)
     assert assigned == [0, 0, 0]
 

@@ -67,8 +67,8 @@ class DefaultModelState:
     def prepare_attn(self, batch: InputBatch, for_capture: bool = False) -> StepMetadata:
         return StepMetadata(attn=self.attention_metadata(batch, for_capture))
 
-    def add_request(self, req_state_idx: int, state_slots: list[int]) -> None:
-        """A request arrived (or resumed) with these state slots."""
+    def add_requests(self, new: list[tuple[int, list[int]]]) -> None:
+        """Requests arrived (or resumed) this step: (req_state_idx, state slots) each."""
 
     def postprocess_state(
         self,

@@ -58,16 +58,19 @@ class MambaHybridModelState(DefaultModelState):
             m.ssm_state = torch.zeros((num_slots, *ssm), dtype=self.ssm_dtype, device=self.device)
 
     # -- requests -----------------------------------------------------------------------
-    def add_request(self, req_state_idx: int, state_slots: list[int]) -> None:
-        """Resets the request's slots so nothing of an earlier owner leaks."""
-        if not state_slots:
+    def add_requests(self, new: list[tuple[int, list[int]]]) -> None:
+        """Resets the new requests' slots, all of them in one write per layer, so nothing of an
+        earlier owner leaks."""
+        slots = [s for _, ss in new for s in ss]
+        if not slots:
             return
-        idx = torch.tensor(state_slots, dtype=torch.long, device=self.device)
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         for m in self.mamba_layers:
             m.conv_state[idx] = 0
             m.ssm_state[idx] = 0
         if self.num_accepted_tokens is not None:
-            self.num_accepted_tokens[req_state_idx] = 1
+            rows = torch.tensor([i for i, _ in new], dtype=torch.long).to(self.device)
+            self.num_accepted_tokens[rows] = 1
 
     # -- per step ---------------------------------------------------------------------
     def prepare_attn(self, batch: InputBatch, for_capture: bool = False) -> StepMetadata:
