@@ -17,9 +17,9 @@ from krait.layers.mamba2 import (
     Mamba2Mixer,
     MambaMetadata,
     mixer_weight_name,
-    time_step_limit,
 )
 from krait.layers.norm import RMSNorm
+from krait.models.bamba import bamba_mamba_dims
 from krait.models.llama import LlamaAttention, LlamaMLP
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.ops.gated_rms_norm import gated_rms_norm
@@ -32,20 +32,7 @@ def falcon_h1_dims(cfg: Any) -> Mamba2Dims:
     head_dim = cfg.mamba_d_head
     if head_dim in (None, "auto"):
         head_dim = d_ssm // cfg.mamba_n_heads
-    return Mamba2Dims(
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.mamba_n_heads,
-        head_dim=head_dim,
-        n_groups=cfg.mamba_n_groups,
-        d_state=cfg.mamba_d_state,
-        d_conv=cfg.mamba_d_conv,
-        chunk_size=cfg.mamba_chunk_size,
-        eps=cfg.rms_norm_eps,
-        use_conv_bias=getattr(cfg, "mamba_conv_bias", True),
-        use_bias=getattr(cfg, "mamba_proj_bias", False),
-        time_step_limit=time_step_limit(cfg),
-        activation=getattr(cfg, "hidden_act", "silu"),
-    )
+    return bamba_mamba_dims(cfg, head_dim=head_dim)
 
 
 def mup_vector(d: Mamba2Dims, multipliers: list[float]) -> torch.Tensor:
