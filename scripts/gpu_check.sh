@@ -1,33 +1,34 @@
 #!/usr/bin/env bash
-# One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs go to $OUT.
+# One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root): bash scripts/gpu_check.sh [quick|kernels|bench|maxlen|throughput|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
 OUT=${OUT:-/tmp/krait_gpu}
-mkdir -p "$OUT"
+LOG=/tmp/krait_logs  # packed into $OUT/logs.tgz at the end (a device call returns few files)
+mkdir -p "$OUT" "$LOG"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KRAIT_TEST_GPU=1
 what=${1:-all}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$LOG/gpu.txt"
 
 run_kernels() {
-  timeout 900 python3 -m pytest -q -x -m gpu tests/ops tests/runner -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/kernels.log"
+  timeout ${KERNEL_TIMEOUT:-900} python3 -m pytest -q -x -m gpu tests/ops tests/runner -p no:cacheprovider 2>&1 | tail -40 | tee "$LOG/kernels.log"
 }
 run_parity() {
   # HF parity on the GPU in float32, CUDA graphs on and off, chunked prefill. The oracle comes
   # from this machine's checkout: run `PYTHONPATH=. python3 scripts/gpu_parity.py make .parity`
   # there first and name .parity in the device call's carry.
   if [ -d .parity ]; then
-    timeout 600 python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn | tail -40 | tee "$OUT/parity.log"
+    timeout 600 python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn | tail -40 | tee "$LOG/parity.log"
   else
-    echo "no .parity fixtures carried: GPU parity skipped" | tee "$OUT/parity.log"
+    echo "no .parity fixtures carried: GPU parity skipped" | tee "$LOG/parity.log"
   fi
 }
 bench_latency() {  # name, tag, extra args
   local name=$1 tag=$2; shift 2
-  timeout 600 python3 -m krait bench latency --config "$name" "$@" > "$OUT/lat_${name}${tag}.json" 2> "$OUT/lat_${name}${tag}.err"
-  echo "== $name $tag"; grep -v Warn "$OUT/lat_${name}${tag}.err" | tail -12
+  timeout 600 python3 -m krait bench latency --config "$name" "$@" > "$LOG/lat_${name}${tag}.json" 2> "$LOG/lat_${name}${tag}.err"
+  echo "== $name $tag"; grep -v Warn "$LOG/lat_${name}${tag}.err" | tail -12
 }
 case $what in
   quick)
@@ -39,10 +40,10 @@ case $what in
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done
     ;;
   throughput)  # offline throughput against HF transformers generate, same process
-    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do
+    for m in ${MODELS:-mamba2-1.3b granite-4.0-h-micro qwen3-0.6b}; do
       timeout 600 python3 -m krait bench throughput --config $m --num-prompts 256 --input-len 256 \
-        --output-len 64 --hf-baseline --hf-max-prompts 32 > "$OUT/tp_$m.json" 2> "$OUT/tp_$m.err"
-      echo "== $m"; grep -v Warn "$OUT/tp_$m.err" | tail -3
+        --output-len 64 --hf-baseline --hf-max-prompts 32 > "$LOG/tp_$m.json" 2> "$LOG/tp_$m.err"
+      echo "== $m"; grep -v Warn "$LOG/tp_$m.err" | tail -3
     done
     ;;
   maxlen)  # decode cost must not follow max_model_len
@@ -50,9 +51,16 @@ case $what in
       bench_latency granite-4.0-h-micro "_L$L" --batch-sizes 1,64 --prompt-lens "" --max-model-len $L
     done
     ;;
+  profile)  # wall vs GPU kernel time of decode steps and one prefill, top kernels
+    OUT=$LOG timeout 400 python3 scripts/profile_decode.py qwen3-0.6b:1:1024 granite-4.0-h-micro:64:1024 \
+      mamba2-1.3b:64:1024 mamba2-1.3b:1:1024 --prefill 2048 2>&1 | grep -v -E "Warn|USDT|profiler" \
+      | tee "$LOG/profile.log"
+    ;;
   all)
     run_kernels
     run_parity
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done
     ;;
 esac
+# the device call brings back few files: pack the logs into one
+tar czf "$OUT/logs.tgz" -C "$LOG" .

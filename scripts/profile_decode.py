@@ -1,10 +1,13 @@
-"""Profiles decode steps of a named config: where the step time goes (CPU vs GPU kernels).
+"""Where a decode step and one prefill spend their time: wall time vs GPU kernel time, top kernels.
 
-PYTHONPATH=. python3 scripts/profile_decode.py qwen3-0.6b 1 1024"""
+PYTHONPATH=. python3 scripts/profile_decode.py qwen3-0.6b:1:1024 mamba2-1.3b:64:1024 [--prefill 2048]
+
+Prints a compact table per spec (NAME:BATCH:CONTEXT); full profiler tables go to $OUT/prof_*.txt."""
 
 from __future__ import annotations
 
-import sys
+import argparse
+import os
 import time
 
 import torch
@@ -16,44 +19,92 @@ from krait.engine.engine import LLMEngine
 from krait.sampling_params import SamplingParams
 
 
-def main() -> None:
-    name, batch, ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    eng = LLMEngine(EngineConfig.from_kwargs(model=str(CONFIG_DIR / name), load_format="dummy",
-                                             max_model_len=ctx + 128, max_num_seqs=max(batch, 8)))
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _kernel_rows(prof, per: int) -> tuple[float, list[tuple[str, float, float]]]:
+    """(GPU µs per step, [(kernel, calls per step, µs per step)]) from a profile of `per` steps."""
+    rows = []
+    total = 0.0
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", 0.0) or 0.0
+        if t <= 0 or ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total += t
+        rows.append((ev.key[:70], ev.count / per, t / per))
+    rows.sort(key=lambda r: -r[2])
+    return total / per, rows
+
+
+def _report(tag: str, wall_ms: float, prof, per: int, out_dir: str) -> None:
+    gpu_us, rows = _kernel_rows(prof, per)
+    print(f"== {tag}: wall {wall_ms:.3f} ms, GPU kernels {gpu_us / 1e3:.3f} ms "
+          f"({sum(r[1] for r in rows):.0f} launches)")
+    for name, calls, us in rows[:14]:
+        print(f"   {us:9.1f} us {calls:6.1f}x  {name}")
+    with open(os.path.join(out_dir, f"prof_{tag.replace(' ', '_').replace(':', '_')}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
+                                          max_name_column_width=70))
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
+                                          max_name_column_width=70))
+
+
+def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
+    name, batch, ctx = spec.split(":")
+    batch, ctx = int(batch), int(ctx)
+    eng = LLMEngine(EngineConfig.from_kwargs(
+        model=str(CONFIG_DIR / name), load_format="dummy", max_model_len=max(ctx, prefill) + 256,
+        max_num_seqs=max(batch, 8), max_num_batched_tokens=max(2048, prefill)))
     vocab = eng.config.model.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only")
     for i, p in enumerate(_prompts(batch, ctx, vocab, 0)):
         eng.add_request(str(i), {"prompt_token_ids": p}, params)
-    for _ in range(10):
+    while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
         eng.step()
-    torch.cuda.synchronize()
+    for _ in range(5):
+        eng.step()
+    _sync()
     t = time.perf_counter()
     for _ in range(20):
         eng.step()
-    torch.cuda.synchronize()
-    print(f"{name} batch {batch} ctx {ctx}: {(time.perf_counter() - t) / 20 * 1e3:.3f} ms/step")
+    _sync()
+    wall = (time.perf_counter() - t) / 20 * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             eng.step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        _sync()
+    _report(f"{name} decode b{batch} ctx{ctx}", wall, prof, 10, out_dir)
     for rid in list(eng._parents):
         eng.abort_request(rid)
-    # one prefill of `ctx` tokens, profiled after a warm-up of the same length
+    if not prefill:
+        return
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    prompt = _prompts(1, ctx, vocab, 1)[0]
+    prompt = _prompts(1, prefill, vocab, 1)[0]
     for rep in range(3):
         eng.add_request(f"p{rep}", {"prompt_token_ids": prompt}, one)
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             while eng.has_unfinished_requests():
                 eng.step()
-            torch.cuda.synchronize()
-        print(f"prefill {ctx}: {(time.perf_counter() - t) * 1e3:.2f} ms")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+            _sync()
+        wall = (time.perf_counter() - t) * 1e3
+    _report(f"{name} prefill {prefill}", wall, prof, 1, out_dir)
+    top_cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+    print("   host (self CPU ms, calls): " + ", ".join(
+        f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.1f}/{e.count}" for e in top_cpu))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("specs", nargs="+")
+    ap.add_argument("--prefill", type=int, default=0)
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp")
+    for spec in args.specs:
+        profile_spec(spec, args.prefill, out_dir)
 
 
 if __name__ == "__main__":
