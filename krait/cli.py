@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="read each step's tokens back before scheduling the next")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--mamba-ssm-cache-dtype", default="float32")
@@ -41,6 +43,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         load_format=args.load_format,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,

@@ -100,6 +100,8 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # schedule and prepare step N+1 while the device runs step N (outputs come one call later)
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ class EngineConfig:
         mamba_ssm_cache_dtype: str = "float32",
         tokenizer: str | None = None,
         cpu_kv_cache_gib: float = 2.0,
+        async_scheduling: bool = True,
     ) -> EngineConfig:
         """Builds and validates the whole configuration from LLM(...)-style keyword options."""
         if load_format not in ("auto", "safetensors", "dummy"):
@@ -206,7 +209,8 @@ class EngineConfig:
                 cpu_kv_cache_gib=cpu_kv_cache_gib,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                async_scheduling=bool(async_scheduling),
             ),
             parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
             device=dev,

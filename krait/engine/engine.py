@@ -63,6 +63,7 @@ class LLMEngine:
         self._text: dict[str, str] = {}  # text released so far per child (never shrinks)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self._inflight = None  # (SchedulerOutput, PendingSample) launched, not yet read back
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -192,7 +193,7 @@ class LLMEngine:
                 self._text.pop(cid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self._parents)  # a step in flight only matters for requests still here
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
@@ -210,9 +211,21 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling + model step; an output for each request that made progress."""
+        """One scheduling + model step; an output for each request that made progress.
+
+        With async scheduling the step launched here is read back by the next call: the host
+        schedules and prepares step N+1 while the device still runs step N, and returns step
+        N's outputs."""
         sched = self.scheduler.schedule()
-        sampled = self.runner.execute_model(sched)
+        pending = self.runner.execute_model(sched)
+        if not self.config.scheduler.async_scheduling:
+            return self._process(sched, pending.result())
+        previous, self._inflight = self._inflight, (sched, pending)
+        if previous is None:
+            return []
+        return self._process(previous[0], previous[1].result())
+
+    def _process(self, sched, sampled) -> list[RequestOutput]:
         progressed = self.scheduler.update_from_output(sched, sampled)
         touched: dict[str, None] = {}
         for req in progressed:

@@ -119,7 +119,8 @@ class KVCacheManager:
         """Publishes the request's blocks that its computed tokens have filled."""
         if not self.prefix_caching:
             return
-        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        known = min(request.num_computed_tokens, request.num_tokens)  # in-flight tokens excluded
+        full = min(known // self.block_size, len(request.block_ids))
         done = self._published.get(request.request_id, 0)
         if full <= done:
             return  # no block filled since the last call (most decode steps)

@@ -46,6 +46,9 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_preemptions: int = 0
+    # tokens the device is sampling for this request whose values the host has not seen yet
+    # (async scheduling: the next step is scheduled before the last one's results are read)
+    num_inflight: int = 0
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -5,6 +5,13 @@ waiting requests in arrival order while budget, `max_num_seqs`, blocks and state
 request's step is `num_scheduled_tokens` tokens from `num_computed_tokens`: a prefill chunk or one
 decode token alike. When blocks run out, the newest running request is preempted: its blocks and
 slots are freed and it waits at the head of the queue to be recomputed.
+
+`num_computed_tokens` advances when a step is scheduled, and a step that reaches the end of a
+request's tokens counts one token in flight (`num_inflight`) until its value arrives through
+`update_from_output`. With async scheduling the engine schedules step N+1 before step N's tokens
+are read back, so a decode row of N+1 takes its input token from the device; a request whose
+in-flight tokens will end it by length is not scheduled again, and one that turns out to have
+stopped (EOS, a stop token or string) has its extra step's result dropped.
 """
 
 from __future__ import annotations
@@ -119,7 +126,22 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        return min(req.num_tokens - req.num_computed_tokens, budget)
+        known = req.num_tokens + req.num_inflight
+        if req.num_inflight:
+            p = req.params
+            out_of_tokens = p.max_tokens is not None and (
+                req.num_output_tokens + req.num_inflight >= p.max_tokens
+            )
+            if out_of_tokens or known >= self.max_model_len:
+                return 0  # its in-flight token ends it
+        return min(known - req.num_computed_tokens, budget)
+
+    @staticmethod
+    def _advance(req: Request, n: int) -> None:
+        """The step just scheduled computes n tokens; one reaching the end samples a token."""
+        req.num_computed_tokens += n
+        if req.num_computed_tokens >= req.num_tokens + req.num_inflight:
+            req.num_inflight += 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -160,12 +182,15 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
             cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+            self._advance(req, n)
             i += 1
 
         while self.waiting and budget > 0 and not preempted_now:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            if req.num_inflight:
+                break  # preempted with a token in flight: it resumes once the token is known
             if req.params.prompt_logprobs is None:  # cached tokens would have no logprobs
                 req.num_computed_tokens = self.kv.match_prefix(req)  # 0 without prefix caching
             n = self._num_new_tokens(req, budget)
@@ -192,6 +217,7 @@ class Scheduler:
                     eos_token_ids=req.eos_token_ids,
                 )
             )
+            self._advance(req, n)
 
         out = SchedulerOutput(
             new_reqs=new,
@@ -209,20 +235,23 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, sampled: dict[str, SampledTokens]
     ) -> list[Request]:
-        """Advances counters, appends sampled tokens, applies token-level stops.
-        Returns the requests that made progress (got a token or finished)."""
+        """Appends the step's sampled tokens and applies token-level stops (the counters moved
+        when the step was scheduled). A request preempted since the step was scheduled still
+        takes its token. Returns the requests that made progress (got a token or finished)."""
         progressed: list[Request] = []
-        for req_id, n in sched.num_scheduled_tokens.items():
+        for req_id in sched.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
+            if req is None or req.is_finished:
+                continue  # finished (or aborted) while this step ran: its result is dropped
+            running = req.status == RequestStatus.RUNNING
+            if running:
+                self.kv.cache_full_blocks(req)
             got = sampled.get(req_id)
-            if got is not None and got.prompt_logprobs:
+            if got is not None and got.prompt_logprobs and running:
                 _store_prompt_logprobs(req, got.prompt_logprobs)
             if got is None or not got.token_ids:
                 continue
+            req.num_inflight = max(req.num_inflight - 1, 0)
             for j, tok in enumerate(got.token_ids):
                 req.output_token_ids.append(tok)
                 if got.logprobs is not None and req.logprobs is not None:
@@ -231,7 +260,10 @@ class Scheduler:
                     break
             progressed.append(req)
             if req.is_finished:
-                self.running.remove(req)
+                if running:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
                 self.requests.pop(req_id, None)
                 self.kv.free(req)
                 self._finished_ids.add(req_id)

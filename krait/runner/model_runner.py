@@ -148,10 +148,14 @@ class ModelRunner:
         return [r for r, _ in rows], [n for _, n in rows], len(prefills)
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> dict[str, SampledTokens]:
+    def execute_model(self, sched: SchedulerOutput) -> PendingSample:
+        """Launches the step: forward and sampling are queued on the device, and the host
+        counters advance as if the sampled tokens were known (their values stay on the device,
+        where the next step's input preparation reads them). `.result()` of the returned handle
+        waits for the sampled tokens."""
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return {}
+            return PendingSample.empty()
         req_ids, num_scheduled, num_prefills = self._ordered_rows(sched)
         if self.tables is not None:
             self.tables.flush()
@@ -173,10 +177,9 @@ class ModelRunner:
         hidden = self.forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         prompt_lps = self._prompt_logprobs(batch, hidden)  # before the tables advance
-        out = self._sample_and_update(batch, logits)
-        for rid, entries in prompt_lps.items():
-            out.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
-        return out
+        pending = self._sample_and_update(batch, logits)
+        pending.prompt_logprobs = prompt_lps
+        return pending
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor, chunk: int = 512):
         """Logprobs of each prompt token given the tokens before it, for the prefill rows whose
@@ -218,7 +221,7 @@ class ModelRunner:
         meta = self.model_state.prepare_attn(batch, for_capture=False)
         return self.model(batch.input_ids, batch.positions, meta)
 
-    def _sample_and_update(self, batch: InputBatch, logits: torch.Tensor) -> dict[str, SampledTokens]:
+    def _sample_and_update(self, batch: InputBatch, logits: torch.Tensor) -> PendingSample:
         st = self.states
         idx = batch.idx_mapping_np[: batch.num_reqs]
         end = batch.num_computed_tokens_np[: batch.num_reqs] + batch.num_scheduled_tokens_np[
@@ -226,32 +229,26 @@ class ModelRunner:
         ]
         samples = end >= st.num_tokens[idx]  # the chunk reaches the last known token
         rows = np.nonzero(samples)[0]
-        out: dict[str, SampledTokens] = {}
+        pending = PendingSample.empty()
         if len(rows):
             if len(rows) < batch.num_reqs:
                 logits = logits[torch.from_numpy(rows).to(logits.device)]
             result = self._sample(logits, idx[rows])
             self.penalties.record(idx[rows], result.sampled_token_ids)
+            pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
             if self.tables is not None:
-                pos = st.num_tokens[idx[rows]]
                 fits = pos < self.max_model_len
                 tokens = result.sampled_token_ids
                 if not fits.all():  # rows that just reached max_model_len keep no next token
                     tokens = tokens[torch.from_numpy(np.nonzero(fits)[0]).to(tokens.device)]
                 self.tables.write_sampled(idx[rows][fits], pos[fits], tokens)
-            tokens = result.sampled_token_ids.tolist()
-            lp = result.logprobs
-            lp_ids = lp.token_ids.tolist() if lp is not None else None
-            lp_vals = lp.logprobs.tolist() if lp is not None else None
-            lp_ranks = lp.ranks.tolist() if lp is not None else None
-            for j, r in enumerate(rows):
-                i = idx[r]
-                st.append_token(i, tokens[j])
-                sampled = SampledTokens([tokens[j]])
-                if lp is not None and st.params[i].logprobs is not None:
-                    sampled.logprobs = [dict(zip(lp_ids[j], lp_vals[j]))]
-                    sampled.ranks = [lp_ranks[j]]
-                out[batch.req_ids[r]] = sampled
+            st.num_tokens[idx[rows]] += 1  # values arrive with the pending result
+            pending = PendingSample(
+                [batch.req_ids[r] for r in rows], idx[rows], pos, result, st,
+                want_logprobs=[st.params[i].logprobs is not None for i in idx[rows]],
+            )
+            if self.tables is None:  # the host gathers the next step's inputs: it needs them now
+                pending.write_host_tokens()
         st.num_computed_tokens[idx] = end
         # postprocess_state only records accepted counts: skip building its input when there
         # are none to record
@@ -260,7 +257,7 @@ class ModelRunner:
             self.model_state.postprocess_state(
                 batch.idx_mapping[: batch.num_reqs], num_sampled, batch.seq_lens[: batch.num_reqs]
             )
-        return out
+        return pending
 
     def _sample(self, logits: torch.Tensor, idx: np.ndarray) -> SamplerOutput:
         st = self.states
@@ -281,3 +278,68 @@ class ModelRunner:
         counts, mask = self.penalties.gather(idx)
         meta = build_sampling_metadata(rows, logits.shape[-1], logits.device, counts, mask)
         return self.sampler(logits, meta)
+
+
+class PendingSample:
+    """The sampled tokens of a launched step, copied to the host without blocking it."""
+
+    def __init__(self, req_ids, rows, positions, result: SamplerOutput | None, states,
+                 want_logprobs=None) -> None:
+        self.req_ids: list[str] = req_ids
+        self.rows = rows  # req_state_idx of each sampling row
+        self.positions = positions  # the token position each row samples
+        self.states = states
+        self.want_logprobs = want_logprobs or []
+        self.prompt_logprobs: dict = {}
+        self._host = None
+        self._event = None
+        self._tokens: list[int] | None = None
+        if result is None:
+            return
+        lp = result.logprobs
+        tensors = [result.sampled_token_ids]
+        if lp is not None:
+            tensors += [lp.token_ids, lp.logprobs, lp.ranks]
+        if tensors[0].is_cuda:
+            self._host = [t.to("cpu", non_blocking=True) for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+
+    @classmethod
+    def empty(cls) -> PendingSample:
+        return cls([], np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), None, None)
+
+    def _token_list(self) -> list[int]:
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._tokens = self._host[0].tolist() if self._host is not None else []
+        return self._tokens
+
+    def write_host_tokens(self) -> None:
+        """Stores the sampled values in the host token table, for rows still held by the same
+        request (a row may have been handed to another request since the launch)."""
+        st = self.states
+        width = st.token_ids.shape[1]
+        for rid, i, pos, tok in zip(self.req_ids, self.rows, self.positions, self._token_list()):
+            if st.req_ids[i] == rid and pos < width:
+                st.token_ids[i, pos] = tok
+
+    def result(self) -> dict[str, SampledTokens]:
+        """Waits for the step's sampled tokens: {req_id: SampledTokens}."""
+        tokens = self._token_list()
+        out: dict[str, SampledTokens] = {}
+        if tokens:
+            self.write_host_tokens()
+            lp = [t.tolist() for t in self._host[1:]] if len(self._host) > 1 else None
+            for j, rid in enumerate(self.req_ids):
+                sampled = SampledTokens([tokens[j]])
+                if lp is not None and self.want_logprobs[j]:
+                    sampled.logprobs = [dict(zip(lp[0][j], lp[1][j]))]
+                    sampled.ranks = [lp[2][j]]
+                out[rid] = sampled
+        for rid, entries in self.prompt_logprobs.items():
+            out.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
+        return out

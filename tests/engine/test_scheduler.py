@@ -28,11 +28,12 @@ def make_sched(
 
 
 def sample_for(sched: Scheduler, out: SchedulerOutput, token: int = TOKEN) -> dict:
-    """What a runner returns: a token for each row whose chunk reaches its last known token."""
+    """What a runner returns: a token for each row whose chunk reaches its last known token
+    (the scheduler counted it in flight when it scheduled the chunk)."""
     sampled = {}
-    for rid, n in out.num_scheduled_tokens.items():
+    for rid in out.num_scheduled_tokens:
         req = sched.requests[rid]
-        if req.num_computed_tokens + n >= req.num_tokens:
+        if req.num_inflight:
             sampled[rid] = SampledTokens([token])
         else:
             sampled[rid] = SampledTokens([])
