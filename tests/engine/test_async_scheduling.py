@@ -10,8 +10,14 @@ import pytest
 
 from krait import LLM, SamplingParams
 from krait.engine.request import RequestStatus
-from tests.engine.test_scheduler import EOS, TOKEN, check_block_accounting, make_req, make_sched
-from tests.engine.test_scheduler import sample_for
+from tests.engine.test_scheduler import (
+    EOS,
+    TOKEN,
+    check_block_accounting,
+    make_req,
+    make_sched,
+    sample_for,
+)
 from tests.utils import make_tiny_hybrid, make_tiny_llama
 
 
