@@ -52,8 +52,9 @@ case $what in
     done
     ;;
   profile)  # wall vs GPU kernel time of decode steps and one prefill, top kernels
-    OUT=$LOG timeout 400 python3 scripts/profile_decode.py qwen3-0.6b:1:1024 granite-4.0-h-micro:64:1024 \
-      mamba2-1.3b:64:1024 mamba2-1.3b:1:1024 --prefill 2048 2>&1 | grep -v -E "Warn|USDT|profiler" \
+    OUT=$LOG timeout 400 python3 scripts/profile_decode.py \
+      ${PROFILE_SPECS:-qwen3-0.6b:1:1024 granite-4.0-h-micro:64:1024 mamba2-1.3b:64:1024 mamba2-1.3b:1:1024} \
+      --prefill 2048 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
     ;;
   all)

@@ -92,9 +92,33 @@ def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
             _sync()
         wall = (time.perf_counter() - t) * 1e3
     _report(f"{name} prefill {prefill}", wall, prof, 1, out_dir)
+    _find_syncs(eng, prompt)
     top_cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
     print("   host (self CPU ms, calls): " + ", ".join(
         f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.1f}/{e.count}" for e in top_cpu))
+
+
+def _find_syncs(eng: LLMEngine, prompt: list[int]) -> None:
+    """Source lines that synchronize the host with the GPU during one prefill request."""
+    if not torch.cuda.is_available():
+        return
+    import warnings
+
+    one = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng.add_request("sync", {"prompt_token_ids": prompt}, one)
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        while eng.has_unfinished_requests():
+            eng.step()
+    torch.cuda.set_sync_debug_mode(0)
+    seen: dict[tuple[str, int], int] = {}
+    for w in caught:
+        key = (w.filename, w.lineno)
+        seen[key] = seen.get(key, 0) + 1
+    print(f"   host-device syncs in one prefill request: {sum(seen.values())}")
+    for (f, line), n in sorted(seen.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"     {n:4d}x {f}:{line}")
 
 
 def main() -> None:

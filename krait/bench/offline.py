@@ -183,18 +183,30 @@ def bench_throughput(args) -> dict:
     for i, p in enumerate(prompts):
         engine.add_request(f"tp{i}", {"prompt_token_ids": p}, params)
     n_out = 0
+    step_kinds = []  # per step: True when it computes prompt tokens (eager), else decode only
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        step_kinds.append(out.total_num_scheduled_tokens > len(out.num_scheduled_tokens))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 n_out += len(o.outputs[0].token_ids)
     _sync(dev)
     elapsed = time.perf_counter() - t
+    engine.scheduler.schedule = schedule
     out = {"kind": "throughput", "model": args.config or args.model, "device": _device_name(dev),
            "num_prompts": args.num_prompts, "input_len": args.input_len,
            "output_len": args.output_len, "elapsed_s": elapsed,
            "output_tok_per_s": n_out / elapsed,
-           "total_tok_per_s": (n_out + args.num_prompts * args.input_len) / elapsed}
-    rows = [f"krait: {n_out} tokens in {elapsed:.2f} s = {n_out / elapsed:.1f} output tok/s"]
+           "total_tok_per_s": (n_out + args.num_prompts * args.input_len) / elapsed,
+           "steps": len(step_kinds), "steps_with_prefill": sum(step_kinds)}
+    rows = [f"krait: {n_out} tokens in {elapsed:.2f} s = {n_out / elapsed:.1f} output tok/s "
+            f"({len(step_kinds)} steps, {sum(step_kinds)} with prompt tokens)"]
     if args.hf_baseline:
         hf_config = engine.config.model.hf_config
         dtype = engine.config.model.dtype
