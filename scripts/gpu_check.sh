@@ -57,6 +57,11 @@ case $what in
       --prefill 2048 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
     ;;
+  record)  # what docs/benchmarks.md records, most important first (logs pack after each part)
+    run_parity; tar czf "$OUT/logs.tgz" -C "$LOG" .
+    bash "$0" bench; bash "$0" maxlen; bash "$0" throughput
+    PROFILE_SPECS="qwen3-0.6b:1:1024" bash "$0" profile
+    ;;
   all)
     run_kernels
     run_parity

@@ -76,6 +76,7 @@ def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
             eng.step()
         _sync()
     _report(f"{name} decode b{batch} ctx{ctx}", wall, prof, 10, out_dir)
+    _find_syncs(eng, None, "three decode steps")
     for rid in list(eng._parents):
         eng.abort_request(rid)
     if not prefill:
@@ -98,25 +99,31 @@ def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
         f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.1f}/{e.count}" for e in top_cpu))
 
 
-def _find_syncs(eng: LLMEngine, prompt: list[int]) -> None:
-    """Source lines that synchronize the host with the GPU during one prefill request."""
+def _find_syncs(eng: LLMEngine, prompt: list[int] | None, what: str = "one prefill request") -> None:
+    """Source lines that synchronize the host with the GPU: during one prefill request, or
+    (prompt None) during three steps of what is running."""
     if not torch.cuda.is_available():
         return
     import warnings
 
-    one = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    eng.add_request("sync", {"prompt_token_ids": prompt}, one)
+    if prompt is not None:
+        one = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        eng.add_request("sync", {"prompt_token_ids": prompt}, one)
     torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        while eng.has_unfinished_requests():
+        if prompt is None:
+            for _ in range(3):
+                eng.step()
+        while prompt is not None and eng.has_unfinished_requests():
             eng.step()
     torch.cuda.set_sync_debug_mode(0)
     seen: dict[tuple[str, int], int] = {}
     for w in caught:
         key = (w.filename, w.lineno)
         seen[key] = seen.get(key, 0) + 1
-    print(f"   host-device syncs in one prefill request: {sum(seen.values())}")
+    print(f"   host-device syncs in {what}: {sum(seen.values())} (the read-back of sampled "
+          "tokens is an event wait, not listed)")
     for (f, line), n in sorted(seen.items(), key=lambda kv: -kv[1])[:12]:
         print(f"     {n:4d}x {f}:{line}")
 

@@ -42,5 +42,5 @@ class DeviceTables:
         """token_ids[rows[j], positions[j]] = tokens[j], from the sampler's device tensor."""
         if len(rows) == 0:
             return
-        rp = torch.from_numpy(np.stack([rows, positions]).astype(np.int64)).to(self.device)
+        rp = torch.from_numpy(np.stack([rows, positions]).astype(np.int64)).to(self.device, non_blocking=True)
         self.token_ids[rp[0], rp[1]] = tokens.to(torch.int32)

@@ -232,7 +232,7 @@ class ModelRunner:
         pending = PendingSample.empty()
         if len(rows):
             if len(rows) < batch.num_reqs:
-                logits = logits[torch.from_numpy(rows).to(logits.device)]
+                logits = logits[torch.from_numpy(rows).to(logits.device, non_blocking=True)]
             result = self._sample(logits, idx[rows])
             self.penalties.record(idx[rows], result.sampled_token_ids)
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
@@ -240,7 +240,7 @@ class ModelRunner:
                 fits = pos < self.max_model_len
                 tokens = result.sampled_token_ids
                 if not fits.all():  # rows that just reached max_model_len keep no next token
-                    tokens = tokens[torch.from_numpy(np.nonzero(fits)[0]).to(tokens.device)]
+                    tokens = tokens[torch.from_numpy(np.nonzero(fits)[0]).to(tokens.device, non_blocking=True)]
                 self.tables.write_sampled(idx[rows][fits], pos[fits], tokens)
             st.num_tokens[idx[rows]] += 1  # values arrive with the pending result
             pending = PendingSample(
@@ -253,7 +253,7 @@ class ModelRunner:
         # postprocess_state only records accepted counts: skip building its input when there
         # are none to record
         if self.model_state.num_accepted_tokens is not None:
-            num_sampled = torch.from_numpy(samples.astype(np.int32)).to(self.device)
+            num_sampled = torch.from_numpy(samples.astype(np.int32)).to(self.device, non_blocking=True)
             self.model_state.postprocess_state(
                 batch.idx_mapping[: batch.num_reqs], num_sampled, batch.seq_lens[: batch.num_reqs]
             )

@@ -35,9 +35,9 @@ class PenaltyState:
         self.output_counts[row] = 0
         self.prompt_mask[row] = False
         if prompt:
-            self.prompt_mask[row, torch.tensor(prompt, device=self.device)] = True
+            self.prompt_mask[row].index_fill_(0, torch.tensor(prompt).to(self.device, non_blocking=True), True)
         if outputs:
-            ids = torch.tensor(outputs, device=self.device)
+            ids = torch.tensor(outputs).to(self.device, non_blocking=True)
             self.output_counts[row].index_add_(0, ids, torch.ones(len(outputs), device=self.device))
 
     def record(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
@@ -45,8 +45,8 @@ class PenaltyState:
         keep = self.active[rows]
         if self.output_counts is None or not keep.any():
             return
-        sel = torch.from_numpy(np.nonzero(keep)[0]).to(tokens.device)
-        r = torch.from_numpy(rows[keep].astype(np.int64)).to(tokens.device)
+        sel = torch.from_numpy(np.nonzero(keep)[0]).to(tokens.device, non_blocking=True)
+        r = torch.from_numpy(rows[keep].astype(np.int64)).to(tokens.device, non_blocking=True)
         self.output_counts.index_put_(
             (r, tokens[sel]), torch.ones(len(sel), device=tokens.device), accumulate=True
         )
@@ -55,5 +55,5 @@ class PenaltyState:
         """([B, V] counts, [B, V] prompt mask) of these rows, or (None, None) if none uses them."""
         if self.output_counts is None or not self.active[rows].any():
             return None, None
-        r = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        r = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
         return self.output_counts[r], self.prompt_mask[r]

@@ -179,9 +179,9 @@ def _token_counts(
         ids = np.concatenate(ids_per_row)
         ids = np.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
         flat = np.repeat(np.asarray(which, dtype=np.int64), lengths) * width + ids
-        flat_t = torch.from_numpy(flat).to(device)
+        flat_t = torch.from_numpy(flat).to(device, non_blocking=True)
         if dtype == torch.bool:
-            out.view(-1)[flat_t] = True
+            out.view(-1).index_fill_(0, flat_t, True)
         else:
             ones = torch.ones(flat_t.shape[0], dtype=dtype, device=device)
             out.view(-1).index_put_((flat_t,), ones, accumulate=True)
@@ -276,7 +276,7 @@ def exponential_noise(
             -1 if seed is None else hash((seed, offset)) & _SEED_MASK
             for seed, offset in zip(seeds, offsets)
         ]
-        seeded_exponential(q, torch.tensor(mixed, dtype=torch.int64).to(device))
+        seeded_exponential(q, torch.tensor(mixed, dtype=torch.int64).to(device, non_blocking=True))
     return q
 
 

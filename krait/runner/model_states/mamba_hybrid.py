@@ -65,12 +65,12 @@ class MambaHybridModelState(DefaultModelState):
         if not slots:
             return
         idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
-        for m in self.mamba_layers:
-            m.conv_state[idx] = 0
-            m.ssm_state[idx] = 0
+        for m in self.mamba_layers:  # index_fill_: a scalar fill, no host tensor to copy over
+            m.conv_state.index_fill_(0, idx, 0)
+            m.ssm_state.index_fill_(0, idx, 0)
         if self.num_accepted_tokens is not None:
-            rows = torch.tensor([i for i, _ in new], dtype=torch.long).to(self.device)
-            self.num_accepted_tokens[rows] = 1
+            rows = torch.tensor([i for i, _ in new], dtype=torch.long).to(self.device, non_blocking=True)
+            self.num_accepted_tokens.index_fill_(0, rows, 1)
 
     # -- per step ---------------------------------------------------------------------
     def prepare_attn(self, batch: InputBatch, for_capture: bool = False) -> StepMetadata:
