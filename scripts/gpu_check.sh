@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [quick|kernels|bench|maxlen|throughput|all]
+# Usage (device machine, repo root):
+#   bash scripts/gpu_check.sh [quick|kernels|bench|maxlen|throughput|profile|ab|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -57,6 +58,14 @@ case $what in
       ${PROFILE_SPECS:-qwen3-0.6b:1:1024 granite-4.0-h-micro:64:1024 mamba2-1.3b:64:1024 mamba2-1.3b:1:1024} \
       --prefill 2048 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
+    ;;
+  ab)  # next steps, A/B in one call: the decode GEMV (KRAIT_GEMV=1) and more split-KV programs
+    timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"
+    bench_latency qwen3-0.6b "" --batch-sizes 1,8,64 --prompt-lens ""
+    (export KRAIT_GEMV=1; bench_latency qwen3-0.6b "_gemv" --batch-sizes 1,8,64 --prompt-lens "")
+    (export KRAIT_DECODE_SPLIT_WAVES=8; bench_latency qwen3-0.6b "_waves8" --batch-sizes 1,8,64 --prompt-lens "")
+    bench_latency mamba2-1.3b "" --batch-sizes 1,8 --prompt-lens ""
+    (export KRAIT_GEMV=1; bench_latency mamba2-1.3b "_gemv" --batch-sizes 1,8 --prompt-lens "")
     ;;
   record)  # what docs/benchmarks.md records, most important first (logs pack after each part)
     run_parity; tar czf "$OUT/logs.tgz" -C "$LOG" .

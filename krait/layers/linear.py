@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from krait.ops.gemv import linear
+
 
 class Linear(torch.nn.Linear):
     """A plain linear layer (tensor-parallel variants come with the parallelism work)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(torch.nn.Module):
@@ -24,7 +29,7 @@ class MergedLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(sum(out_sizes))) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_shard(self, shard: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
         target = self.bias if is_bias else self.weight

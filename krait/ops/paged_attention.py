@@ -13,6 +13,7 @@ position — the loop is bound by the row's real seq_len, never by max_seq_len.
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -215,7 +216,10 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 4
-    want = triton.cdiv(2 * sms, max(num_rows * num_kv_heads, 1))
+    # programs to aim for, in multiples of the SM count (KRAIT_DECODE_SPLIT_WAVES: an A/B knob
+    # for the GPU benchmarks; 2 unless set)
+    waves = int(os.environ.get("KRAIT_DECODE_SPLIT_WAVES", "2"))
+    want = triton.cdiv(waves * sms, max(num_rows * num_kv_heads, 1))
     by_len = triton.cdiv(max_seq_len, 256)
     return max(1, min(16, triton.next_power_of_2(min(want, by_len))))
 

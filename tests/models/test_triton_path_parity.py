@@ -13,8 +13,11 @@ PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 50))]
 NUM_TOKENS = 12
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh"])
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "qwen3+gemv"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
+    if arch.endswith("+gemv"):  # decode projections through krait/ops/gemv.py
+        arch = arch.removesuffix("+gemv")
+        monkeypatch.setenv("KRAIT_GEMV", "1")
     if arch == "qwen3":
         d = make_tiny_llama(tmp_path / arch, arch="qwen3")
     else:

@@ -1,0 +1,85 @@
+"""cuBLAS (F.linear) vs krait's decode GEMV (krait/ops/gemv.py) at the projection shapes of the
+shipped configs, M = 1, 4, 8. Each variant is timed as a CUDA-graph replay over enough weight
+copies to miss the 50 MB L2, like a decode step that reads every weight once.
+
+PYTHONPATH=. python3 scripts/bench_gemv.py   (GPU)"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from krait.ops.gemv import default_config, gemv_triton
+
+# (N, K) of the decode projections: qwen3-0.6b, mamba2-1.3b, granite-4.0-h-micro
+SHAPES = {
+    "qwen3 qkv": (4096, 1024), "qwen3 o": (1024, 2048), "qwen3 gate_up": (6144, 1024),
+    "qwen3 down": (1024, 3072), "mamba2 in_proj": (8512, 2048), "mamba2 out_proj": (2048, 4096),
+    "granite qkv": (3072, 2048), "granite gate_up": (16384, 2048), "granite down": (2048, 8192),
+}
+CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+              for bn, bk, w in itertools.product([4, 8, 16], [256, 512], [4, 8])]
+
+
+def time_us(fn, weights) -> float:
+    """Median µs per call of fn(w) over a graph that cycles through all weight copies."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for w in weights[:2]:
+            fn(w)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for w in weights:
+            fn(w)
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(weights))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    print(f"{'shape':16} {'M':>2} {'cuBLAS us':>9} {'TB/s':>5} {'krait us':>9} {'TB/s':>5} "
+          f"{'best us':>8} {'TB/s':>5}  best config")
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(4, (400 << 20) // nbytes)
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        for m in (1, 4, 8):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = F.linear(x.float(), weights[0].float())
+            t_cublas = time_us(lambda w, x=x: F.linear(x, w), weights)
+            t_default = time_us(lambda w, x=x: gemv_triton(x, w), weights)
+            best = (t_default, default_config(m, n, k))
+            for c in CANDIDATES:
+                cfg = dict(c, BLOCK_M=triton_pow2(m))
+                if cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["BLOCK_K"] > 16384:
+                    continue
+                y = gemv_triton(x, weights[0], config=cfg)
+                if ((y.float() - ref).norm() / ref.norm()) > 1e-2:
+                    print(f"   wrong result with {cfg}")
+                    continue
+                t = time_us(lambda w, x=x, cfg=cfg: gemv_triton(x, w, config=cfg), weights)
+                if t < best[0]:
+                    best = (t, cfg)
+            tb = lambda t, nb=nbytes: nb / t / 1e6  # noqa: E731
+            print(f"{name:16} {m:>2} {t_cublas:9.2f} {tb(t_cublas):5.2f} {t_default:9.2f} "
+                  f"{tb(t_default):5.2f} {best[0]:8.2f} {tb(best[0]):5.2f}  {best[1]}", flush=True)
+        del weights
+
+
+def triton_pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()

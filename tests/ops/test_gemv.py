@@ -1,0 +1,68 @@
+"""Skinny decode GEMV (krait/ops/gemv.py) against F.linear: shapes, bias, strides, dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from krait.ops.gemv import MAX_M, default_config, gemv_triton, linear
+
+
+def _inputs(m, n, k, dtype=torch.float32, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)  # [M, K]
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)  # [N, K]
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 17, 200), (8, 64, 64), (5, 9, 1000)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(m, n, k, bias):
+    x, w, b = _inputs(m, n, k, seed=m + n, bias=bias)
+    y = gemv_triton(x, w, b)
+    torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_bf16_and_strided_input():
+    x, w, _ = _inputs(4, 48, 160, torch.bfloat16, seed=3)
+    wide = torch.zeros(4, 320, dtype=torch.bfloat16)
+    wide[:, ::2] = x  # a non-contiguous view
+    view = wide[:, ::2]
+    ref = F.linear(x.float(), w.float())
+    err = (gemv_triton(view, w).float() - ref).norm() / ref.norm()
+    assert err < 1e-2
+
+
+def test_gemv_refuses_wide_batches_and_configs_follow_shape_only():
+    x, w, _ = _inputs(MAX_M + 1, 8, 32)
+    with pytest.raises(ValueError, match="at most"):
+        gemv_triton(x, w)
+    assert default_config(1, 4096, 1024) == default_config(1, 4096, 1024)
+    assert default_config(8, 64, 64)["BLOCK_M"] == 8
+
+
+def test_linear_dispatch(monkeypatch):
+    x, w, b = _inputs(2, 24, 48, bias=True)
+    calls = []
+    monkeypatch.setattr("krait.ops.gemv.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setenv("KRAIT_GEMV", "1")
+    linear(x, w, b)
+    assert len(calls) == 1
+    big, _, _ = _inputs(MAX_M + 3, 24, 48)
+    linear(big, w, b)  # prefill-sized: F.linear
+    monkeypatch.setenv("KRAIT_GEMV", "0")
+    linear(x, w, b)
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (8512, 2048), (2048, 8192)])
+def test_gemv_real_sizes_gpu(m, n, k):
+    x, w, b = (t.cuda() if t is not None else None for t in _inputs(m, n, k, torch.bfloat16))
+    y = gemv_triton(x, w)
+    ref = F.linear(x.float(), w.float())
+    assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
