@@ -249,7 +249,9 @@ def paged_attention_triton(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    out = torch.zeros_like(q)  # [T, Hq, D]; rows that attend nothing stay zero
+    # [T, Hq, D]: every token of a row is written (a row with q_len >= 1 has seq_len >= 1);
+    # tokens outside every row (none in practice) are left as they are: no memset per layer
+    out = torch.empty_like(q)
     num_rows = seq_lens.shape[0]
     if num_tokens == 0 or num_rows == 0 or max_query_len <= 0:
         return out
