@@ -19,8 +19,8 @@ SHAPES = {
     "qwen3 down": (1024, 3072), "mamba2 in_proj": (8512, 2048), "mamba2 out_proj": (2048, 4096),
     "granite qkv": (3072, 2048), "granite gate_up": (16384, 2048), "granite down": (2048, 8192),
 }
-CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-              for bn, bk, w in itertools.product([4, 8, 16], [256, 512], [4, 8])]
+CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w)
+              for bn, bk, sk, w in itertools.product([8, 16], [256, 512], [1, 2, 4, 8], [4, 8])]
 
 
 def time_us(fn, weights) -> float:
@@ -63,6 +63,8 @@ def main() -> None:
             for c in CANDIDATES:
                 cfg = dict(c, BLOCK_M=triton_pow2(m))
                 if cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["BLOCK_K"] > 16384:
+                    continue
+                if k // cfg["SPLIT_K"] < cfg["BLOCK_K"]:
                     continue
                 y = gemv_triton(x, weights[0], config=cfg)
                 if ((y.float() - ref).norm() / ref.norm()) > 1e-2:

@@ -2,8 +2,12 @@
 
 cuBLAS reaches only 0.8-1.6 TB/s on the 4-13 MB projections of a small model at M = 1 (profiled on
 the H200, docs/benchmarks.md): a decode step there is bound by reading the weights once, so a kernel
-that streams W at copy bandwidth is the whole game. Each program owns BLOCK_N output columns for all
-M rows and streams its BLOCK_N rows of W over K once, accumulating in float32.
+that streams W at copy bandwidth is the whole game. Program (n, s) owns BLOCK_N output columns for
+all M rows and streams its BLOCK_N rows of W over the s-th of SPLIT_K slices of K, accumulating in
+float32. With SPLIT_K > 1 (narrow outputs: too few column tiles to keep every SM streaming) each
+program writes its partial sums and bumps a per-tile counter; the last program of a tile adds the
+partials in slice order (deterministic), writes y and resets the counter for the next launch — one
+launch, no memset, graph-safe.
 
 Opt-in while it is unmeasured on the GPU: `KRAIT_GEMV=1` routes eligible `Linear` calls here
 (`scripts/bench_gemv.py` compares it with cuBLAS at the decode shapes of the shipped configs).
@@ -22,45 +26,83 @@ from torch import Tensor
 from krait.ops._dispatch import use_triton
 
 MAX_M = 8
+_COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
-        k_ok = k < K
+        k_ok = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [M, N, K]
         acc += tl.sum(prod, axis=2)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    mn_ok = m_ok[:, None] & n_ok[None, :]
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mn_ok)
+    else:
+        # partials [SPLIT_K, M, N] in float32
+        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part + pid_k * M * N, acc, mask=mn_ok)
+        arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: orders the store above
+        if arrived == SPLIT_K - 1:  # the last slice of this tile to finish sums them all
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mn_ok)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-def default_config(m: int, n: int, k: int) -> dict[str, int]:
-    """Tile sizes by shape (never by anything that changes between steps of one batch size).
-    The [BLOCK_M, BLOCK_N, BLOCK_K] product stays at 4096 elements (32 float32 registers a thread
-    at 4 warps)."""
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]:
+    """Tile sizes and split by shape (never by anything that changes between steps of one batch
+    size). The [BLOCK_M, BLOCK_N, BLOCK_K] product stays at 4096 elements (32 float32 registers a
+    thread at 4 warps); K is split until the programs cover the SMs about four times."""
     block_m = triton.next_power_of_2(max(m, 1))
     block_n = 8
     block_k = max(64, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(k)))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 4 * num_sms and k // (2 * split) >= 2 * block_k and split < 16:
+        split *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4)
+
+
+def _counters(device: torch.device, tiles: int) -> Tensor:
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < tiles:
+        c = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[device] = c
+    return c
 
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
@@ -77,13 +119,21 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return y
-    cfg = dict(config or default_config(m, n, k))
+    cfg = dict(config or default_config(m, n, k, _num_sms(x.device)))
+    cfg.setdefault("SPLIT_K", 1)
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-    _gemv_kernel[grid](
-        x, weight, bias if bias is not None else weight, y,
-        m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+    split = cfg["SPLIT_K"]
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+        counters = _counters(x.device, tiles)
+    else:
+        part = counters = y
+    _gemv_kernel[(tiles, split)](
+        x, weight, bias if bias is not None else weight, y, part, counters,
+        m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, **cfg,
     )
     return y

@@ -25,6 +25,26 @@ def test_gemv_matches_linear(m, n, k, bias):
     torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_split_k_sums_every_slice_and_resets_its_counters(split, bias):
+    x, w, b = _inputs(3, 40, 700, seed=split, bias=bias)
+    cfg = dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    for _ in range(2):  # the second launch finds the counters back at zero
+        torch.testing.assert_close(gemv_triton(x, w, b, config=cfg), F.linear(x, w, b),
+                                   atol=1e-4, rtol=1e-4)
+    from krait.ops.gemv import _COUNTERS
+
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
+
+
+def test_default_config_splits_narrow_outputs_only():
+    narrow = default_config(1, 1024, 3072, num_sms=132)
+    wide = default_config(1, 16384, 2048, num_sms=132)
+    assert narrow["SPLIT_K"] > 1 and wide["SPLIT_K"] == 1
+    assert default_config(1, 64, 64, num_sms=132)["SPLIT_K"] == 1  # too short to split
+
+
 def test_gemv_bf16_and_strided_input():
     x, w, _ = _inputs(4, 48, 160, torch.bfloat16, seed=3)
     wide = torch.zeros(4, 320, dtype=torch.bfloat16)
