@@ -93,10 +93,34 @@ def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
             _sync()
         wall = (time.perf_counter() - t) * 1e3
     _report(f"{name} prefill {prefill}", wall, prof, 1, out_dir)
+    _host_functions(eng, prompt)
     _find_syncs(eng, prompt)
     top_cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
     print("   host (self CPU ms, calls): " + ", ".join(
         f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.1f}/{e.count}" for e in top_cpu))
+
+
+def _host_functions(eng: LLMEngine, prompt: list[int]) -> None:
+    """Python functions by own time during one prefill request (cProfile): where the host time
+    of an eager step goes (krait's wrappers, Triton's launcher, torch dispatch)."""
+    import cProfile
+    import io
+    import pstats
+
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    eng.add_request("host", {"prompt_token_ids": prompt}, one)
+    pr = cProfile.Profile()
+    pr.enable()
+    while eng.has_unfinished_requests():
+        eng.step()
+    _sync()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(15)
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    print("   host functions (cProfile, one prefill request, by own time):")
+    for ln in lines[3:20]:
+        print("     " + ln[:150])
 
 
 def _find_syncs(eng: LLMEngine, prompt: list[int] | None, what: str = "one prefill request") -> None:
