@@ -207,6 +207,7 @@ def bench_throughput(args) -> dict:
            "steps": len(step_kinds), "steps_with_prefill": sum(step_kinds)}
     rows = [f"krait: {n_out} tokens in {elapsed:.2f} s = {n_out / elapsed:.1f} output tok/s "
             f"({len(step_kinds)} steps, {sum(step_kinds)} with prompt tokens)"]
+    print(rows.pop(0), file=sys.stderr, flush=True)  # before a baseline that may run long
     if args.hf_baseline:
         hf_config = engine.config.model.hf_config
         dtype = engine.config.model.dtype
@@ -214,6 +215,8 @@ def bench_throughput(args) -> dict:
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+            print(f"HF baseline starts with {torch.cuda.memory_allocated(dev) / 2**30:.2f} GiB "
+                  "still allocated", file=sys.stderr, flush=True)
         hf = hf_generate_rate(hf_config, dtype, dev, prompts[: args.hf_max_prompts],
                               args.output_len, args.hf_batch_size)
         out["hf"] = hf
