@@ -41,11 +41,16 @@ case $what in
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done
     ;;
   throughput)  # offline throughput against HF transformers generate, same process
-    # HF's Mamba2 without mamba_ssm kernels is very slow: it goes last, each model time-boxed
+    # HF's Mamba2 without mamba_ssm kernels is very slow: it goes last, each model time-boxed.
+    # Two workloads: prefill-heavy (256 in / 64 out) and decode-heavy (256 in / 256 out, HF
+    # timed on 64 new tokens: its per-token rate only rises with shorter outputs)
     for m in ${MODELS:-qwen3-0.6b granite-4.0-h-micro mamba2-1.3b}; do
-      timeout ${TP_TIMEOUT:-240} python3 -m krait bench throughput --config $m --num-prompts 256 --input-len 256 \
-        --output-len 64 --hf-baseline --hf-max-prompts 32 > "$LOG/tp_$m.json" 2> "$LOG/tp_$m.err"
-      echo "== $m"; grep -v Warn "$LOG/tp_$m.err" | tail -3
+      for out in ${OUT_LENS:-64 256}; do
+        timeout ${TP_TIMEOUT:-240} python3 -m krait bench throughput --config $m --num-prompts 256 \
+          --input-len 256 --output-len $out --hf-output-len 64 --hf-baseline --hf-max-prompts 32 \
+          > "$LOG/tp_${m}_o$out.json" 2> "$LOG/tp_${m}_o$out.err"
+        echo "== $m output $out"; grep -v Warn "$LOG/tp_${m}_o$out.err" | tail -3
+      done
     done
     ;;
   maxlen)  # decode cost must not follow max_model_len
