@@ -148,3 +148,12 @@ def test_async_engine_matches_sync_on_the_triton_path(tmp_path, monkeypatch) -> 
               SamplingParams(temperature=0.7, seed=1, max_tokens=5)]
     sync = _generate(model, False, prompts, params)
     assert _generate(model, True, prompts, params) == sync
+
+
+def test_async_engine_stops_at_max_model_len_like_sync(llama_dir: str) -> None:
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 10, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    sync = _generate(llama_dir, False, prompts, params, max_model_len=24)
+    assert [len(o[0][0]) for o in sync] == [21, 14, 5]  # each fills max_model_len exactly
+    assert all(o[0][2] == "length" for o in sync)
+    assert _generate(llama_dir, True, prompts, params, max_model_len=24) == sync
