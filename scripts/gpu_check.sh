@@ -71,6 +71,7 @@ case $what in
     (export KRAIT_DECODE_SPLIT_WAVES=8; bench_latency qwen3-0.6b "_waves8" --batch-sizes 1,8,64 --prompt-lens "")
     bench_latency mamba2-1.3b "" --batch-sizes 1,8 --prompt-lens ""
     (export KRAIT_GEMV=1; bench_latency mamba2-1.3b "_gemv" --batch-sizes 1,8 --prompt-lens "")
+    PROFILE_SPECS="granite-4.0-h-micro:1:1024 qwen3-0.6b:64:1024" bash "$0" profile
     ;;
   record)  # what docs/benchmarks.md records, most important first (logs pack after each part)
     run_parity; tar czf "$OUT/logs.tgz" -C "$LOG" .

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from krait.ops.gemv import linear
+from krait.ops.gemv import linear, silu_mul_linear
 
 
 class Linear(torch.nn.Linear):
@@ -15,6 +15,10 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (fused for decode)."""
+        return silu_mul_linear(gate_up, self.weight, self.bias)
 
 
 class MergedLinear(torch.nn.Module):

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from krait.layers.activation import SiluAndMul
 from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.mamba2 import Mamba2Mixer, mixer_weight_name
@@ -65,10 +64,9 @@ class GraniteMLP(torch.nn.Module):
         super().__init__()
         self.input_linear = Linear(hidden, 2 * intermediate)
         self.output_linear = Linear(intermediate, hidden)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_linear(self.act(self.input_linear(x)))
+        return self.output_linear.forward_silu_mul(self.input_linear(x))
 
 
 class GraniteMoE(torch.nn.Module):

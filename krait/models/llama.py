@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from krait.layers.activation import SiluAndMul
 from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.norm import RMSNorm
@@ -52,10 +51,9 @@ class LlamaMLP(torch.nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(torch.nn.Module):

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.activation import silu_and_mul
 
 MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
@@ -34,7 +35,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -54,6 +55,11 @@ def _gemv_kernel(
         k_ok = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_MUL:  # x holds [gate | up] of width 2K: the input is silu(gate) * up
+            up = tl.load(x_rows + K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            g = x.to(tl.float32)
+            # rounded to the activation dtype, as silu_and_mul hands it to the projection
+            x = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(up.dtype)
         prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [M, N, K]
         acc += tl.sum(prod, axis=2)
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -106,10 +112,15 @@ def _counters(device: torch.device, tiles: int) -> Tensor:
 
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-                config: dict[str, int] | None = None) -> Tensor:
-    """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype."""
-    m, k = x.shape
+                config: dict[str, int] | None = None, silu_mul: bool = False) -> Tensor:
+    """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
+    With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
+    silu_and_mul: one launch and no [M, K] intermediate)."""
+    m = x.shape[0]
+    k = x.shape[1] // 2 if silu_mul else x.shape[1]
     n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"gemv_triton: weight is [N, {weight.shape[1]}], input gives K={k}")
     if m > MAX_M:
         raise ValueError(f"gemv_triton serves at most {MAX_M} rows, got {m}")
     if x.stride(-1) != 1:
@@ -134,18 +145,30 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, y, part, counters,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, **cfg,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, **cfg,
     )
     return y
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, through gemv_triton for decode-sized inputs when KRAIT_GEMV=1."""
-    if (
+def _use_gemv(x: Tensor) -> bool:
+    return (
         os.environ.get("KRAIT_GEMV") == "1"
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_M
         and use_triton(x)
-    ):
+    )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, through gemv_triton for decode-sized inputs when KRAIT_GEMV=1."""
+    if _use_gemv(x):
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """linear(silu_and_mul(x)) for x [T, 2I]: one fused launch for decode-sized inputs when
+    KRAIT_GEMV=1."""
+    if _use_gemv(x):
+        return gemv_triton(x, weight, bias, silu_mul=True)
+    return F.linear(silu_and_mul(x), weight, bias)

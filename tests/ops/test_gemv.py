@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from krait.ops.gemv import MAX_M, default_config, gemv_triton, linear
+from krait.ops.activation import silu_and_mul_ref
+from krait.ops.gemv import MAX_M, default_config, gemv_triton, linear, silu_mul_linear
 
 
 def _inputs(m, n, k, dtype=torch.float32, seed=0, bias=False):
@@ -43,6 +44,28 @@ def test_default_config_splits_narrow_outputs_only():
     wide = default_config(1, 16384, 2048, num_sms=132)
     assert narrow["SPLIT_K"] > 1 and wide["SPLIT_K"] == 1
     assert default_config(1, 64, 64, num_sms=132)["SPLIT_K"] == 1  # too short to split
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_gemv_fused_silu_mul(split):
+    x2, _, _ = _inputs(3, 8, 2 * 300, seed=11)  # [M, 2I]
+    _, w, b = _inputs(3, 24, 300, seed=12, bias=True)
+    want = F.linear(silu_and_mul_ref(x2), w, b)
+    cfg = dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    got = gemv_triton(x2, w, b, config=cfg, silu_mul=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="weight is"):
+        gemv_triton(x2[:, :500], w, silu_mul=True)
+
+
+def test_silu_mul_linear_matches_unfused_everywhere(monkeypatch):
+    x2, _, _ = _inputs(2, 8, 2 * 40, seed=13)
+    _, w, _ = _inputs(2, 16, 40, seed=14)
+    want = F.linear(silu_and_mul_ref(x2), w)
+    torch.testing.assert_close(silu_mul_linear(x2, w), want)  # reference path
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setenv("KRAIT_GEMV", "1")
+    torch.testing.assert_close(silu_mul_linear(x2, w), want, atol=1e-4, rtol=1e-4)
 
 
 def test_gemv_bf16_and_strided_input():
