@@ -239,12 +239,12 @@ class AsyncLLMEngine:
             if step_error is None:
                 self._has_work = self.engine.has_unfinished_requests()
                 self.stats = dict(self.engine.get_stats())
+        if self.observer is not None:  # before the outputs go out: a client that has its
+            self.observer.on_engine_stats(self.stats)  # last token sees metrics that count it
         if step_error is not None:
             self._handle_step_error(step_error)
         else:
             self._dispatch(outputs, time.perf_counter())
-        if self.observer is not None:
-            self.observer.on_engine_stats(self.stats)
 
     def _add(self, add: _PendingAdd) -> None:
         try:
