@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from krait.layers.linear import Linear
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.norm import RMSNorm
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.llama import LlamaAttention, LlamaMLP
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
@@ -57,11 +57,7 @@ class BambaDecoderLayer(torch.nn.Module):
         self.feed_forward = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         if self.mamba is not None:
             x = self.mamba(x, meta.mamba)
         else:
@@ -82,20 +78,14 @@ class BambaForCausalLM(torch.nn.Module):
             BambaDecoderLayer(cfg, i in attn) for i in range(cfg.num_hidden_layers)
         )
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = lm_head_for(cfg, self.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.final_layernorm(x, residual)
-        return x
+        return run_layers(self.layers, self.final_layernorm, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -20,6 +20,7 @@ from krait.layers.mamba2 import (
 )
 from krait.layers.norm import RMSNorm
 from krait.models.bamba import bamba_mamba_dims
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.llama import LlamaAttention, LlamaMLP
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.ops.gated_rms_norm import gated_rms_norm
@@ -86,11 +87,7 @@ class FalconH1DecoderLayer(torch.nn.Module):
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.mamba(x, meta.mamba) + self.self_attn(x, positions, meta)
         x, residual = self.pre_ff_layernorm(x, residual)
         return self.feed_forward(x), residual
@@ -148,9 +145,7 @@ class FalconH1ForCausalLM(torch.nn.Module):
             FalconH1DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)
         )
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = lm_head_for(cfg, self.embed_tokens)
         self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0))
         self.lm_head_multiplier = float(getattr(cfg, "lm_head_multiplier", 1.0))
 
@@ -161,11 +156,7 @@ class FalconH1ForCausalLM(torch.nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.final_layernorm(x, residual)
-        return x
+        return run_layers(self.layers, self.final_layernorm, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -16,6 +16,7 @@ from krait.layers.moe import FusedMoE, softmax_topk
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.bamba import _init_mixer, bamba_mamba_dims, is_mamba_layer
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -102,11 +103,7 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
     def forward(self, positions, x, residual, meta: StepMetadata):
         """Returns (branch output already scaled by residual_multiplier, residual): the next
         norm adds them, as HF's `residual + out * residual_multiplier`."""
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         if self.mamba is not None:
             x = self.mamba(x, meta.mamba)
         else:
@@ -137,20 +134,14 @@ class GraniteMoeHybridForCausalLM(torch.nn.Module):
             GraniteMoeHybridDecoderLayer(cfg, types[i]) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = lm_head_for(cfg, self.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids) * self.embedding_multiplier
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return run_layers(self.layers, self.norm, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lm_head(hidden) / self.logits_scaling).float()

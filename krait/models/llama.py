@@ -11,6 +11,7 @@ from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -72,11 +73,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.self_attn(x, positions, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -98,20 +95,14 @@ class LlamaForCausalLM(torch.nn.Module):
             LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = lm_head_for(cfg, self.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return run_layers(self.layers, self.norm, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from krait.layers.linear import Linear
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.norm import RMSNorm
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -39,12 +39,8 @@ class Mamba2Block(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.mixer = Mamba2Mixer(mamba2_dims(cfg))
 
-    def forward(self, x, residual, meta: StepMetadata):
-        if residual is None:
-            residual = x
-            x = self.norm(x)
-        else:
-            x, residual = self.norm(x, residual)
+    def forward(self, positions, x, residual, meta: StepMetadata):
+        x, residual = pre_norm(self.norm, x, residual)
         return self.mixer(x, meta.mamba), residual
 
 
@@ -55,17 +51,11 @@ class Mamba2ForCausalLM(torch.nn.Module):
         self.embeddings = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = torch.nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embeddings.weight
+        self.lm_head = lm_head_for(cfg, self.embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata):
         x = self.embeddings(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, meta)
-        x, _ = self.norm_f(x, residual)
-        return x
+        return run_layers(self.layers, self.norm_f, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

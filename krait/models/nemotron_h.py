@@ -16,6 +16,7 @@ from krait.layers.linear import Linear, MergedLinear
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.moe import FusedMoE, load_expert_weights
 from krait.layers.norm import RMSNorm
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -178,12 +179,8 @@ class NemotronHBlock(torch.nn.Module):
         else:
             self.mixer = NemotronHMoE(cfg)
 
-    def forward(self, x, residual, meta: StepMetadata):
-        if residual is None:
-            residual = x
-            x = self.norm(x)
-        else:
-            x, residual = self.norm(x, residual)
+    def forward(self, positions, x, residual, meta: StepMetadata):
+        x, residual = pre_norm(self.norm, x, residual)
         if self.kind == "mamba":
             return self.mixer(x, meta.mamba), residual
         if self.kind == "attention":
@@ -214,20 +211,14 @@ class NemotronHForCausalLM(torch.nn.Module):
             NemotronHBlock(cfg, kind) for kind in nemotron_h_layer_kinds(cfg)
         )
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embeddings.weight
+        self.lm_head = lm_head_for(cfg, self.embeddings)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] (positions are unused)."""
         x = self.embeddings(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, meta)
-        x, _ = self.norm_f(x, residual)
-        return x
+        return run_layers(self.layers, self.norm_f, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,43 @@
+"""What every decoder-only model here shares: the pre-norm with a carried residual, the layer loop
+with the final norm, and the (optionally tied) lm_head. Module names stay in each model: they
+follow the checkpoint's tensor names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from krait.layers.linear import Linear
+from krait.layers.norm import RMSNorm
+from krait.runner.attention_metadata import StepMetadata
+
+
+def pre_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual); the first layer has no residual yet: (norm(x), x)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
+def run_layers(
+    layers: torch.nn.ModuleList, final_norm: RMSNorm, x: torch.Tensor, positions: torch.Tensor,
+    meta: StepMetadata,
+) -> torch.Tensor:
+    """Each layer maps (positions, x, residual, meta) -> (x, residual); returns the final norm
+    of the last layer's output plus its residual: hidden states [T, hidden]."""
+    residual = None
+    for layer in layers:
+        x, residual = layer(positions, x, residual, meta)
+    x, _ = final_norm(x, residual)
+    return x
+
+
+def lm_head_for(cfg: Any, embedding: torch.nn.Embedding) -> Linear:
+    """The output projection, sharing the embedding's weight when the config ties them."""
+    head = Linear(cfg.hidden_size, cfg.vocab_size)
+    if getattr(cfg, "tie_word_embeddings", False):
+        head.weight = embedding.weight
+    return head
