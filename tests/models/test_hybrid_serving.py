@@ -6,8 +6,6 @@ reused by later requests. Also: slots that cannot fit max_num_seqs fail at start
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,18 +16,9 @@ import torch
 from krait import LLM, SamplingParams
 from krait.engine.engine import LLMEngine
 from krait.engine.request import Request
-from krait.models.registry import supported_architectures
 from krait.outputs import CompletionOutput
-from tests.utils import hf_greedy, make_tiny_hybrid
+from tests.utils import ARCHS, device_options, hf_greedy, make_tiny_hybrid, require_arch
 
-# test name -> (HF architecture, krait.models module that implements it)
-ARCHS = {
-    "mamba2": ("Mamba2ForCausalLM", "mamba2"),
-    "bamba": ("BambaForCausalLM", "bamba"),
-    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
-    "nemotronh": ("NemotronHForCausalLM", "nemotron_h"),
-    "falconh1": ("FalconH1ForCausalLM", "falcon_h1"),
-}
 PROMPT_LENS = [1, 2, 7, 13, 16, 17, 33, 60]
 MAX_NEW = 32
 NUM_LOGPROBS = 2
@@ -43,25 +32,6 @@ def _prompts() -> list[list[int]]:
 
 
 PROMPTS = _prompts()
-
-
-def device_options() -> dict:
-    """CPU float32, or the device named by KRAIT_TEST_DEVICE (float32 too)."""
-    return dict(device=os.environ.get("KRAIT_TEST_DEVICE", "cpu"), dtype="float32")
-
-
-def require_arch(arch: str) -> None:
-    """Skips while krait does not implement `arch` yet (not registered, or its file missing)."""
-    hf_arch, module = ARCHS[arch]
-    if hf_arch not in supported_architectures():
-        pytest.skip(f"{hf_arch} is not in krait.models.registry yet")
-    name = f"krait.models.{module}"
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        pytest.skip(f"{name} is not written yet")
 
 
 @dataclass

@@ -6,8 +6,6 @@ one-token prefill chunk equal to a decode, and preemption that frees slots and r
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -20,45 +18,17 @@ from krait.engine.engine import LLMEngine
 from krait.engine.kv_cache_manager import cdiv
 from krait.engine.request import Request
 from krait.layers.mamba2 import MambaMetadata
-from krait.models.registry import supported_architectures
 from krait.outputs import CompletionOutput
 from krait.runner.input_batch import build_input_batch
 from krait.runner.model_states.mamba_hybrid import MambaHybridModelState
 from krait.runner.request_states import RequestStates
-from tests.utils import make_tiny_hybrid
+from tests.utils import ARCHS, device_options, make_tiny_hybrid, require_arch
 
-# test name -> (HF architecture, krait.models module)
-ARCHS = {
-    "mamba2": ("Mamba2ForCausalLM", "mamba2"),
-    "bamba": ("BambaForCausalLM", "bamba"),
-    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
-    "nemotronh": ("NemotronHForCausalLM", "nemotron_h"),
-    "falconh1": ("FalconH1ForCausalLM", "falcon_h1"),
-}
 ATTENTION_HYBRIDS = ["bamba", "granitemoehybrid", "nemotronh", "falconh1"]
 PROMPT_LENS = [1, 5, 13, 16, 17, 29, 33, 40]
 PROMPTS = [[3 + (11 * i + 7 * j * j) % 500 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 TOL = 1e-4  # same model, different batch shapes or kernels (chunk scan vs. state update)
-
-
-def device_options() -> dict:
-    """CPU float32, or the device named by KRAIT_TEST_DEVICE (float32 too)."""
-    return dict(device=os.environ.get("KRAIT_TEST_DEVICE", "cpu"), dtype="float32")
-
-
-def require_arch(arch: str) -> None:
-    """Skips while krait does not implement `arch` yet (not registered, or its file missing)."""
-    hf_arch, module = ARCHS[arch]
-    if hf_arch not in supported_architectures():
-        pytest.skip(f"{hf_arch} is not in krait.models.registry yet")
-    name = f"krait.models.{module}"
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        pytest.skip(f"{name} is not written yet")
 
 
 @pytest.fixture(scope="module")
