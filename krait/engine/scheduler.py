@@ -126,15 +126,15 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        known = req.num_tokens + req.num_inflight
-        if req.num_inflight:
-            p = req.params
-            out_of_tokens = p.max_tokens is not None and (
-                req.num_output_tokens + req.num_inflight >= p.max_tokens
-            )
-            if out_of_tokens or known >= self.max_model_len:
-                return 0  # its in-flight token ends it
-        return min(known - req.num_computed_tokens, budget)
+        if req.num_inflight and self._length_reached(req, req.num_inflight):
+            return 0  # its in-flight token ends it
+        return min(req.num_tokens + req.num_inflight - req.num_computed_tokens, budget)
+
+    def _length_reached(self, req: Request, extra: int = 0) -> bool:
+        """max_tokens or max_model_len reached, counting `extra` tokens not appended yet."""
+        p = req.params
+        out_of_tokens = p.max_tokens is not None and req.num_output_tokens + extra >= p.max_tokens
+        return out_of_tokens or req.num_tokens + extra >= self.max_model_len
 
     @staticmethod
     def _advance(req: Request, n: int) -> None:
@@ -304,8 +304,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = tok
                 return True
-        out_of_tokens = p.max_tokens is not None and n_out >= p.max_tokens
-        if out_of_tokens or req.num_tokens >= self.max_model_len:
+        if self._length_reached(req):
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -151,10 +151,10 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
 
 
 def _use_gemv(x: Tensor) -> bool:
-    return (
-        os.environ.get("KRAIT_GEMV") == "1"
-        and x.dim() == 2
+    return (  # shape first: prefill-sized calls pay no environment lookup
+        x.dim() == 2
         and 0 < x.shape[0] <= MAX_M
+        and os.environ.get("KRAIT_GEMV") == "1"
         and use_triton(x)
     )
 

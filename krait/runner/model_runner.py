@@ -294,6 +294,7 @@ class PendingSample:
         self._host = None
         self._event = None
         self._tokens: list[int] | None = None
+        self._written = False  # token values already in the host table
         if result is None:
             return
         lp = result.logprobs
@@ -321,6 +322,9 @@ class PendingSample:
     def write_host_tokens(self) -> None:
         """Stores the sampled values in the host token table, for rows still held by the same
         request (a row may have been handed to another request since the launch)."""
+        if self._written:
+            return
+        self._written = True
         st = self.states
         width = st.token_ids.shape[1]
         for rid, i, pos, tok in zip(self.req_ids, self.rows, self.positions, self._token_list()):
