@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from krait.runner.input_batch import host_to_device
+
 
 class DeviceTables:
     def __init__(self, max_reqs: int, max_model_len: int, max_blocks: int, device) -> None:
@@ -42,5 +44,5 @@ class DeviceTables:
         """token_ids[rows[j], positions[j]] = tokens[j], from the sampler's device tensor."""
         if len(rows) == 0:
             return
-        rp = torch.from_numpy(np.stack([rows, positions]).astype(np.int64)).to(self.device, non_blocking=True)
+        rp = host_to_device(np.stack([rows, positions]).astype(np.int64), self.device)
         self.token_ids[rp[0], rp[1]] = tokens.to(torch.int32)

@@ -160,6 +160,17 @@ def _host_inputs(
             logits_indices_t)
 
 
+def host_to_device(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host array or list on `device` without blocking the host. Every host-to-device
+    copy inside a step goes through here or `to_device`: a blocking copy would wait for the
+    device to finish the step before (docs/async_scheduling.md). The source may be pageable:
+    the driver stages it before this returns, so it can be freed at once."""
+    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values)
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.to(device, non_blocking=True)
+
+
 def to_device(
     arrays: list[np.ndarray], dtype, device: torch.device, tag: str = "batch"
 ) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from krait.engine.scheduler import SampledTokens, SchedulerOutput
 from krait.models.loader import load_model
 from krait.ops._dispatch import use_triton
 from krait.runner.device_tables import DeviceTables
-from krait.runner.input_batch import InputBatch, build_input_batch
+from krait.runner.input_batch import InputBatch, build_input_batch, host_to_device
 from krait.runner.model_states import create_model_state
 from krait.runner.penalties import PenaltyState
 from krait.runner.request_states import RequestStates
@@ -232,7 +232,7 @@ class ModelRunner:
         pending = PendingSample.empty()
         if len(rows):
             if len(rows) < batch.num_reqs:
-                logits = logits[torch.from_numpy(rows).to(logits.device, non_blocking=True)]
+                logits = logits[host_to_device(rows, logits.device)]
             result = self._sample(logits, idx[rows])
             self.penalties.record(idx[rows], result.sampled_token_ids)
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
@@ -240,7 +240,7 @@ class ModelRunner:
                 fits = pos < self.max_model_len
                 tokens = result.sampled_token_ids
                 if not fits.all():  # rows that just reached max_model_len keep no next token
-                    tokens = tokens[torch.from_numpy(np.nonzero(fits)[0]).to(tokens.device, non_blocking=True)]
+                    tokens = tokens[host_to_device(np.nonzero(fits)[0], tokens.device)]
                 self.tables.write_sampled(idx[rows][fits], pos[fits], tokens)
             st.num_tokens[idx[rows]] += 1  # values arrive with the pending result
             pending = PendingSample(
@@ -253,7 +253,7 @@ class ModelRunner:
         # postprocess_state only records accepted counts: skip building its input when there
         # are none to record
         if self.model_state.num_accepted_tokens is not None:
-            num_sampled = torch.from_numpy(samples.astype(np.int32)).to(self.device, non_blocking=True)
+            num_sampled = host_to_device(samples.astype(np.int32), self.device)
             self.model_state.postprocess_state(
                 batch.idx_mapping[: batch.num_reqs], num_sampled, batch.seq_lens[: batch.num_reqs]
             )

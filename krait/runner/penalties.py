@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from krait.runner.input_batch import host_to_device
 from krait.sampling_params import SamplingParams
 
 
@@ -35,9 +36,9 @@ class PenaltyState:
         self.output_counts[row] = 0
         self.prompt_mask[row] = False
         if prompt:
-            self.prompt_mask[row].index_fill_(0, torch.tensor(prompt).to(self.device, non_blocking=True), True)
+            self.prompt_mask[row].index_fill_(0, host_to_device(prompt, self.device), True)
         if outputs:
-            ids = torch.tensor(outputs).to(self.device, non_blocking=True)
+            ids = host_to_device(outputs, self.device)
             self.output_counts[row].index_add_(0, ids, torch.ones(len(outputs), device=self.device))
 
     def record(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
@@ -45,8 +46,8 @@ class PenaltyState:
         keep = self.active[rows]
         if self.output_counts is None or not keep.any():
             return
-        sel = torch.from_numpy(np.nonzero(keep)[0]).to(tokens.device, non_blocking=True)
-        r = torch.from_numpy(rows[keep].astype(np.int64)).to(tokens.device, non_blocking=True)
+        sel = host_to_device(np.nonzero(keep)[0], tokens.device)
+        r = host_to_device(rows[keep].astype(np.int64), tokens.device)
         self.output_counts.index_put_(
             (r, tokens[sel]), torch.ones(len(sel), device=tokens.device), accumulate=True
         )
@@ -55,5 +56,5 @@ class PenaltyState:
         """([B, V] counts, [B, V] prompt mask) of these rows, or (None, None) if none uses them."""
         if self.output_counts is None or not self.active[rows].any():
             return None, None
-        r = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
+        r = host_to_device(rows.astype(np.int64), self.device)
         return self.output_counts[r], self.prompt_mask[r]

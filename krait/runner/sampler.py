@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from krait.ops.seeded_noise import seeded_exponential
+from krait.runner.input_batch import host_to_device
 from krait.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
@@ -179,7 +180,7 @@ def _token_counts(
         ids = np.concatenate(ids_per_row)
         ids = np.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
         flat = np.repeat(np.asarray(which, dtype=np.int64), lengths) * width + ids
-        flat_t = torch.from_numpy(flat).to(device, non_blocking=True)
+        flat_t = host_to_device(flat, device)
         if dtype == torch.bool:
             out.view(-1).index_fill_(0, flat_t, True)
         else:
@@ -276,7 +277,7 @@ def exponential_noise(
             -1 if seed is None else hash((seed, offset)) & _SEED_MASK
             for seed, offset in zip(seeds, offsets)
         ]
-        seeded_exponential(q, torch.tensor(mixed, dtype=torch.int64).to(device, non_blocking=True))
+        seeded_exponential(q, host_to_device(mixed, device, torch.int64))
     return q
 
 

@@ -9,7 +9,7 @@ from krait.config import EngineConfig, resolve_dtype
 from krait.layers.mamba2 import MambaMetadata
 from krait.ops.num_accepted import fill_num_accepted
 from krait.runner.attention_metadata import StepMetadata
-from krait.runner.input_batch import InputBatch, to_device
+from krait.runner.input_batch import InputBatch, host_to_device, to_device
 from krait.runner.model_states.default import DefaultModelState
 
 
@@ -64,12 +64,12 @@ class MambaHybridModelState(DefaultModelState):
         slots = [s for _, ss in new for s in ss]
         if not slots:
             return
-        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        idx = host_to_device(slots, self.device, torch.long)
         for m in self.mamba_layers:  # index_fill_: a scalar fill, no host tensor to copy over
             m.conv_state.index_fill_(0, idx, 0)
             m.ssm_state.index_fill_(0, idx, 0)
         if self.num_accepted_tokens is not None:
-            rows = torch.tensor([i for i, _ in new], dtype=torch.long).to(self.device, non_blocking=True)
+            rows = host_to_device([i for i, _ in new], self.device, torch.long)
             self.num_accepted_tokens.index_fill_(0, rows, 1)
 
     # -- per step ---------------------------------------------------------------------
@@ -122,7 +122,7 @@ class MambaHybridModelState(DefaultModelState):
             draft = np.full(npad, -1, dtype=np.int32)
             ndraft = batch.num_draft_tokens_per_req
             draft[:nd] = ndraft[:nd] if ndraft is not None else 0
-            meta.num_decode_draft_tokens = torch.from_numpy(draft).to(dev, non_blocking=True)
+            meta.num_decode_draft_tokens = host_to_device(draft, dev)
         return meta
 
     def postprocess_state(
