@@ -17,7 +17,7 @@ from krait import LLM, SamplingParams
 from krait.engine.engine import LLMEngine
 from krait.engine.request import Request
 from krait.outputs import CompletionOutput
-from tests.utils import ARCHS, device_options, hf_greedy, make_tiny_hybrid, require_arch
+from tests.utils import ARCHS, device_options, hf_greedy
 
 PROMPT_LENS = [1, 2, 7, 13, 16, 17, 33, 60]
 MAX_NEW = 32
@@ -39,20 +39,6 @@ class Reference:
     model_dir: str
     tokens: list[list[int]]  # HF greedy continuation per prompt
     logprobs: list[torch.Tensor]  # per prompt: [MAX_NEW, vocab] log-softmax of each step
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
-    """arch -> the directory of its tiny random checkpoint, saved once per arch."""
-    cache: dict[str, str] = {}
-
-    def get(arch: str) -> str:
-        require_arch(arch)
-        if arch not in cache:
-            cache[arch] = make_tiny_hybrid(tmp_path_factory.mktemp(arch), arch)
-        return cache[arch]
-
-    return get
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ one-token prefill chunk equal to a decode, and preemption that frees slots and r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -22,27 +21,13 @@ from krait.outputs import CompletionOutput
 from krait.runner.input_batch import build_input_batch
 from krait.runner.model_states.mamba_hybrid import MambaHybridModelState
 from krait.runner.request_states import RequestStates
-from tests.utils import ARCHS, device_options, make_tiny_hybrid, require_arch
+from tests.utils import ARCHS, device_options
 
 ATTENTION_HYBRIDS = ["bamba", "granitemoehybrid", "nemotronh", "falconh1"]
 PROMPT_LENS = [1, 5, 13, 16, 17, 29, 33, 40]
 PROMPTS = [[3 + (11 * i + 7 * j * j) % 500 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
 TOL = 1e-4  # same model, different batch shapes or kernels (chunk scan vs. state update)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
-    """arch -> the directory of its tiny random checkpoint, saved once per arch."""
-    cache: dict[str, str] = {}
-
-    def get(arch: str) -> str:
-        require_arch(arch)
-        if arch not in cache:
-            cache[arch] = make_tiny_hybrid(tmp_path_factory.mktemp(arch), arch)
-        return cache[arch]
-
-    return get
 
 
 def hybrid_state(llm: LLM) -> MambaHybridModelState:
