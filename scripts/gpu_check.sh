@@ -10,11 +10,13 @@ LOG=/tmp/krait_logs  # packed into $OUT/logs.tgz at the end (a device call retur
 mkdir -p "$OUT" "$LOG"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KRAIT_TEST_GPU=1
 what=${1:-all}
+pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }  # after each part: a timed-out call keeps its logs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$LOG/gpu.txt"
 
 run_kernels() {
   timeout ${KERNEL_TIMEOUT:-900} python3 -m pytest -q -x -m gpu tests/ops tests/runner -p no:cacheprovider 2>&1 | tail -40 | tee "$LOG/kernels.log"
+  pack
 }
 run_parity() {
   # HF parity on the GPU in float32, CUDA graphs on and off, chunked prefill. The oracle comes
@@ -30,6 +32,7 @@ bench_latency() {  # name, tag, extra args
   local name=$1 tag=$2; shift 2
   timeout 600 python3 -m krait bench latency --config "$name" "$@" > "$LOG/lat_${name}${tag}.json" 2> "$LOG/lat_${name}${tag}.err"
   echo "== $name $tag"; grep -v Warn "$LOG/lat_${name}${tag}.err" | tail -12
+  pack
 }
 case $what in
   quick)
@@ -65,7 +68,7 @@ case $what in
       | tee "$LOG/profile.log"
     ;;
   ab)  # next steps, A/B in one call: the decode GEMV (KRAIT_GEMV=1) and more split-KV programs
-    timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"
+    timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"; pack
     bench_latency qwen3-0.6b "" --batch-sizes 1,8,64 --prompt-lens ""
     (export KRAIT_GEMV=1; bench_latency qwen3-0.6b "_gemv" --batch-sizes 1,8,64 --prompt-lens "")
     (export KRAIT_DECODE_SPLIT_WAVES=8; bench_latency qwen3-0.6b "_waves8" --batch-sizes 1,8,64 --prompt-lens "")
@@ -75,7 +78,7 @@ case $what in
     ;;
   record)  # what docs/benchmarks.md records, most important first (logs pack after each part);
     # ~6 minutes. Throughput (3 models x 2 workloads, each time-boxed) takes its own call.
-    run_parity; tar czf "$OUT/logs.tgz" -C "$LOG" .
+    run_parity; pack
     bash "$0" bench; bash "$0" maxlen
     PROFILE_SPECS="qwen3-0.6b:1:1024" bash "$0" profile
     ;;
@@ -86,4 +89,4 @@ case $what in
     ;;
 esac
 # the device call brings back few files: pack the logs into one
-tar czf "$OUT/logs.tgz" -C "$LOG" .
+pack
