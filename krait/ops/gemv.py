@@ -9,8 +9,9 @@ program writes its partial sums and bumps a per-tile counter; the last program o
 partials in slice order (deterministic), writes y and resets the counter for the next launch — one
 launch, no memset, graph-safe.
 
-Opt-in while it is unmeasured on the GPU: `KRAIT_GEMV=1` routes eligible `Linear` calls here
-(`scripts/bench_gemv.py` compares it with cuBLAS at the decode shapes of the shipped configs).
+Measured on the H200 (`scripts/bench_gemv.py`, docs/benchmarks.md) it wins at one row against a
+narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us) and loses elsewhere, so by default only those
+calls come here; `KRAIT_GEMV=1` sends every call with M <= 8, `KRAIT_GEMV=0` none.
 """
 
 from __future__ import annotations
@@ -150,25 +151,32 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     return y
 
 
-def _use_gemv(x: Tensor) -> bool:
-    return (  # shape first: prefill-sized calls pay no environment lookup
-        x.dim() == 2
-        and 0 < x.shape[0] <= MAX_M
-        and os.environ.get("KRAIT_GEMV") == "1"
-        and use_triton(x)
-    )
+def _use_gemv(x: Tensor, weight: Tensor) -> bool:
+    """KRAIT_GEMV=1: every call with M <= 8; =0: never; unset: only where it beat cuBLAS on the
+    H200 (scripts/bench_gemv.py, docs/benchmarks.md): one row against a narrow weight (N <= K/2,
+    at most 8M elements), where cuBLAS splits K and adds a reduce launch. With more rows this
+    kernel re-reads W per row tile and loses."""
+    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M:  # shape first: prefill pays no lookup
+        return False
+    mode = os.environ.get("KRAIT_GEMV")
+    if mode == "0" or not use_triton(x):
+        return False
+    if mode == "1":
+        return True
+    n, k = weight.shape
+    return x.shape[0] == 1 and 2 * n <= k and n * k <= (8 << 20)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, through gemv_triton for decode-sized inputs when KRAIT_GEMV=1."""
-    if _use_gemv(x):
+    """F.linear, through gemv_triton for the decode shapes `_use_gemv` picks."""
+    if _use_gemv(x, weight):
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def silu_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """linear(silu_and_mul(x)) for x [T, 2I]: one fused launch for decode-sized inputs when
-    KRAIT_GEMV=1."""
-    if _use_gemv(x):
+    """linear(silu_and_mul(x)) for x [T, 2I]: one fused launch for the decode shapes
+    `_use_gemv` picks."""
+    if _use_gemv(x, weight):
         return gemv_triton(x, weight, bias, silu_mul=True)
     return F.linear(silu_and_mul(x), weight, bias)

@@ -101,6 +101,20 @@ def test_linear_dispatch(monkeypatch):
     assert len(calls) == 1
 
 
+def test_default_dispatch_takes_one_row_against_a_narrow_weight_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr("krait.ops.gemv.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.delenv("KRAIT_GEMV", raising=False)
+    narrow = torch.zeros(24, 64)  # N <= K / 2: cuBLAS splits K here
+    wide = torch.zeros(64, 24)
+    linear(torch.ones(1, 64), narrow)
+    assert len(calls) == 1
+    linear(torch.ones(2, 64), narrow)  # two rows: cuBLAS
+    linear(torch.ones(1, 24), wide)
+    assert len(calls) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 8])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (8512, 2048), (2048, 8192)])
