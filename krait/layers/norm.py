@@ -14,9 +14,10 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, x_scale: float = 1.0
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With residual: (norm(s), s) for s = x * x_scale + residual
+        (the scale only applies with a residual)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, x_scale)

@@ -14,24 +14,25 @@ from krait.runner.attention_metadata import StepMetadata
 
 
 def pre_norm(
-    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, x_scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual); the first layer has no residual yet: (norm(x), x)."""
+    """(norm(s), s) for s = x * x_scale + residual; the first layer has no residual yet (its x is
+    the embedding, never scaled): (norm(x), x)."""
     if residual is None:
         return norm(x), x
-    return norm(x, residual)
+    return norm(x, residual, x_scale)
 
 
 def run_layers(
     layers: torch.nn.ModuleList, final_norm: RMSNorm, x: torch.Tensor, positions: torch.Tensor,
-    meta: StepMetadata,
+    meta: StepMetadata, x_scale: float = 1.0,
 ) -> torch.Tensor:
     """Each layer maps (positions, x, residual, meta) -> (x, residual); returns the final norm
-    of the last layer's output plus its residual: hidden states [T, hidden]."""
+    of the last layer's output (times x_scale) plus its residual: hidden states [T, hidden]."""
     residual = None
     for layer in layers:
         x, residual = layer(positions, x, residual, meta)
-    x, _ = final_norm(x, residual)
+    x, _ = final_norm(x, residual, x_scale)
     return x
 
 

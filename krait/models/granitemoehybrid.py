@@ -101,18 +101,19 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
         self.shared_mlp = GraniteMLP(cfg.hidden_size, cfg.shared_intermediate_size)
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        """Returns (branch output already scaled by residual_multiplier, residual): the next
-        norm adds them, as HF's `residual + out * residual_multiplier`."""
-        x, residual = pre_norm(self.input_layernorm, x, residual)
+        """Returns (branch output, residual): the next norm adds them as HF's
+        `residual + out * residual_multiplier`, the scale fused into the norm's residual add."""
+        m = self.residual_multiplier
+        x, residual = pre_norm(self.input_layernorm, x, residual, m)
         if self.mamba is not None:
             x = self.mamba(x, meta.mamba)
         else:
             x = self.self_attn(x, positions, meta)
-        x, residual = self.post_attention_layernorm(x * self.residual_multiplier, residual)
+        x, residual = self.post_attention_layernorm(x, residual, m)
         out = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(x) + out
-        return out * self.residual_multiplier, residual
+        return out, residual
 
 
 class GraniteMoeHybridForCausalLM(torch.nn.Module):
@@ -141,7 +142,9 @@ class GraniteMoeHybridForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids) * self.embedding_multiplier
-        return run_layers(self.layers, self.norm, x, positions, meta)
+        return run_layers(
+            self.layers, self.norm, x, positions, meta, self.layers[0].residual_multiplier
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lm_head(hidden) / self.logits_scaling).float()

@@ -1,6 +1,8 @@
 """RMSNorm and fused residual-add + RMSNorm with Hugging Face rounding semantics.
 
 h = x.float(); h = h * rsqrt(mean(h^2) + eps); out = weight * h.to(x.dtype)  (in x's dtype)
+The fused residual add takes an optional scale of x (Granite's `residual + out * multiplier`),
+rounded to x's dtype before the add as the unfused multiply would be.
 """
 
 import torch
@@ -14,15 +16,17 @@ from krait.ops._dispatch import use_triton
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    dim, eps,
+    dim, eps, x_scale,
     stride_x, stride_res, stride_out, stride_sum,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SCALE_X: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
+        if SCALE_X:
+            x = (x * x_scale).to(sum_ptr.dtype.element_ty).to(tl.float32)
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         # The sum is rounded to the model dtype before it is normalized, as in HF.
         s = (x + r).to(sum_ptr.dtype.element_ty)
@@ -34,7 +38,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _launch(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, x_scale: float = 1.0
+) -> tuple[Tensor, Tensor]:
     dim = x.shape[-1]
     x2 = x.reshape(-1, dim)
     if x2.stride(-1) != 1:
@@ -50,9 +56,10 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight.contiguous(), out, summed,
-            dim, eps,
+            dim, eps, float(x_scale),
             x2.stride(0), res2.stride(0), out.stride(0), summed.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK_D=triton.next_power_of_2(dim),
+            HAS_RESIDUAL=residual is not None, SCALE_X=x_scale != 1.0,
+            BLOCK_D=triton.next_power_of_2(dim),
         )
     return out.view(x.shape), summed.view(x.shape)
 
@@ -75,27 +82,30 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def fused_add_rms_norm_triton(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, x_scale: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """Triton launcher of `fused_add_rms_norm`."""
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps, x_scale)
 
 
 def fused_add_rms_norm_ref(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, x_scale: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """Torch reference of `fused_add_rms_norm`."""
+    if x_scale != 1.0:
+        x = x * x_scale
     summed = (x.float() + residual.float()).to(x.dtype)
     return rms_norm_ref(summed, weight, eps), summed
 
 
 def fused_add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, x_scale: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first.
+    """Returns (rms_norm(s), s) with s = x * x_scale + residual; x * x_scale and the sum are each
+    rounded to x's dtype.
 
     Functional: neither input is modified.
     """
     if use_triton(x):
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+        return fused_add_rms_norm_triton(x, residual, weight, eps, x_scale)
+    return fused_add_rms_norm_ref(x, residual, weight, eps, x_scale)

@@ -53,6 +53,17 @@ def test_triton_matches_reference(dim):
     assert torch.equal(x, x_copy) and torch.equal(residual, res_copy)
 
 
+def test_scaled_residual_add_matches_the_unfused_multiply():
+    # Granite: residual + out * residual_multiplier, the product rounded first
+    x, residual, weight = inputs(6, 64, seed=2)
+    out, summed = fused_add_rms_norm(x, residual, weight, 1e-6, x_scale=0.22)
+    ref_out, ref_summed = fused_add_rms_norm_ref(x * 0.22, residual, weight, 1e-6)
+    assert torch.equal(summed, ref_summed) and torch.equal(out, ref_out)
+    t_out, t_summed = fused_add_rms_norm_triton(x, residual, weight, 1e-6, x_scale=0.22)
+    torch.testing.assert_close(t_summed, ref_summed, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(t_out, ref_out, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_triton_matches_reference_real_sizes():
@@ -60,7 +71,8 @@ def test_gpu_triton_matches_reference_real_sizes():
     x, residual, weight = (t.cuda() for t in inputs(4096, 4096, torch.bfloat16))
     torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6),
                                atol=2e-2, rtol=2e-2)
-    out, summed = fused_add_rms_norm(x, residual, weight, 1e-6)
-    ref_out, ref_summed = fused_add_rms_norm_ref(x, residual, weight, 1e-6)
-    assert torch.equal(summed, ref_summed)
-    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    for scale in (1.0, 0.22):
+        out, summed = fused_add_rms_norm(x, residual, weight, 1e-6, scale)
+        ref_out, ref_summed = fused_add_rms_norm_ref(x, residual, weight, 1e-6, scale)
+        assert torch.equal(summed, ref_summed)
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
