@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|bench|maxlen|throughput|profile|ab|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|bench|maxlen|throughput|profile|ab|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -67,14 +67,15 @@ case $what in
       --prefill 2048 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
     ;;
-  ab)  # next steps, A/B in one call: the decode GEMV (KRAIT_GEMV=1) and more split-KV programs
+  ab)  # this session's knobs, each against the defaults `bench` measures: the fused Mamba decode
+    # kernel (KRAIT_FUSED_MAMBA_DECODE=0 turns it off) and the default GEMV dispatch (KRAIT_GEMV=0)
+    (export KRAIT_FUSED_MAMBA_DECODE=0
+     bench_latency mamba2-1.3b "_unfused" --batch-sizes 1,64 --prompt-lens ""
+     bench_latency granite-4.0-h-micro "_unfused" --batch-sizes 1,64 --prompt-lens "")
+    (export KRAIT_GEMV=0; bench_latency qwen3-0.6b "_nogemv" --batch-sizes 1,64 --prompt-lens "")
+    ;;
+  gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep
     timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"; pack
-    bench_latency qwen3-0.6b "" --batch-sizes 1,8,64 --prompt-lens ""
-    (export KRAIT_GEMV=1; bench_latency qwen3-0.6b "_gemv" --batch-sizes 1,8,64 --prompt-lens "")
-    (export KRAIT_DECODE_SPLIT_WAVES=8; bench_latency qwen3-0.6b "_waves8" --batch-sizes 1,8,64 --prompt-lens "")
-    bench_latency mamba2-1.3b "" --batch-sizes 1,8 --prompt-lens ""
-    (export KRAIT_GEMV=1; bench_latency mamba2-1.3b "_gemv" --batch-sizes 1,8 --prompt-lens "")
-    PROFILE_SPECS="granite-4.0-h-micro:1:1024 qwen3-0.6b:64:1024" bash "$0" profile
     ;;
   record)  # what docs/benchmarks.md records, most important first (logs pack after each part);
     # ~6 minutes. Throughput (3 models x 2 workloads, each time-boxed) takes its own call.

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from krait.layers.linear import Linear
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from krait.ops._dispatch import use_triton
 from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.mamba_decode import fusable, mamba_decode
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import selective_state_update
 
@@ -112,53 +115,99 @@ class Mamba2Mixer(torch.nn.Module):
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         d = self.d
-        y, gate = self.scan(x, meta)
         group = d.norm_group_size or d.intermediate // d.n_groups
+        if meta.num_decode_tokens and use_triton(x) and self._fuse_decode(group):
+            return self.out_proj(self._forward_fused_decode(x, meta, group))
+        y, gate = self.scan(x, meta)
         return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
+
+    def _fuse_decode(self, group: int) -> bool:
+        """Decode rows through krait/ops/mamba_decode.py (KRAIT_FUSED_MAMBA_DECODE=0: the three
+        unfused kernels, for A/B runs)."""
+        return (fusable(self.d.head_dim, self.d.intermediate, group)
+                and os.environ.get("KRAIT_FUSED_MAMBA_DECODE", "1") != "0")
 
     def scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing
         the state slots: returns (y [T, intermediate], gate [T, intermediate])."""
-        d = self.d
-        T = x.shape[0]
-        gate, xbc, dt = self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
-        w = self.conv1d_weight.squeeze(1)
-        A = self.neg_A()
+        gate, xbc, dt = self._project(x)
         nd = meta.num_decode_tokens
-        y_dec = y_pre = None
-        if nd:
-            idx = meta.decode_state_indices[:nd]
-            xbc_d = causal_conv1d_update(
-                xbc[:nd], self.conv_state, w, self.conv1d_bias, idx, d.activation
-            )
-            xs, B, C = self._split_xbc(xbc_d)
-            y_dec = selective_state_update(
-                self.ssm_state, xs, dt[:nd], A, B, C, self.D, self.dt_bias, idx, True,
-                d.time_step_limit,
-            )
+        y_dec = self._decode_ssm(xbc, dt, meta) if nd else None
+        y_pre = self._prefill_ssm(xbc, dt, meta) if meta.num_prefills else None
+        return self._join(x, nd, y_dec, y_pre), gate
+
+    def _forward_fused_decode(
+        self, x: torch.Tensor, meta: MambaMetadata, group: int
+    ) -> torch.Tensor:
+        """Decode rows through one fused kernel (conv, state update, gated norm), prefill rows
+        as in `scan`: the gated, normalized y [T, intermediate]."""
+        d = self.d
+        gate, xbc, dt = self._project(x)
+        nd = meta.num_decode_tokens
+        y_dec = mamba_decode(
+            xbc[:nd], dt[:nd], gate[:nd], self.conv_state, self.conv1d_weight.squeeze(1),
+            self.conv1d_bias, self.ssm_state, self.neg_A(), self.D, self.dt_bias,
+            self.norm_weight, meta.decode_state_indices[:nd], d.n_groups, d.head_dim, d.eps,
+            group, True, d.time_step_limit, d.activation,
+        )
+        y_pre = None
         if meta.num_prefills:
-            end = nd + meta.num_prefill_tokens
-            xbc_p = causal_conv1d_fn(
-                xbc[nd:end], w, self.conv1d_bias, self.conv_state,
-                meta.prefill_query_start_loc, meta.prefill_state_indices,
-                meta.prefill_has_initial_state, d.activation, meta.prefill_token_seq,
-            )
-            xs, B, C = self._split_xbc(xbc_p)
-            y_pre = mamba_chunk_scan(
-                xs, dt[nd:end], A, B, C, self.D, self.dt_bias, self.ssm_state,
-                meta.prefill_query_start_loc, meta.prefill_state_indices,
-                meta.prefill_has_initial_state, d.chunk_size, True, d.time_step_limit,
-                meta.prefill_chunk_layout,
-            )
-        parts = [p for p in (y_dec, y_pre) if p is not None]
+            y = self._prefill_ssm(xbc, dt, meta).reshape(-1, d.intermediate)
+            y_pre = gated_rms_norm(y, gate[nd : nd + y.shape[0]], self.norm_weight, d.eps, group)
+        return self._join(x, nd, y_dec, y_pre)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views."""
+        d = self.d
+        return self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
+
+    def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """Conv update and state update of the decode rows: y [num_decode_tokens, heads, P]."""
+        d = self.d
+        nd = meta.num_decode_tokens
+        idx = meta.decode_state_indices[:nd]
+        xbc_d = causal_conv1d_update(
+            xbc[:nd], self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
+            d.activation,
+        )
+        xs, B, C = self._split_xbc(xbc_d)
+        return selective_state_update(
+            self.ssm_state, xs, dt[:nd], self.neg_A(), B, C, self.D, self.dt_bias, idx, True,
+            d.time_step_limit,
+        )
+
+    def _prefill_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """Varlen conv and chunked scan of the prefill rows: y [num_prefill_tokens, heads, P]."""
+        d = self.d
+        nd = meta.num_decode_tokens
+        end = nd + meta.num_prefill_tokens
+        xbc_p = causal_conv1d_fn(
+            xbc[nd:end], self.conv1d_weight.squeeze(1), self.conv1d_bias, self.conv_state,
+            meta.prefill_query_start_loc, meta.prefill_state_indices,
+            meta.prefill_has_initial_state, d.activation, meta.prefill_token_seq,
+        )
+        xs, B, C = self._split_xbc(xbc_p)
+        return mamba_chunk_scan(
+            xs, dt[nd:end], self.neg_A(), B, C, self.D, self.dt_bias, self.ssm_state,
+            meta.prefill_query_start_loc, meta.prefill_state_indices,
+            meta.prefill_has_initial_state, d.chunk_size, True, d.time_step_limit,
+            meta.prefill_chunk_layout,
+        )
+
+    def _join(
+        self, x: torch.Tensor, nd: int, y_dec: torch.Tensor | None, y_pre: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Decode rows then prefill rows as [T, intermediate]; rows past both (padding) are 0."""
+        T, inter = x.shape[0], self.d.intermediate
+        parts = [p.reshape(-1, inter) for p in (y_dec, y_pre) if p is not None]
         if len(parts) == 1 and parts[0].shape[0] == T:
-            y = parts[0]  # the common case: no copy
-        else:
-            y = x.new_zeros(T, d.num_heads, d.head_dim)  # [T, heads, head_dim]
-            y[:nd] = y_dec if y_dec is not None else 0
-            if y_pre is not None:
-                y[nd : nd + y_pre.shape[0]] = y_pre
-        return y.reshape(T, d.intermediate), gate
+            return parts[0]  # the common case: no copy
+        y = x.new_zeros(T, inter)  # [T, intermediate]
+        if y_dec is not None:
+            y[:nd] = parts[0]
+        if y_pre is not None:
+            y[nd : nd + parts[-1].shape[0]] = parts[-1]
+        return y
 
     def _split_xbc(self, xbc: torch.Tensor):
         d = self.d
