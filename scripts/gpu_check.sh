@@ -50,9 +50,9 @@ case $what in
     for m in ${MODELS:-qwen3-0.6b granite-4.0-h-micro mamba2-1.3b}; do
       for out in ${OUT_LENS:-64 256}; do
         timeout ${TP_TIMEOUT:-150} python3 -m krait bench throughput --config $m --num-prompts 256 \
-          --input-len 256 --output-len $out --hf-output-len 64 --hf-baseline --hf-max-prompts 32 \
-          > "$LOG/tp_${m}_o$out.json" 2> "$LOG/tp_${m}_o$out.err"
-        echo "== $m output $out"; grep -v Warn "$LOG/tp_${m}_o$out.err" | tail -3
+          --input-len 256 --output-len $out --hf-output-len ${HF_OUT:-64} --hf-baseline \
+          --hf-max-prompts 32 > "$LOG/tp_${m}_o$out.json" 2> "$LOG/tp_${m}_o$out.err"
+        echo "== $m output $out"; grep -v Warn "$LOG/tp_${m}_o$out.err" | tail -3; pack
       done
     done
     ;;

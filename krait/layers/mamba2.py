@@ -122,10 +122,10 @@ class Mamba2Mixer(torch.nn.Module):
         return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
 
     def _fuse_decode(self, group: int) -> bool:
-        """Decode rows through krait/ops/mamba_decode.py (KRAIT_FUSED_MAMBA_DECODE=0: the three
-        unfused kernels, for A/B runs)."""
-        return (fusable(self.d.head_dim, self.d.intermediate, group)
-                and os.environ.get("KRAIT_FUSED_MAMBA_DECODE", "1") != "0")
+        """Decode rows through krait/ops/mamba_decode.py only with KRAIT_FUSED_MAMBA_DECODE=1:
+        on the H200 it measured slower than the three unfused kernels (docs/benchmarks.md)."""
+        return (os.environ.get("KRAIT_FUSED_MAMBA_DECODE") == "1"
+                and fusable(self.d.head_dim, self.d.intermediate, group))
 
     def scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing

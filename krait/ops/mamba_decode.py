@@ -102,9 +102,9 @@ def _mamba_decode_kernel(
                               stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU, dtype)
         _store_shifted(conv, win, ch_x, p_ok, cols, stride_c_d, stride_c_k, WIDTH)
         ch_b = INTER + g * D_STATE + offs_n
-        bv, _ = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b, n_ok, cols, stride_cw_d,
+        bv, b_win = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b, n_ok, cols, stride_cw_d,
                              stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU, dtype)
-        cv, _ = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b + GROUPS * D_STATE, n_ok, cols,
+        cv, c_win = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b + GROUPS * D_STATE, n_ok, cols,
                              stride_cw_d, stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS,
                              SILU, dtype)
 
@@ -152,10 +152,10 @@ def _mamba_decode_kernel(
             for c0 in range(0, 2 * GROUPS * D_STATE, BLOCK_C):
                 ch = INTER + c0 + tl.arange(0, BLOCK_C)
                 ok = ch < INTER + 2 * GROUPS * D_STATE
-                _, w2 = _conv_window(row, cw_ptr, cb_ptr, conv, ch, ok, cols, stride_cw_d,
+                _unused, bc_win = _conv_window(row, cw_ptr, cb_ptr, conv, ch, ok, cols, stride_cw_d,
                                      stride_cw_k, stride_c_d, stride_c_k, WIDTH, False, False,
                                      dtype)
-                _store_shifted(conv, w2, ch, ok, cols, stride_c_d, stride_c_k, WIDTH)
+                _store_shifted(conv, bc_win, ch, ok, cols, stride_c_d, stride_c_k, WIDTH)
             tl.atomic_xchg(count_ptr + row_key, 0)
 
 
