@@ -176,9 +176,13 @@ def bench_throughput(args) -> dict:
     prompts = _prompts(args.num_prompts, args.input_len, vocab, seed=args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             output_kind="final_only")
-    # warm-up on a few prompts (Triton compilation)
-    for i, p in enumerate(prompts[:4]):
-        engine.add_request(f"warm{i}", {"prompt_token_ids": p}, params)
+    # warm-up on as many other prompts of the same length (Triton compiles and specializes on
+    # the prefill chunk layouts and batch sizes the timed run will see), a few tokens each
+    warm = _prompts(args.num_prompts, args.input_len, vocab, seed=args.seed + 1)
+    warm_params = SamplingParams(temperature=0.0, max_tokens=min(4, args.output_len),
+                                 ignore_eos=True, output_kind="final_only")
+    for i, p in enumerate(warm):
+        engine.add_request(f"warm{i}", {"prompt_token_ids": p}, warm_params)
     while engine.has_unfinished_requests():
         engine.step()
     _sync(dev)
@@ -235,7 +239,8 @@ def hf_generate_rate(hf_config, dtype, dev, prompts, output_len, batch_size) -> 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(dev).eval()
+    with torch.device(dev):  # random init on the device: minutes on the CPU for billions
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
     n_out = 0
     _sync(dev)
     t = time.perf_counter()

@@ -1,0 +1,39 @@
+"""`krait bench latency|throughput` end to end on CPU with a tiny model: JSON on stdout with the
+fields docs/benchmarks.md quotes, the HF baseline in the same run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.utils import make_tiny_llama
+
+
+def _bench(*args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "krait", "bench", *args, "--device", "cpu", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def test_throughput_with_hf_baseline(tmp_path):
+    d = make_tiny_llama(tmp_path / "m")
+    r = _bench("throughput", "--model", str(d), "--num-prompts", "6", "--input-len", "10",
+               "--output-len", "5", "--hf-baseline", "--hf-max-prompts", "2", "--hf-batch-size", "2")
+    assert r["kind"] == "throughput" and r["num_prompts"] == 6
+    assert r["output_tok_per_s"] > 0 and r["steps"] >= 5
+    assert r["hf"]["num_prompts"] == 2 and r["hf"]["output_tok_per_s"] > 0
+    assert abs(r["speedup_vs_hf"] - r["output_tok_per_s"] / r["hf"]["output_tok_per_s"]) < 1e-6
+
+
+def test_latency_rows_carry_a_roofline(tmp_path):
+    d = make_tiny_llama(tmp_path / "m")
+    r = _bench("latency", "--model", str(d), "--batch-sizes", "1,2", "--context-len", "16",
+               "--prompt-lens", "8", "--num-steps", "4")
+    assert [row["batch"] for row in r["decode"]] == [1, 2]
+    for row in r["decode"]:
+        assert row["step_ms"] > 0 and row["roofline_ms"] > 0
+        assert abs(row["ratio"] - row["step_ms"] / row["roofline_ms"]) < 1e-6
+    assert r["prefill"] and r["prefill"][0]["prompt_len"] == 8
