@@ -11,7 +11,8 @@ of squares to scratch. Two cross-program steps use the last-arriver pattern of `
 (per-key counters that the last program resets; deterministic: partial sums are added in a fixed
 order):
 - the last program of (row, norm group) sums the partials and writes the normalized group;
-- the last program of a row shifts the B/C conv states, which every program of the row reads.
+- the last program of a row shifts the B/C conv states, which every program of the row reads
+  (with one norm group a row, the same program: one atomic a program).
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ def _conv_window(row_ptr, w_ptr, b_ptr, st_ptr, ch, ok, cols,
                  stride_w_d, stride_w_k, stride_s_d, stride_s_k,
                  WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                  DTYPE: tl.constexpr):
-    """Conv of channels `ch` at the new token: (output rounded to DTYPE as float32,
-    window [C, BLOCK_W] = old state then the new input)."""
+    """Conv of channels `ch` at the new token, rounded to DTYPE, as float32 [C]."""
     x = tl.load(row_ptr + ch, mask=ok, other=0.0).to(tl.float32)
     win_ok = ok[:, None] & (cols < WIDTH - 1)[None, :]
     window = tl.load(st_ptr + ch[:, None] * stride_s_d + cols[None, :] * stride_s_k,
@@ -51,16 +51,30 @@ def _conv_window(row_ptr, w_ptr, b_ptr, st_ptr, ch, ok, cols,
         acc += tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    return acc.to(DTYPE).to(tl.float32), window
+    return acc.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
-def _store_shifted(st_ptr, window, ch, ok, cols, stride_s_d, stride_s_k, WIDTH: tl.constexpr):
-    """New state column j = window column j + 1 (shifted in registers: no reload of the state)."""
-    pick = (cols[:, None] + 1) == cols[None, :]  # [BLOCK_W (new), BLOCK_W (old)]
-    shifted = tl.sum(window[:, None, :] * pick[None, :, :].to(tl.float32), axis=2)
-    tl.store(st_ptr + ch[:, None] * stride_s_d + cols[None, :] * stride_s_k,
-             shifted.to(st_ptr.dtype.element_ty), mask=ok[:, None] & (cols < WIDTH - 1)[None, :])
+def _store_shifted(row_ptr, st_ptr, ch, ok, cols, stride_s_d, stride_s_k, WIDTH: tl.constexpr):
+    """New state column j = old column j + 1, the new input last: in place, the old columns
+    loaded before the store (as `_conv_update_kernel` does; a state row stays in one warp)."""
+    x = tl.load(row_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+    base = st_ptr + ch[:, None] * stride_s_d
+    nxt = tl.load(base + (cols + 1)[None, :] * stride_s_k,
+                  mask=ok[:, None] & (cols < WIDTH - 2)[None, :], other=0.0).to(tl.float32)
+    shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], nxt)
+    tl.store(base + cols[None, :] * stride_s_k, shifted.to(st_ptr.dtype.element_ty),
+             mask=ok[:, None] & (cols < WIDTH - 1)[None, :])
+
+
+@triton.jit
+def _shift_bc_states(row_ptr, st_ptr, cols, stride_s_d, stride_s_k, FIRST: tl.constexpr,
+                     COUNT: tl.constexpr, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The conv-state shift of channels FIRST .. FIRST + COUNT (a row's B and C)."""
+    for c0 in range(0, COUNT, BLOCK_C):
+        ch = FIRST + c0 + tl.arange(0, BLOCK_C)
+        _store_shifted(row_ptr, st_ptr, ch, ch < FIRST + COUNT, cols, stride_s_d, stride_s_k,
+                       WIDTH)
 
 
 @triton.jit
@@ -98,13 +112,13 @@ def _mamba_decode_kernel(
 
         # causal conv: this program's x channels (state written here), its group's B and C
         ch_x = h * HEAD_DIM + offs_p
-        x, win = _conv_window(row, cw_ptr, cb_ptr, conv, ch_x, p_ok, cols, stride_cw_d,
-                              stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU, dtype)
-        _store_shifted(conv, win, ch_x, p_ok, cols, stride_c_d, stride_c_k, WIDTH)
+        x = _conv_window(row, cw_ptr, cb_ptr, conv, ch_x, p_ok, cols, stride_cw_d,
+                         stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU, dtype)
+        _store_shifted(row, conv, ch_x, p_ok, cols, stride_c_d, stride_c_k, WIDTH)
         ch_b = INTER + g * D_STATE + offs_n
-        bv, b_win = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b, n_ok, cols, stride_cw_d,
+        bv = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b, n_ok, cols, stride_cw_d,
                              stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU, dtype)
-        cv, c_win = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b + GROUPS * D_STATE, n_ok, cols,
+        cv = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b + GROUPS * D_STATE, n_ok, cols,
                              stride_cw_d, stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS,
                              SILU, dtype)
 
@@ -143,20 +157,18 @@ def _mamba_decode_kernel(
                 hn = (v * rstd).to(dtype).to(tl.float32)
                 w = tl.load(nw_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
                 tl.store(out_ptr + b * stride_out_b + c, (w * hn).to(dtype), mask=c_ok)
+            if NUM_NORM == 1:  # one group: this is also the row's last program
+                _shift_bc_states(row, conv, cols, stride_c_d, stride_c_k, INTER,
+                                 2 * GROUPS * D_STATE, WIDTH, BLOCK_C)
             tl.atomic_xchg(count_ptr + key, 0)
-
-        # every program of the row has read the B/C conv state: the last one shifts it
-        row_key = batch * NUM_NORM + b
-        arrived_row = tl.atomic_add(count_ptr + row_key, 1)
-        if arrived_row == HEADS * NPB - 1:
-            for c0 in range(0, 2 * GROUPS * D_STATE, BLOCK_C):
-                ch = INTER + c0 + tl.arange(0, BLOCK_C)
-                ok = ch < INTER + 2 * GROUPS * D_STATE
-                _unused, bc_win = _conv_window(row, cw_ptr, cb_ptr, conv, ch, ok, cols, stride_cw_d,
-                                     stride_cw_k, stride_c_d, stride_c_k, WIDTH, False, False,
-                                     dtype)
-                _store_shifted(conv, bc_win, ch, ok, cols, stride_c_d, stride_c_k, WIDTH)
-            tl.atomic_xchg(count_ptr + row_key, 0)
+        if NUM_NORM > 1:
+            # every program of the row has read the B/C conv state: the last one shifts it
+            row_key = batch * NUM_NORM + b
+            arrived_row = tl.atomic_add(count_ptr + row_key, 1)
+            if arrived_row == HEADS * NPB - 1:
+                _shift_bc_states(row, conv, cols, stride_c_d, stride_c_k, INTER,
+                                 2 * GROUPS * D_STATE, WIDTH, BLOCK_C)
+                tl.atomic_xchg(count_ptr + row_key, 0)
 
 
 def _counters(device: torch.device, n: int) -> Tensor:
@@ -218,7 +230,7 @@ def mamba_decode_triton(
         HAS_BIAS=conv_bias is not None, SILU=activation is not None,
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp,
         BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(width),
-        BLOCK_J=triton.next_power_of_2(per_norm), BLOCK_C=min(1024, triton.next_power_of_2(norm_group)),
+        BLOCK_J=triton.next_power_of_2(per_norm), BLOCK_C=min(256, triton.next_power_of_2(norm_group)),
     )
     return out
 
