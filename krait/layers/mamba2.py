@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from krait.layers.linear import Linear
-from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops._dispatch import use_triton
+from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.ops.mamba_decode import fusable, mamba_decode
 from krait.ops.mamba_ssd import mamba_chunk_scan
