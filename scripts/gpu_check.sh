@@ -67,12 +67,18 @@ case $what in
       --prefill 2048 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
     ;;
-  ab)  # knobs against the defaults `bench` measures: the fused Mamba decode kernel (opt-in,
-    # KRAIT_FUSED_MAMBA_DECODE=1; 72 registers since aaa2d78, unmeasured) and the GEMV dispatch
+  ab)  # knobs against the defaults `bench` measures, each opt-in and not yet measured:
+    # programmatic dependent launch (KRAIT_PDL=1: parity first, it changes kernel ordering), and
+    # the fused Mamba decode kernel (KRAIT_FUSED_MAMBA_DECODE=1, 72 registers since aaa2d78)
+    (export KRAIT_PDL=1; run_parity > /dev/null; cp "$LOG/parity.log" "$LOG/parity_pdl.log"
+     tail -2 "$LOG/parity_pdl.log"; pack
+     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
+       bench_latency $m "_pdl" --batch-sizes 1,8,64 --prompt-lens ""
+     done
+     KRAIT_GEMV=1 bench_latency qwen3-0.6b "_pdl_gemv" --batch-sizes 1 --prompt-lens "")
     (export KRAIT_FUSED_MAMBA_DECODE=1
      bench_latency mamba2-1.3b "_fused" --batch-sizes 1,64 --prompt-lens ""
      bench_latency granite-4.0-h-micro "_fused" --batch-sizes 1,64 --prompt-lens "")
-    (export KRAIT_GEMV=0; bench_latency qwen3-0.6b "_nogemv" --batch-sizes 1,64 --prompt-lens "")
     ;;
   gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep
     timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"; pack

@@ -7,12 +7,16 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -40,7 +44,9 @@ def silu_and_mul_triton(x: Tensor) -> Tensor:
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)  # [T, I]
     if x2.shape[0] > 0 and inter > 0:
         grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
-        _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=_BLOCK)
+        pdl = use_pdl(x2)
+        _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=_BLOCK,
+                                   PDL=pdl, launch_pdl=pdl)
     return out.view(*x.shape[:-1], inter)
 
 

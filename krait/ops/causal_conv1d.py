@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 
 
 def _activate(y: Tensor, activation: str | None) -> Tensor:
@@ -126,7 +127,10 @@ def _conv_update_kernel(
     stride_s_slot, stride_s_d, stride_s_k, stride_o_b,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     # One program: one batch row x BLOCK_D channels; column k of the window is input k (x last).
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row)
@@ -216,13 +220,14 @@ def causal_conv1d_update_triton(
     if batch == 0:
         return out
     block_d = min(triton.next_power_of_2(dim), 1024 if _interpreting() else 256)
+    pdl = use_pdl(x)
     _conv_update_kernel[(batch, triton.cdiv(dim, block_d))](
         x, weight, bias if bias is not None else weight, conv_states, out,
         state_indices.to(torch.int32),
         dim, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), out.stride(0),
         WIDTH=width, HAS_BIAS=bias is not None, SILU=silu,
-        BLOCK_K=triton.next_power_of_2(width), BLOCK_D=block_d,
+        BLOCK_K=triton.next_power_of_2(width), BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
     )
     return out
 

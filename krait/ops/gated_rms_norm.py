@@ -11,6 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
@@ -19,7 +20,10 @@ def _gated_rms_norm_kernel(
     num_rows, group_size, eps,
     stride_x, stride_z, stride_out,
     HAS_Z: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     # One program: BLOCK_M rows x one group of channels.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * group_size + tl.arange(0, BLOCK_G)
@@ -60,12 +64,13 @@ def gated_rms_norm_triton(
         block_g = triton.next_power_of_2(group_size)
         block_m = max(1, min(64, 4096 // block_g))
         grid = (triton.cdiv(num_rows, block_m), dim // group_size)
+        pdl = use_pdl(x2)
         _gated_rms_norm_kernel[grid](
             x2, z2, weight.contiguous(), out,
             num_rows, group_size, eps,
             x2.stride(0), z2.stride(0), out.stride(0),
             HAS_Z=z is not None, BLOCK_M=block_m, BLOCK_G=block_g,
-            num_warps=4 if block_g * block_m <= 4096 else 8,
+            num_warps=4 if block_g * block_m <= 4096 else 8, PDL=pdl, launch_pdl=pdl,
         )
     return out.view(x.shape)
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.activation import silu_and_mul
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 
 MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
@@ -37,8 +38,9 @@ def _gemv_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -51,18 +53,26 @@ def _gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # the next weight tile is loaded before the current one is used; the first before the wait
+    # for the previous kernel (weights are constant: with PDL it streams while that one drains)
+    k = k_lo + offs_k
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)
+    pdl_wait(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < k_hi
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if SILU_MUL:  # x holds [gate | up] of width 2K: the input is silu(gate) * up
             up = tl.load(x_rows + K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             g = x.to(tl.float32)
             # rounded to the activation dtype, as silu_and_mul hands it to the projection
             x = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(up.dtype)
+        k_next = k + BLOCK_K
+        w_next = tl.load(w_rows + k_next[None, :], mask=n_ok[:, None] & (k_next < k_hi)[None, :],
+                         other=0.0)
         prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [M, N, K]
         acc += tl.sum(prod, axis=2)
+        w = w_next
     mn_ok = m_ok[:, None] & n_ok[None, :]
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -126,6 +136,8 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         raise ValueError(f"gemv_triton serves at most {MAX_M} rows, got {m}")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    # PDL reads the weight before waiting for earlier kernels: only a parameter, never a copy
+    pdl = use_pdl(x) and weight.stride(-1) == 1
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
@@ -146,7 +158,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, y, part, counters,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, **cfg,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=pdl, launch_pdl=pdl, **cfg,
     )
     return y
 

@@ -28,6 +28,7 @@ from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_update_ref
 from krait.ops.gated_rms_norm import gated_rms_norm_ref
 from krait.ops.mamba_ssd import softplus_clamp
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 from krait.ops.selective_state_update import selective_state_update_ref
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # arrival counters, always back to zero after a launch
@@ -90,7 +91,10 @@ def _mamba_decode_kernel(
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
@@ -216,6 +220,7 @@ def mamba_decode_triton(
     parts = torch.empty(batch * num_norm * per_norm, dtype=torch.float32, device=xbc.device)
     counters = _counters(xbc.device, batch * (num_norm + 1))
     clamp = dt_limit != (0.0, float("inf"))
+    pdl = use_pdl(xbc)
     _mamba_decode_kernel[(batch, heads, npb)](
         xbc, dt, z, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight,
         ssm_state, A, D, dt_bias, norm_weight, out, gz, parts, counters,
@@ -230,7 +235,8 @@ def mamba_decode_triton(
         HAS_BIAS=conv_bias is not None, SILU=activation is not None,
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp,
         BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(width),
-        BLOCK_J=triton.next_power_of_2(per_norm), BLOCK_C=min(256, triton.next_power_of_2(norm_group)),
+        BLOCK_J=triton.next_power_of_2(per_norm),
+        BLOCK_C=min(256, triton.next_power_of_2(norm_group)), PDL=pdl, launch_pdl=pdl,
     )
     return out
 

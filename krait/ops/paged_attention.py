@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
@@ -67,7 +68,10 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -135,7 +139,10 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units."""
     row = tl.program_id(0).to(tl.int64)
@@ -184,7 +191,10 @@ def _decode_combine_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, seq_lens_ptr, head_dim, num_q_heads,
     stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     """Flash-decoding, part 2: merge a (row, head)'s splits."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -270,6 +280,7 @@ def paged_attention_triton(
         return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
+    pdl = use_pdl(q)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_table,
@@ -280,7 +291,7 @@ def paged_attention_triton(
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_D=triton.next_power_of_2(head_dim), **config,
+        BLOCK_D=triton.next_power_of_2(head_dim), **config, PDL=pdl, launch_pdl=pdl,
     )
     return out
 
@@ -298,6 +309,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     part_ml = torch.empty(num_rows, num_q_heads, num_splits, 2, dtype=torch.float32,
                           device=q.device)
     opts = {} if interpret else dict(num_warps=4, num_stages=2)
+    pdl = use_pdl(q)
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
@@ -309,11 +321,12 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, **opts,
+        BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, **opts, PDL=pdl, launch_pdl=pdl,
     )
     _decode_combine_kernel[(num_rows, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,
+        PDL=pdl, launch_pdl=pdl,
     )
 
 

@@ -11,6 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
@@ -19,10 +20,14 @@ def _rms_norm_kernel(
     dim, eps, x_scale,
     stride_x, stride_res, stride_out, stride_sum,
     HAS_RESIDUAL: tl.constexpr, SCALE_X: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         if SCALE_X:
@@ -34,7 +39,6 @@ def _rms_norm_kernel(
         x = s.to(tl.float32)
     var = tl.sum(x * x, axis=0) / dim
     h = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -53,13 +57,14 @@ def _launch(
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
         summed = torch.empty_like(out)  # [T, D]
+    pdl = use_pdl(x2) and weight.is_contiguous()  # PDL loads the weight before the wait
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight.contiguous(), out, summed,
             dim, eps, float(x_scale),
             x2.stride(0), res2.stride(0), out.stride(0), summed.stride(0),
             HAS_RESIDUAL=residual is not None, SCALE_X=x_scale != 1.0,
-            BLOCK_D=triton.next_power_of_2(dim),
+            BLOCK_D=triton.next_power_of_2(dim), PDL=pdl, launch_pdl=pdl,
         )
     return out.view(x.shape), summed.view(x.shape)
 

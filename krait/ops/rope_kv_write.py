@@ -12,6 +12,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.kv_write import write_kv_ref
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rms_norm import rms_norm_ref
 from krait.ops.rotary import apply_rotary_ref, norm_rope_heads
 
@@ -25,7 +26,10 @@ def _rope_kv_write_kernel(
     stride_qot, stride_qoh, stride_cs,
     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
     NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -70,6 +74,7 @@ def rope_kv_write_triton(
     heads = max(num_q_heads, num_kv_heads)
     block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
     grid = (num_tokens, triton.cdiv(heads, block_h))
+    pdl = use_pdl(q)
     _rope_kv_write_kernel[grid](
         q, k, v, q_out, positions, cos_sin_cache,
         q_norm_weight if norm else q, k_norm_weight if norm else k, eps,
@@ -79,7 +84,7 @@ def rope_kv_write_triton(
         q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NORM=norm, IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_D=block_d,
+        NORM=norm, IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
     )
     return q_out
 

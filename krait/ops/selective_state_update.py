@@ -15,6 +15,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.mamba_ssd import discretize_dt_ref, softplus_clamp
+from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 
 # ----------------------------------------------------------------------------- triton
 
@@ -29,7 +30,10 @@ def _ssu_kernel(
     stride_y_b, stride_y_h,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     # One program: batch row b, head h, BLOCK_P rows of the [P, N] state (all of N).
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -80,6 +84,7 @@ def selective_state_update_triton(
     else:
         block_p = max(1, min(triton.next_power_of_2(head_dim), 2048 // block_n))
     clamp = dt_limit != (0.0, float("inf"))
+    pdl = use_pdl(x)
     _ssu_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
         ssm_states, x, dt, A, B, C, D, dt_bias, y, state_indices.to(torch.int32),
         head_dim, d_state, heads // groups,
@@ -88,7 +93,7 @@ def selective_state_update_triton(
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         y.stride(0), y.stride(1),
-        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n,
+        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
     )
     return y
 

@@ -17,12 +17,15 @@ import triton
 
 
 def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict,
-                 num_warps: int = 4) -> dict:
+                 num_warps: int = 4, odd: tuple[str, ...] = ()) -> dict:
     """Kernel `module.kernel`; `types`: Triton type strings by argument name ('*bf16', 'fp32'...),
-    unnamed non-constexpr arguments are 'i32'. Returns {'regs', 'local', 'shared'}. Runs in a
-    child process: under TRITON_INTERPRET=1 (the test suite) kernels are not compilable."""
+    unnamed non-constexpr arguments are 'i32'. Pointers and integers are taken as multiples of 16
+    (as Triton specializes a real launch with such values: what lets it vectorize loads) except
+    the integers named in `odd`. Returns {'regs', 'local', 'shared', 'vector_loads',
+    'scalar_loads'} (global loads of 16 bytes and of one element in the PTX). Runs in a child
+    process: under TRITON_INTERPRET=1 (the test suite) kernels are not compilable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    spec = json.dumps([module, kernel, types, constexprs, num_warps])
+    spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd)])
     out = subprocess.run([sys.executable, "-m", "tests.ops.sm90", spec], capture_output=True,
                          text=True, env=env, timeout=600)
     if out.returncode:
@@ -31,7 +34,7 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
 
 
 def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dict,
-                  num_warps: int) -> dict:
+                  num_warps: int, odd: list[str]) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
@@ -39,7 +42,9 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
 
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
     const = {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs=const),
+    aligned = [n for n, t in sig.items() if t.startswith("*") or (t == "i32" and n not in odd)]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -48,8 +53,12 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage))
+    ptx = compiled.asm["ptx"]
     return {"regs": int(fields["REG"]), "local": int(fields["LOCAL"]),
-            "shared": int(fields["SHARED"])}
+            "shared": int(fields["SHARED"]),
+            "vector_loads": len(re.findall(r"ld\.global[.\w]*\.v4\.b32", ptx)),
+            "scalar_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx)),
+            "pdl": "griddepcontrol.wait" in ptx}
 
 
 def sm90_available() -> bool:

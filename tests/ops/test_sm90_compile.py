@@ -21,15 +21,30 @@ def test_fused_mamba_decode_compiles_lean():
     types.update(count_ptr=I32, slots_ptr=I32, eps="fp32", dt_min="fp32", dt_max="fp32")
     base = dict(HEADS=64, HEAD_DIM=64, D_STATE=128, GROUPS=1, NORM_GROUP=4096, WIDTH=4,
                 HAS_BIAS=True, SILU=True, DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16,
-                BLOCK_N=128, BLOCK_W=4, BLOCK_J=256, BLOCK_C=256)
+                BLOCK_N=128, BLOCK_W=4, BLOCK_J=256, BLOCK_C=256, PDL=True)
     for extra in ({}, dict(GROUPS=8, NORM_GROUP=512, BLOCK_J=32)):  # one norm group / eight
         r = compile_sm90("krait.ops.mamba_decode", "_mamba_decode_kernel", types,
                          {**base, **extra})
         assert r["local"] == 0 and r["regs"] <= 128, r
 
 
-def test_gemv_compiles_without_spills():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_compiles_without_spills(pdl):
     types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32)
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(HAS_BIAS=False, SPLIT_K=4, SILU_MUL=True, BLOCK_M=1,
-                                    BLOCK_N=8, BLOCK_K=512))
-    assert r["local"] == 0, r
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
+        HAS_BIAS=False, SPLIT_K=4, SILU_MUL=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, PDL=pdl))
+    # the weight streams in 16-byte loads; with PDL the kernel waits for the previous one
+    assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
+    assert r["pdl"] == pdl
+
+
+def test_pdl_kernels_compile():
+    # the grid-dependency instructions (KRAIT_PDL=1) in kernels of the decode chain
+    types = dict(x_ptr=BF, res_ptr=BF, w_ptr=BF, out_ptr=BF, sum_ptr=BF, eps="fp32",
+                 x_scale="fp32")
+    r = compile_sm90("krait.ops.rms_norm", "_rms_norm_kernel", types,
+                     dict(HAS_RESIDUAL=True, SCALE_X=False, BLOCK_D=1024, PDL=True))
+    assert r["pdl"]
+    r = compile_sm90("krait.ops.activation", "_silu_and_mul_kernel", dict(x_ptr=BF, out_ptr=BF),
+                     dict(BLOCK=1024, PDL=True))
+    assert r["pdl"]
