@@ -70,6 +70,7 @@ case $what in
   ab)  # knobs against the defaults `bench` measures, each opt-in and not yet measured:
     # programmatic dependent launch (KRAIT_PDL=1: parity first, it changes kernel ordering), and
     # the fused Mamba decode kernel (KRAIT_FUSED_MAMBA_DECODE=1, 72 registers since aaa2d78)
+    python3 -c "import krait.ops.pdl as p; print('PDL intrinsics:', p.gdc_wait is not None)"
     (export KRAIT_PDL=1; run_parity > /dev/null; cp "$LOG/parity.log" "$LOG/parity_pdl.log"
      tail -2 "$LOG/parity_pdl.log"; pack
      for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do

@@ -26,8 +26,11 @@ from torch import Tensor
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without the intrinsics: PDL stays off (use_pdl checks it)
-    gdc_launch_dependents = gdc_wait = None
+except ImportError:
+    try:
+        from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
+    except ImportError:  # a Triton without the intrinsics: PDL stays off (use_pdl checks it)
+        gdc_launch_dependents = gdc_wait = None
 
 
 @triton.jit
