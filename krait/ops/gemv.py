@@ -48,31 +48,35 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+    # Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded broadcast over N
+    # (repeated reads hit L1) so that no layout conversion, and no shared-memory round trip
+    # with barriers, sits in the loop; products accumulate elementwise and K is reduced once.
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # [1, BLOCK_N, 1]
+    x_rows = x_ptr + offs_m[:, None, None] * stride_xm + 0 * offs_n[None, :, None]  # [M, N, 1]
+    w_ok = n_ok[None, :, None]
+    x_ok = m_ok[:, None, None] & w_ok
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # the next weight tile is loaded before the current one is used; the first before the wait
     # for the previous kernel (weights are constant: with PDL it streams while that one drains)
-    k = k_lo + offs_k
-    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_hi)[None, :], other=0.0)
+    k = (k_lo + offs_k)[None, None, :]
+    w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + offs_k
+        k = (k0 + offs_k)[None, None, :]
         k_ok = k < k_hi
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
         if SILU_MUL:  # x holds [gate | up] of width 2K: the input is silu(gate) * up
-            up = tl.load(x_rows + K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            up = tl.load(x_rows + K + k, mask=x_ok & k_ok, other=0.0)
             g = x.to(tl.float32)
             # rounded to the activation dtype, as silu_and_mul hands it to the projection
             x = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(up.dtype)
         k_next = k + BLOCK_K
-        w_next = tl.load(w_rows + k_next[None, :], mask=n_ok[:, None] & (k_next < k_hi)[None, :],
-                         other=0.0)
-        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [M, N, K]
-        acc += tl.sum(prod, axis=2)
+        w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
+        acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
         w = w_next
+    acc = tl.sum(acc3, axis=2)  # [M, N]
     mn_ok = m_ok[:, None] & n_ok[None, :]
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
