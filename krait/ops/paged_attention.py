@@ -141,10 +141,10 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units."""
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,9 +193,9 @@ def _decode_combine_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Flash-decoding, part 2: merge a (row, head)'s splits."""
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    """Flash-decoding, part 2: merge a (row, head)'s splits."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + row)

@@ -48,3 +48,34 @@ def test_pdl_kernels_compile():
     r = compile_sm90("krait.ops.activation", "_silu_and_mul_kernel", dict(x_ptr=BF, out_ptr=BF),
                      dict(BLOCK=1024, PDL=True))
     assert r["pdl"]
+
+
+def test_pdl_attention_and_rope_compile():
+    types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32,
+                 qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
+    r = compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
+        GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=8, BLOCK_M=16, BLOCK_N=64,
+        BLOCK_D=128, PDL=True), odd=("block_size", "sliding_window", "head_dim"))
+    assert r["pdl"] and r["local"] == 0, r
+    types = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, q_out_ptr=BF, pos_ptr="*i64", cs_ptr=F32,
+                 qw_ptr=BF, kw_ptr=BF, eps="fp32", k_cache_ptr=BF, v_cache_ptr=BF,
+                 slot_ptr="*i64")
+    r = compile_sm90("krait.ops.rope_kv_write", "_rope_kv_write_kernel", types, dict(
+        NORM=True, IS_NEOX=True, BLOCK_H=16, BLOCK_D=128, PDL=True))
+    assert r["pdl"] and r["local"] == 0, r
+
+
+def test_pdl_mamba_decode_kernels_compile():
+    types = dict(state_ptr=F32, x_ptr=BF, dt_ptr=BF, A_ptr=F32, B_ptr=BF, C_ptr=BF, D_ptr=F32,
+                 dt_bias_ptr=F32, y_ptr=BF, slots_ptr=I32, dt_min="fp32", dt_max="fp32")
+    r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel", types, dict(
+        DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True))
+    assert r["pdl"] and r["local"] == 0, r
+    types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, states_ptr=BF, out_ptr=BF, slots_ptr=I32)
+    r = compile_sm90("krait.ops.causal_conv1d", "_conv_update_kernel", types, dict(
+        WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_K=4, BLOCK_D=256, PDL=True))
+    assert r["pdl"] and r["local"] == 0, r
+    types = dict(x_ptr=BF, z_ptr=BF, w_ptr=BF, out_ptr=BF, eps="fp32")
+    r = compile_sm90("krait.ops.gated_rms_norm", "_gated_rms_norm_kernel", types, dict(
+        HAS_Z=True, BLOCK_M=1, BLOCK_G=4096, PDL=True))
+    assert r["pdl"] and r["local"] == 0, r
