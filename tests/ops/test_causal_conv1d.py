@@ -42,6 +42,17 @@ def _inputs(lens, dim=40, num_slots=6, dtype=torch.float32, bias=True, seed=0):
     return x, weight, b, states, qsl
 
 
+def _in_layout(states, layout):
+    """A copy of states [slots, dim, taps], stored dim-major or channel-last (the runner's
+    layout: [slots, taps, dim] storage seen through a transposed view)."""
+    if layout == "dim_major":
+        return states.clone()
+    out = torch.empty(states.shape[0], states.shape[2], states.shape[1], dtype=states.dtype)
+    out = out.transpose(1, 2)
+    out.copy_(states)
+    return out
+
+
 def _valid_rows(qsl, slots):
     rows = [range(int(qsl[b]), int(qsl[b + 1])) for b, s in enumerate(slots.tolist()) if s >= 0]
     return torch.tensor([t for r in rows for t in r], dtype=torch.long)
@@ -49,14 +60,15 @@ def _valid_rows(qsl, slots):
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
 @pytest.mark.parametrize("bias,activation", [(True, "silu"), (False, None)])
-def test_fn_matches_oracle(impl, bias, activation):
+@pytest.mark.parametrize("layout", ["dim_major", "channel_last"])
+def test_fn_matches_oracle(impl, bias, activation, layout):
     # Lengths 1, 2 (< width - 1) and 9, plus a padding row; slot 5 holds garbage and is ignored.
     lens = [1, 3, 2, 9]
     x, weight, b, states, qsl = _inputs(lens, bias=bias)
     slots = torch.tensor([4, -1, 5, 2], dtype=torch.int32)
     has_init = torch.tensor([True, True, False, True])
     want, want_states = _oracle(x, weight, b, states, qsl, slots, has_init, activation)
-    got_states = states.clone()
+    got_states = _in_layout(states, layout)
     out = FN[impl](x, weight, b, got_states, qsl, slots, has_init, activation)
     rows = _valid_rows(qsl, slots)
     torch.testing.assert_close(out[rows].double(), want[rows], atol=1e-5, rtol=1e-5)
@@ -102,20 +114,21 @@ def test_fn_two_pieces_equal_one(impl, split):
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_update_matches_oracle_and_one_token_prefill(impl):
+@pytest.mark.parametrize("layout", ["dim_major", "channel_last"])
+def test_update_matches_oracle_and_one_token_prefill(impl, layout):
     x, weight, b, states, _ = _inputs([1, 1, 1, 1], seed=3)
     slots = torch.tensor([2, -1, 0, 5], dtype=torch.int32)
     qsl = torch.arange(5, dtype=torch.int32)
     has_init = torch.ones(4, dtype=torch.bool)
     want, want_states = _oracle(x, weight, b, states, qsl, slots, has_init, "silu")
-    upd_states = states.clone()
+    upd_states = _in_layout(states, layout)
     out = UPDATE[impl](x, upd_states, weight, b, slots)
     rows = _valid_rows(qsl, slots)
     torch.testing.assert_close(out[rows].double(), want[rows], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(upd_states.double(), want_states, atol=0, rtol=0)
     assert torch.equal(upd_states[[1, 3, 4]], states[[1, 3, 4]])
 
-    fn_states = states.clone()
+    fn_states = _in_layout(states, layout)
     fn_out = FN[impl](x, weight, b, fn_states, qsl, slots, has_init)
     torch.testing.assert_close(fn_out[rows], out[rows], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(fn_states, upd_states, atol=0, rtol=0)

@@ -54,7 +54,13 @@ class MambaHybridModelState(DefaultModelState):
         super().allocate_caches(num_blocks, num_slots)
         for m in self.mamba_layers:
             conv, ssm = m.state_shapes()
-            m.conv_state = torch.zeros((num_slots, *conv), dtype=self.conv_dtype, device=self.device)
+            (dim, taps) = conv
+            # stored channel-last [slots, taps, dim] and bound as its [slots, dim, taps] view: the
+            # ops follow strides, and a decode step's conv update then reads and writes each tap
+            # of many channels with 16-byte accesses (dim-major rows of 3 taps forced 2-byte ones)
+            m.conv_state = torch.zeros(
+                (num_slots, taps, dim), dtype=self.conv_dtype, device=self.device
+            ).transpose(1, 2)
             m.ssm_state = torch.zeros((num_slots, *ssm), dtype=self.ssm_dtype, device=self.device)
 
     # -- requests -----------------------------------------------------------------------
