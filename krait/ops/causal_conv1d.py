@@ -189,6 +189,10 @@ def causal_conv1d_fn_triton(
     bias_arg = bias if bias is not None else weight
     block_d = min(triton.next_power_of_2(dim), 256)
     block_t = 32 if _interpreting() else 16
+    # 8 warps: at 4 the [16, 256] tile with its per-tap pointer tensors took 187 registers a
+    # thread (~10 resident warps an SM for a memory-bound kernel; 103 registers at 8 warps,
+    # compiled for sm_90 with tests/ops/sm90.py)
+    opts = {} if _interpreting() else {"num_warps": 8}
     _conv_fwd_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(dim, block_d))](
         x, weight, bias_arg, conv_states, out,
         qsl, token_seq if token_seq is not None else token_to_seq(qsl, num_tokens), slots, has_init,
@@ -196,6 +200,7 @@ def causal_conv1d_fn_triton(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), out.stride(0),
         WIDTH=width, HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=block_t, BLOCK_D=block_d,
+        **opts,
     )
     if width > 1:
         block_sd = min(triton.next_power_of_2(dim), 1024)
