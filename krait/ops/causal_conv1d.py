@@ -117,6 +117,9 @@ def _conv_state_kernel(
             base + old_col[None, :] * stride_s_k, mask=ok & (~from_x & has_init)[None, :], other=0.0
         )
         new = xv.to(tl.float32) + sv.to(tl.float32)  # [BLOCK_D, BLOCK_K]
+        # in place: every thread's reads of the old columns land before any thread writes (the
+        # layout may spread a channel's columns over warps, as with channel-last states)
+        tl.debug_barrier()
         tl.store(base + cols[None, :] * stride_s_k, new.to(states_ptr.dtype.element_ty), mask=ok)
 
 
@@ -157,6 +160,7 @@ def _conv_update_kernel(
         if SILU:
             acc = acc * tl.sigmoid(acc)
         tl.store(out_ptr + row * stride_o_b + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_ok)
+        tl.debug_barrier()  # in place: all reads of the old state before any thread's write
         tl.store(
             base + cols[None, :] * stride_s_k, shifted.to(states_ptr.dtype.element_ty),
             mask=chan_ok[:, None] & (cols < WIDTH - 1)[None, :],

@@ -57,13 +57,15 @@ def _conv_window(row_ptr, w_ptr, b_ptr, st_ptr, ch, ok, cols,
 
 @triton.jit
 def _store_shifted(row_ptr, st_ptr, ch, ok, cols, stride_s_d, stride_s_k, WIDTH: tl.constexpr):
-    """New state column j = old column j + 1, the new input last: in place, the old columns
-    loaded before the store (as `_conv_update_kernel` does; a state row stays in one warp)."""
+    """New state column j = old column j + 1, the new input last, in place: a barrier puts every
+    thread's reads of the old columns before any write (the layout may spread a channel's
+    columns over warps, as with channel-last states)."""
     x = tl.load(row_ptr + ch, mask=ok, other=0.0).to(tl.float32)
     base = st_ptr + ch[:, None] * stride_s_d
     nxt = tl.load(base + (cols + 1)[None, :] * stride_s_k,
                   mask=ok[:, None] & (cols < WIDTH - 2)[None, :], other=0.0).to(tl.float32)
     shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], nxt)
+    tl.debug_barrier()
     tl.store(base + cols[None, :] * stride_s_k, shifted.to(st_ptr.dtype.element_ty),
              mask=ok[:, None] & (cols < WIDTH - 1)[None, :])
 
