@@ -12,6 +12,7 @@ from krait.engine.kv_cache_manager import cdiv
 from krait.engine.scheduler import SampledTokens, SchedulerOutput
 from krait.models.loader import load_model
 from krait.ops._dispatch import use_triton
+from krait.ops.argmax import argmax
 from krait.runner.device_tables import DeviceTables
 from krait.runner.input_batch import InputBatch, build_input_batch, host_to_device
 from krait.runner.model_states import create_model_state
@@ -262,7 +263,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, idx: np.ndarray) -> SamplerOutput:
         st = self.states
         if st.plain_greedy[idx].all():
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+            return SamplerOutput(sampled_token_ids=argmax(logits), logprobs=None)
         params = [st.params[i] for i in idx]
         num_out = st.num_tokens[idx] - (st.num_prompt_tokens[idx] - st.num_output_offset[idx])
         rows = [

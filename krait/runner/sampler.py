@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from krait.ops.argmax import argmax
 from krait.ops.seeded_noise import seeded_exponential
 from krait.runner.input_batch import host_to_device
 from krait.sampling_params import SamplingParams
@@ -306,14 +307,14 @@ class Sampler(torch.nn.Module):
             and not meta.needs_penalties
             and meta.max_num_logprobs is None
         ):
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+            return SamplerOutput(sampled_token_ids=argmax(logits), logprobs=None)
 
         if meta.banned or meta.bias or meta.needs_penalties:
             x = apply_bans_and_penalties(logits, meta)
         else:
             x = logits
         if meta.all_greedy:
-            sampled = x.argmax(dim=-1)
+            sampled = argmax(x)
         else:
             sampled = self._sample(x, meta)
 
