@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.arrival import arrival_counters
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-row arrival counters, back to zero after a launch
 
@@ -43,14 +44,6 @@ def _argmax_kernel(
         tl.atomic_xchg(count_ptr + row, 0)
 
 
-def _counters(device: torch.device, rows: int) -> Tensor:
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < rows:
-        c = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
-
-
 def argmax_triton(x: Tensor, block: int = 4096) -> Tensor:
     """Triton launcher of `argmax`."""
     rows, vocab = x.shape
@@ -64,7 +57,7 @@ def argmax_triton(x: Tensor, block: int = 4096) -> Tensor:
     vals = torch.empty(rows, num_blocks, dtype=torch.float32, device=x.device)  # [R, blocks]
     idx = torch.empty(rows, num_blocks, dtype=torch.int64, device=x.device)  # [R, blocks]
     _argmax_kernel[(rows, num_blocks)](
-        x, out, vals, idx, _counters(x.device, rows), vocab, x.stride(0),
+        x, out, vals, idx, arrival_counters(_COUNTERS, x.device, rows), vocab, x.stride(0),
         NUM_BLOCKS=num_blocks, BLOCK=block, BLOCK_B=triton.next_power_of_2(num_blocks),
     )
     return out

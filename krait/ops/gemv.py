@@ -26,6 +26,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.activation import silu_and_mul
+from krait.ops.arrival import arrival_counters
 from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
 
 MAX_M = 8
@@ -118,14 +119,6 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4)
 
 
-def _counters(device: torch.device, tiles: int) -> Tensor:
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < tiles:
-        c = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
-
-
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 config: dict[str, int] | None = None, silu_mul: bool = False) -> Tensor:
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
@@ -156,7 +149,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
-        counters = _counters(x.device, tiles)
+        counters = arrival_counters(_COUNTERS, x.device, tiles)
     else:
         part = counters = y
     _gemv_kernel[(tiles, split)](

@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.arrival import arrival_counters
 from krait.ops.causal_conv1d import causal_conv1d_update_ref
 from krait.ops.gated_rms_norm import gated_rms_norm_ref
 from krait.ops.mamba_ssd import softplus_clamp
@@ -177,14 +178,6 @@ def _mamba_decode_kernel(
                 tl.atomic_xchg(count_ptr + row_key, 0)
 
 
-def _counters(device: torch.device, n: int) -> Tensor:
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = c
-    return c
-
-
 def fusable(head_dim: int, intermediate: int, norm_group: int) -> bool:
     """The fused kernel needs every norm group to hold whole heads."""
     return norm_group % head_dim == 0 and intermediate % norm_group == 0
@@ -220,7 +213,7 @@ def mamba_decode_triton(
     per_norm = (norm_group // head_dim) * npb
     gz = torch.empty(batch, inter, dtype=torch.float32, device=xbc.device)  # [B, intermediate]
     parts = torch.empty(batch * num_norm * per_norm, dtype=torch.float32, device=xbc.device)
-    counters = _counters(xbc.device, batch * (num_norm + 1))
+    counters = arrival_counters(_COUNTERS, xbc.device, batch * (num_norm + 1))
     clamp = dt_limit != (0.0, float("inf"))
     pdl = use_pdl(xbc)
     _mamba_decode_kernel[(batch, heads, npb)](
