@@ -7,7 +7,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 _BLOCK = 1024
 
@@ -46,7 +46,7 @@ def silu_and_mul_triton(x: Tensor) -> Tensor:
         grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
         pdl = use_pdl(x2)
         _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=_BLOCK,
-                                   PDL=pdl, launch_pdl=pdl)
+                                   **pdl_args(pdl))
     return out.view(*x.shape[:-1], inter)
 
 

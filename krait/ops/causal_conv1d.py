@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
 def _activate(y: Tensor, activation: str | None) -> Tensor:
@@ -236,7 +236,7 @@ def causal_conv1d_update_triton(
         dim, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), out.stride(0),
         WIDTH=width, HAS_BIAS=bias is not None, SILU=silu,
-        BLOCK_K=triton.next_power_of_2(width), BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
+        BLOCK_K=triton.next_power_of_2(width), BLOCK_D=block_d, **pdl_args(pdl),
     )
     return out
 

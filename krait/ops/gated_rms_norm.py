@@ -11,7 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def gated_rms_norm_triton(
             num_rows, group_size, eps,
             x2.stride(0), z2.stride(0), out.stride(0),
             HAS_Z=z is not None, BLOCK_M=block_m, BLOCK_G=block_g,
-            num_warps=4 if block_g * block_m <= 4096 else 8, PDL=pdl, launch_pdl=pdl,
+            num_warps=4 if block_g * block_m <= 4096 else 8, **pdl_args(pdl),
         )
     return out.view(x.shape)
 

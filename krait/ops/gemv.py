@@ -27,7 +27,7 @@ from torch import Tensor
 from krait.ops._dispatch import use_triton
 from krait.ops.activation import silu_and_mul
 from krait.ops.arrival import arrival_counters
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
@@ -155,7 +155,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, y, part, counters,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=pdl, launch_pdl=pdl, **cfg,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, **pdl_args(pdl), **cfg,
     )
     return y
 

@@ -29,7 +29,7 @@ from krait.ops.arrival import arrival_counters
 from krait.ops.causal_conv1d import causal_conv1d_update_ref
 from krait.ops.gated_rms_norm import gated_rms_norm_ref
 from krait.ops.mamba_ssd import softplus_clamp
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.selective_state_update import selective_state_update_ref
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # arrival counters, always back to zero after a launch
@@ -231,7 +231,7 @@ def mamba_decode_triton(
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp,
         BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(width),
         BLOCK_J=triton.next_power_of_2(per_norm),
-        BLOCK_C=min(256, triton.next_power_of_2(norm_group)), PDL=pdl, launch_pdl=pdl,
+        BLOCK_C=min(256, triton.next_power_of_2(norm_group)), **pdl_args(pdl),
     )
     return out
 

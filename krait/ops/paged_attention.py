@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
@@ -291,7 +291,7 @@ def paged_attention_triton(
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_D=triton.next_power_of_2(head_dim), **config, PDL=pdl, launch_pdl=pdl,
+        BLOCK_D=triton.next_power_of_2(head_dim), **config, **pdl_args(pdl),
     )
     return out
 
@@ -321,12 +321,12 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, **opts, PDL=pdl, launch_pdl=pdl,
+        BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, **opts, **pdl_args(pdl),
     )
     _decode_combine_kernel[(num_rows, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,
-        PDL=pdl, launch_pdl=pdl,
+        **pdl_args(pdl),
     )
 
 

@@ -11,9 +11,8 @@ be loaded before the wait, which is where a GEMV gains most: its first weight ti
 while the previous kernel drains. `pdl_wait()` returns once every earlier kernel has finished and
 its writes are visible, so the stream's order is kept and the caching allocator stays safe.
 
-Kernels take `PDL: tl.constexpr`; launchers pass `PDL=on, launch_pdl=on` with `on =
-use_pdl(tensor)`. Off on the CPU (the interpreter has no grid-dependency instructions) and
-unless KRAIT_PDL=1.
+Kernels take `PDL: tl.constexpr`; launchers pass `**pdl_args(use_pdl(tensor))`. Off on the CPU
+(the interpreter has no grid-dependency instructions) and unless KRAIT_PDL=1.
 """
 
 from __future__ import annotations
@@ -50,3 +49,9 @@ def pdl_wait(PDL: tl.constexpr):
 def use_pdl(t: Tensor) -> bool:
     """Whether kernels working on `t` launch with PDL: CUDA tensors with KRAIT_PDL=1."""
     return t.is_cuda and gdc_wait is not None and os.environ.get("KRAIT_PDL") == "1"
+
+
+def pdl_args(on: bool) -> dict:
+    """Launch keywords: the kernel's PDL flag, and Triton's `launch_pdl` only when on (a launch
+    without PDL passes nothing new to Triton)."""
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

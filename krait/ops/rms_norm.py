@@ -11,7 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def _launch(
             dim, eps, float(x_scale),
             x2.stride(0), res2.stride(0), out.stride(0), summed.stride(0),
             HAS_RESIDUAL=residual is not None, SCALE_X=x_scale != 1.0,
-            BLOCK_D=triton.next_power_of_2(dim), PDL=pdl, launch_pdl=pdl,
+            BLOCK_D=triton.next_power_of_2(dim), **pdl_args(pdl),
         )
     return out.view(x.shape), summed.view(x.shape)
 

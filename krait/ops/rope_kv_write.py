@@ -12,7 +12,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.kv_write import write_kv_ref
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rms_norm import rms_norm_ref
 from krait.ops.rotary import apply_rotary_ref, norm_rope_heads
 
@@ -84,7 +84,7 @@ def rope_kv_write_triton(
         q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NORM=norm, IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl,
+        NORM=norm, IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_D=block_d, **pdl_args(pdl),
     )
     return q_out
 

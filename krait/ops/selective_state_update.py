@@ -15,7 +15,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.mamba_ssd import discretize_dt_ref, softplus_clamp
-from krait.ops.pdl import pdl_trigger, pdl_wait, use_pdl
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 # ----------------------------------------------------------------------------- triton
 
@@ -93,7 +93,7 @@ def selective_state_update_triton(
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         y.stride(0), y.stride(1),
-        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n, PDL=pdl, launch_pdl=pdl,
+        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n, **pdl_args(pdl),
     )
     return y
 
