@@ -75,8 +75,9 @@ case $what in
      tail -2 "$LOG/parity_pdl.log"; pack
      for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
        bench_latency $m "_pdl" --batch-sizes 1,8,64 --prompt-lens ""
-     done
-     KRAIT_GEMV=1 bench_latency qwen3-0.6b "_pdl_gemv" --batch-sizes 1 --prompt-lens "")
+       # every one-row projection through the GEMV: no cuBLAS kernel breaks the PDL chain
+       KRAIT_GEMV=1 bench_latency $m "_pdl_gemv" --batch-sizes 1 --prompt-lens ""
+     done)
     (export KRAIT_FUSED_MAMBA_DECODE=1
      bench_latency mamba2-1.3b "_fused" --batch-sizes 1,64 --prompt-lens ""
      bench_latency granite-4.0-h-micro "_fused" --batch-sizes 1,64 --prompt-lens "")
