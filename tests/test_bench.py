@@ -35,5 +35,6 @@ def test_latency_rows_carry_a_roofline(tmp_path):
     assert [row["batch"] for row in r["decode"]] == [1, 2]
     for row in r["decode"]:
         assert row["step_ms"] > 0 and row["roofline_ms"] > 0
+        assert 0 <= row["device_wait_ms"] < row["step_ms"]  # CPU: nothing to wait for
         assert abs(row["ratio"] - row["step_ms"] / row["roofline_ms"]) < 1e-6
     assert r["prefill"] and r["prefill"][0]["prompt_len"] == 8

@@ -104,13 +104,16 @@ def bench_latency(args) -> dict:
            "context_len": args.context_len, "max_model_len": max_len,
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "decode": [], "prefill": []}
-    rows = [f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'ratio':>6} {'tok/s':>9}"]
+    rows = [f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'ratio':>6} {'tok/s':>9} "
+            f"{'wait ms':>8}"]
     for b in batch_sizes:
-        ms = _decode_step_ms(engine, b, args.context_len, args.num_steps, vocab, dev)
+        ms, wait = _decode_step_ms(engine, b, args.context_len, args.num_steps, vocab, dev)
         roof = roofline_seconds(ceil, decode_bytes(mb, b, args.context_len + args.num_steps)) * 1e3
+        # wait: host time blocked on the device a step; ~0 means the host is the bottleneck
         out["decode"].append({"batch": b, "step_ms": ms, "roofline_ms": roof, "ratio": ms / roof,
-                              "tok_per_s": b / ms * 1e3})
-        rows.append(f"{b:>6} {ms:>9.3f} {roof:>12.3f} {ms / roof:>6.2f} {b / ms * 1e3:>9.0f}")
+                              "tok_per_s": b / ms * 1e3, "device_wait_ms": wait})
+        rows.append(f"{b:>6} {ms:>9.3f} {roof:>12.3f} {ms / roof:>6.2f} {b / ms * 1e3:>9.0f} "
+                    f"{wait:>8.3f}")
     rows.append(f"{'prompt':>6} {'prefill ms':>10} {'roofline ms':>12} {'ratio':>6}")
     for p in prompt_lens:
         ms = _prefill_ms(engine, p, vocab, dev)
@@ -121,7 +124,8 @@ def bench_latency(args) -> dict:
     return out, rows
 
 
-def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> float:
+def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> tuple[float, float]:
+    """(median step ms, host ms blocked on the device a step) of `batch` rows at `context`."""
     params = SamplingParams(
         temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only"
     )
@@ -135,20 +139,21 @@ def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> float:
         engine.step()
     # steady state: steps back to back (with async scheduling the host prepares step N+1
     # while the device runs step N), timed in groups so that a median is still taken
-    times = []
+    times, waits = [], []
     group = max(steps // 4, 1)
     for _ in range(4):
         _sync(dev)
-        t = time.perf_counter()
+        t, w = time.perf_counter(), engine.device_wait_s
         for _ in range(group):
             engine.step()
         _sync(dev)
         times.append((time.perf_counter() - t) * 1e3 / group)
+        waits.append((engine.device_wait_s - w) * 1e3 / group)
     running = sum(1 for r in sched.running if r.request_id.startswith(f"lat{batch}_"))
     engine.abort_request(ids)
     if running != batch:
         raise RuntimeError(f"decode batch {batch}: only {running} rows ran (preempted or finished)")
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(waits)
 
 
 def _prefill_ms(engine, prompt_len, vocab, dev) -> float:

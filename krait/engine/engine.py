@@ -64,6 +64,9 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self._inflight = None  # (SchedulerOutput, PendingSample) launched, not yet read back
+        # seconds the host spent blocked on the device reading sampled tokens back: a step whose
+        # wait is ~0 is host-bound (the benchmarks report it per decode step)
+        self.device_wait_s = 0.0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -219,11 +222,16 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         pending = self.runner.execute_model(sched)
         if not self.config.scheduler.async_scheduling:
-            return self._process(sched, pending.result())
+            return self._process(sched, self._read_back(pending))
         previous, self._inflight = self._inflight, (sched, pending)
         if previous is None:
             return []
-        return self._process(previous[0], previous[1].result())
+        return self._process(previous[0], self._read_back(previous[1]))
+
+    def _read_back(self, pending):
+        sampled = pending.result()
+        self.device_wait_s += pending.waited_s
+        return sampled
 
     def _process(self, sched, sampled) -> list[RequestOutput]:
         progressed = self.scheduler.update_from_output(sched, sampled)

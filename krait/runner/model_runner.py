@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -296,6 +297,7 @@ class PendingSample:
         self._event = None
         self._tokens: list[int] | None = None
         self._written = False  # token values already in the host table
+        self.waited_s = 0.0  # how long reading the tokens back blocked the host
         if result is None:
             return
         lp = result.logprobs
@@ -316,7 +318,9 @@ class PendingSample:
     def _token_list(self) -> list[int]:
         if self._tokens is None:
             if self._event is not None:
+                t0 = time.perf_counter()
                 self._event.synchronize()
+                self.waited_s = time.perf_counter() - t0
             self._tokens = self._host[0].tolist() if self._host is not None else []
         return self._tokens
 
