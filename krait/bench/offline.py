@@ -114,13 +114,15 @@ def bench_latency(args) -> dict:
                               "tok_per_s": b / ms * 1e3, "device_wait_ms": wait})
         rows.append(f"{b:>6} {ms:>9.3f} {roof:>12.3f} {ms / roof:>6.2f} {b / ms * 1e3:>9.0f} "
                     f"{wait:>8.3f}")
-    rows.append(f"{'prompt':>6} {'prefill ms':>10} {'roofline ms':>12} {'ratio':>6}")
+    rows.append(f"{'prompt':>6} {'prefill ms':>10} {'roofline ms':>12} {'ratio':>6} "
+                f"{'wait ms':>8}")
     for p in prompt_lens:
-        ms = _prefill_ms(engine, p, vocab, dev)
+        ms, wait = _prefill_ms(engine, p, vocab, dev)
         by, fl = prefill_cost(mb, p)
         roof = roofline_seconds(ceil, by, fl) * 1e3
-        out["prefill"].append({"prompt_len": p, "ms": ms, "roofline_ms": roof, "ratio": ms / roof})
-        rows.append(f"{p:>6} {ms:>10.3f} {roof:>12.3f} {ms / roof:>6.2f}")
+        out["prefill"].append({"prompt_len": p, "ms": ms, "roofline_ms": roof, "ratio": ms / roof,
+                               "device_wait_ms": wait})
+        rows.append(f"{p:>6} {ms:>10.3f} {roof:>12.3f} {ms / roof:>6.2f} {wait:>8.3f}")
     return out, rows
 
 
@@ -156,20 +158,22 @@ def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> tuple[float, f
     return statistics.median(times), statistics.median(waits)
 
 
-def _prefill_ms(engine, prompt_len, vocab, dev) -> float:
+def _prefill_ms(engine, prompt_len, vocab, dev) -> tuple[float, float]:
+    """(median ms of a one-request prefill, host ms of it blocked on the device)."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt = _prompts(1, prompt_len, vocab, seed=prompt_len)[0]
-    times = []
+    times, waits = [], []
     for rep in range(4):
         rid = f"pre{prompt_len}_{rep}"
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         _sync(dev)
-        t = time.perf_counter()
+        t, w = time.perf_counter(), engine.device_wait_s
         while engine.has_unfinished_requests():
             engine.step()
         _sync(dev)
         times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times[1:])
+        waits.append((engine.device_wait_s - w) * 1e3)
+    return statistics.median(times[1:]), statistics.median(waits[1:])
 
 
 def bench_throughput(args) -> dict:
