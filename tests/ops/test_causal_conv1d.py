@@ -47,7 +47,8 @@ def _in_layout(states, layout):
     layout: [slots, taps, dim] storage seen through a transposed view)."""
     if layout == "dim_major":
         return states.clone()
-    out = torch.empty(states.shape[0], states.shape[2], states.shape[1], dtype=states.dtype)
+    out = torch.empty(states.shape[0], states.shape[2], states.shape[1], dtype=states.dtype,
+                      device=states.device)
     out = out.transpose(1, 2)
     out.copy_(states)
     return out
@@ -136,14 +137,15 @@ def test_update_matches_oracle_and_one_token_prefill(impl, layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_matches_ref_real_size():
+@pytest.mark.parametrize("layout", ["dim_major", "channel_last"])
+def test_triton_matches_ref_real_size(layout):
     dim, num_seqs, seqlen = 64 * 64 + 2 * 128, 8, 2048
     g = torch.Generator(device="cuda").manual_seed(0)
     kw = dict(device="cuda", generator=g)
     x = torch.randn(num_seqs * seqlen, dim, **kw).bfloat16()  # [T, dim]
     weight = (torch.randn(dim, WIDTH, **kw) * 0.5).bfloat16()
     bias = torch.randn(dim, **kw).bfloat16()
-    states = torch.randn(num_seqs + 2, dim, WIDTH - 1, **kw).bfloat16()
+    states = _in_layout(torch.randn(num_seqs + 2, dim, WIDTH - 1, **kw).bfloat16(), layout)
     qsl = torch.arange(0, num_seqs + 1, device="cuda", dtype=torch.int32) * seqlen
     slots = torch.arange(num_seqs, device="cuda", dtype=torch.int32).flip(0) + 2
     slots[3] = -1
@@ -159,7 +161,7 @@ def test_triton_matches_ref_real_size():
     batch = 64
     xd = torch.randn(batch, dim, **kw).bfloat16()  # [B, dim]
     dslots = torch.randperm(batch, device="cuda").to(torch.int32)
-    states = torch.randn(batch, dim, WIDTH - 1, **kw).bfloat16()
+    states = _in_layout(torch.randn(batch, dim, WIDTH - 1, **kw).bfloat16(), layout)
     s_ref, s_tri = states.clone(), states.clone()
     ref = cc.causal_conv1d_update_ref(xd, s_ref, weight, bias, dslots)
     tri = cc.causal_conv1d_update_triton(xd, s_tri, weight, bias, dslots)
