@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|bench|maxlen|throughput|profile|ab|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -40,6 +40,10 @@ case $what in
     bench_latency qwen3-0.6b "" --batch-sizes 1,64 --prompt-lens 2048 --num-steps 10
     ;;
   kernels) run_kernels; run_parity ;;
+  verify)  # first call after unmeasured changes: kernels at real sizes, GPU parity, GEMV sweep
+    run_kernels; run_parity; pack
+    timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"
+    ;;
   bench)
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done
     ;;
