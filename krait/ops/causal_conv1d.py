@@ -124,6 +124,40 @@ def _conv_state_kernel(
 
 
 @triton.jit
+def conv_step(x, st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d, stride_w_k, stride_s_d,
+              stride_s_k, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """One decode token of the conv for channels `ch` (x [C]: their new inputs in float32;
+    st_ptr: the slot's state, column k = input k, oldest first). Returns (the activated output
+    [C] float32, the slot's next state [C, BLOCK_W]) for `store_conv_state`."""
+    base = st_ptr + ch[:, None] * stride_s_d
+    win_ok = ok[:, None] & (cols < WIDTH - 1)[None, :]
+    window = tl.load(base + cols[None, :] * stride_s_k, mask=win_ok, other=0.0).to(tl.float32)
+    window = tl.where((cols == WIDTH - 1)[None, :], x[:, None], window)  # [C, BLOCK_W]
+    shifted_ok = ok[:, None] & (cols < WIDTH - 2)[None, :]
+    shifted = tl.load(base + (cols + 1)[None, :] * stride_s_k, mask=shifted_ok, other=0.0)
+    shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], shifted.to(tl.float32))
+    w = tl.load(w_ptr + ch[:, None] * stride_w_d + cols[None, :] * stride_w_k,
+                mask=ok[:, None] & (cols < WIDTH)[None, :], other=0.0)
+    acc = tl.sum(window * w.to(tl.float32), axis=1)  # [C]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc, shifted
+
+
+@triton.jit
+def store_conv_state(st_ptr, shifted, ch, ok, cols, stride_s_d, stride_s_k,
+                     WIDTH: tl.constexpr):
+    """Writes `conv_step`'s next state in place. The barrier puts every thread's reads of the
+    old columns first: the layout may spread a channel's columns over warps (channel-last
+    states)."""
+    tl.debug_barrier()
+    tl.store(st_ptr + ch[:, None] * stride_s_d + cols[None, :] * stride_s_k,
+             shifted.to(st_ptr.dtype.element_ty), mask=ok[:, None] & (cols < WIDTH - 1)[None, :])
+
+
+@triton.jit
 def _conv_update_kernel(
     x_ptr, w_ptr, b_ptr, states_ptr, out_ptr, slots_ptr,
     dim, stride_x_b, stride_x_d, stride_w_d, stride_w_k,
@@ -134,37 +168,20 @@ def _conv_update_kernel(
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    # One program: one batch row x BLOCK_D channels; column k of the window is input k (x last).
+    # One program: one batch row x BLOCK_D channels.
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row)
     if slot >= 0:
         chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         chan_ok = chans < dim
         cols = tl.arange(0, BLOCK_K)
-        base = states_ptr + slot.to(tl.int64) * stride_s_slot + chans[:, None] * stride_s_d
+        st = states_ptr + slot.to(tl.int64) * stride_s_slot
         x = tl.load(x_ptr + row * stride_x_b + chans * stride_x_d, mask=chan_ok, other=0.0)
-        x = x.to(tl.float32)
-        win_ok = chan_ok[:, None] & (cols < WIDTH - 1)[None, :]
-        window = tl.load(base + cols[None, :] * stride_s_k, mask=win_ok, other=0.0).to(tl.float32)
-        window = tl.where((cols == WIDTH - 1)[None, :], x[:, None], window)  # [BLOCK_D, BLOCK_K]
-        shifted_ok = chan_ok[:, None] & (cols < WIDTH - 2)[None, :]
-        shifted = tl.load(base + (cols + 1)[None, :] * stride_s_k, mask=shifted_ok, other=0.0)
-        shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], shifted.to(tl.float32))
-        w = tl.load(
-            w_ptr + chans[:, None] * stride_w_d + cols[None, :] * stride_w_k,
-            mask=chan_ok[:, None] & (cols < WIDTH)[None, :], other=0.0,
-        )
-        acc = tl.sum(window * w.to(tl.float32), axis=1)  # [BLOCK_D]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
+        acc, shifted = conv_step(x.to(tl.float32), st, w_ptr, b_ptr, chans, chan_ok, cols,
+                                 stride_w_d, stride_w_k, stride_s_d, stride_s_k, WIDTH,
+                                 HAS_BIAS, SILU)
         tl.store(out_ptr + row * stride_o_b + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_ok)
-        tl.debug_barrier()  # in place: all reads of the old state before any thread's write
-        tl.store(
-            base + cols[None, :] * stride_s_k, shifted.to(states_ptr.dtype.element_ty),
-            mask=chan_ok[:, None] & (cols < WIDTH - 1)[None, :],
-        )
+        store_conv_state(st, shifted, chans, chan_ok, cols, stride_s_d, stride_s_k, WIDTH)
 
 
 def token_to_seq(query_start_loc: Tensor, num_tokens: int) -> Tensor:

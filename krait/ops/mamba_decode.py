@@ -26,59 +26,33 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.arrival import arrival_counters
-from krait.ops.causal_conv1d import causal_conv1d_update_ref
+from krait.ops.causal_conv1d import causal_conv1d_update_ref, conv_step, store_conv_state
 from krait.ops.gated_rms_norm import gated_rms_norm_ref
-from krait.ops.mamba_ssd import softplus_clamp
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-from krait.ops.selective_state_update import selective_state_update_ref
+from krait.ops.selective_state_update import selective_state_update_ref, ssu_step
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # arrival counters, always back to zero after a launch
 
 
 @triton.jit
-def _conv_window(row_ptr, w_ptr, b_ptr, st_ptr, ch, ok, cols,
-                 stride_w_d, stride_w_k, stride_s_d, stride_s_k,
-                 WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                 DTYPE: tl.constexpr):
-    """Conv of channels `ch` at the new token, rounded to DTYPE, as float32 [C]."""
+def _conv_at(row_ptr, st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d, stride_w_k, stride_s_d,
+             stride_s_k, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """`conv_step` of channels `ch` of this row's xBC: (output [C] float32, next state)."""
     x = tl.load(row_ptr + ch, mask=ok, other=0.0).to(tl.float32)
-    win_ok = ok[:, None] & (cols < WIDTH - 1)[None, :]
-    window = tl.load(st_ptr + ch[:, None] * stride_s_d + cols[None, :] * stride_s_k,
-                     mask=win_ok, other=0.0).to(tl.float32)
-    window = tl.where((cols == WIDTH - 1)[None, :], x[:, None], window)
-    w = tl.load(w_ptr + ch[:, None] * stride_w_d + cols[None, :] * stride_w_k,
-                mask=ok[:, None] & (cols < WIDTH)[None, :], other=0.0).to(tl.float32)
-    acc = tl.sum(window * w, axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    return acc.to(DTYPE).to(tl.float32)
+    return conv_step(x, st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d, stride_w_k, stride_s_d,
+                     stride_s_k, WIDTH, HAS_BIAS, SILU)
 
 
 @triton.jit
-def _store_shifted(row_ptr, st_ptr, ch, ok, cols, stride_s_d, stride_s_k, WIDTH: tl.constexpr):
-    """New state column j = old column j + 1, the new input last, in place: a barrier puts every
-    thread's reads of the old columns before any write (the layout may spread a channel's
-    columns over warps, as with channel-last states)."""
-    x = tl.load(row_ptr + ch, mask=ok, other=0.0).to(tl.float32)
-    base = st_ptr + ch[:, None] * stride_s_d
-    nxt = tl.load(base + (cols + 1)[None, :] * stride_s_k,
-                  mask=ok[:, None] & (cols < WIDTH - 2)[None, :], other=0.0).to(tl.float32)
-    shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], nxt)
-    tl.debug_barrier()
-    tl.store(base + cols[None, :] * stride_s_k, shifted.to(st_ptr.dtype.element_ty),
-             mask=ok[:, None] & (cols < WIDTH - 1)[None, :])
-
-
-@triton.jit
-def _shift_bc_states(row_ptr, st_ptr, cols, stride_s_d, stride_s_k, FIRST: tl.constexpr,
+def _shift_bc_states(row_ptr, st_ptr, w_ptr, cols, stride_s_d, stride_s_k, FIRST: tl.constexpr,
                      COUNT: tl.constexpr, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
     """The conv-state shift of channels FIRST .. FIRST + COUNT (a row's B and C)."""
     for c0 in range(0, COUNT, BLOCK_C):
         ch = FIRST + c0 + tl.arange(0, BLOCK_C)
-        _store_shifted(row_ptr, st_ptr, ch, ch < FIRST + COUNT, cols, stride_s_d, stride_s_k,
-                       WIDTH)
+        ch_ok = ch < FIRST + COUNT
+        out_c, next_c = _conv_at(row_ptr, st_ptr, w_ptr, w_ptr, ch, ch_ok, cols, 0, 0,
+                                 stride_s_d, stride_s_k, WIDTH, False, False)
+        store_conv_state(st_ptr, next_c, ch, ch_ok, cols, stride_s_d, stride_s_k, WIDTH)
 
 
 @triton.jit
@@ -119,28 +93,26 @@ def _mamba_decode_kernel(
 
         # causal conv: this program's x channels (state written here), its group's B and C
         ch_x = h * HEAD_DIM + offs_p
-        x = _conv_window(row, cw_ptr, cb_ptr, conv, ch_x, p_ok, cols, stride_cw_d,
-                         stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU, dtype)
-        _store_shifted(row, conv, ch_x, p_ok, cols, stride_c_d, stride_c_k, WIDTH)
+        x, x_next = _conv_at(row, conv, cw_ptr, cb_ptr, ch_x, p_ok, cols, stride_cw_d,
+                             stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU)
+        store_conv_state(conv, x_next, ch_x, p_ok, cols, stride_c_d, stride_c_k, WIDTH)
         ch_b = INTER + g * D_STATE + offs_n
-        bv = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b, n_ok, cols, stride_cw_d,
-                             stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU, dtype)
-        cv = _conv_window(row, cw_ptr, cb_ptr, conv, ch_b + GROUPS * D_STATE, n_ok, cols,
-                             stride_cw_d, stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS,
-                             SILU, dtype)
+        bv, b_next = _conv_at(row, conv, cw_ptr, cb_ptr, ch_b, n_ok, cols, stride_cw_d,
+                              stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS, SILU)
+        cv, c_next = _conv_at(row, conv, cw_ptr, cb_ptr, ch_b + GROUPS * D_STATE, n_ok, cols,
+                              stride_cw_d, stride_cw_k, stride_c_d, stride_c_k, WIDTH, HAS_BIAS,
+                              SILU)
+        # the conv outputs reach the state update rounded to the activation dtype, as unfused
+        x = x.to(dtype).to(tl.float32)
+        bv = bv.to(dtype).to(tl.float32)
+        cv = cv.to(dtype).to(tl.float32)
 
         # selective state update of head h, rows offs_p
         s_ptrs = (ssm_ptr + slot.to(tl.int64) * stride_s_slot + h * stride_s_h
                   + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n)
-        s_ok = p_ok[:, None] & n_ok[None, :]
-        state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
         dt = tl.load(dt_ptr + b * stride_dt_b + h).to(tl.float32)
-        dt = softplus_clamp(dt + tl.load(dt_bias_ptr + h).to(tl.float32), DT_SOFTPLUS, DT_CLAMP,
-                            dt_min, dt_max)
-        decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
-        state = state * decay + (dt * x)[:, None] * bv[None, :]
-        tl.store(s_ptrs, state.to(ssm_ptr.dtype.element_ty), mask=s_ok)
-        y = tl.sum(state * cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
+        y = ssu_step(s_ptrs, p_ok[:, None] & n_ok[None, :], x, dt, bv, cv, h, A_ptr, D_ptr,
+                     dt_bias_ptr, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
         y = y.to(dtype).to(tl.float32)
 
         # gate, then this program's share of its norm group's sum of squares
@@ -165,7 +137,7 @@ def _mamba_decode_kernel(
                 w = tl.load(nw_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
                 tl.store(out_ptr + b * stride_out_b + c, (w * hn).to(dtype), mask=c_ok)
             if NUM_NORM == 1:  # one group: this is also the row's last program
-                _shift_bc_states(row, conv, cols, stride_c_d, stride_c_k, INTER,
+                _shift_bc_states(row, conv, cw_ptr, cols, stride_c_d, stride_c_k, INTER,
                                  2 * GROUPS * D_STATE, WIDTH, BLOCK_C)
             tl.atomic_xchg(count_ptr + key, 0)
         if NUM_NORM > 1:
@@ -173,7 +145,7 @@ def _mamba_decode_kernel(
             row_key = batch * NUM_NORM + b
             arrived_row = tl.atomic_add(count_ptr + row_key, 1)
             if arrived_row == HEADS * NPB - 1:
-                _shift_bc_states(row, conv, cols, stride_c_d, stride_c_k, INTER,
+                _shift_bc_states(row, conv, cw_ptr, cols, stride_c_d, stride_c_k, INTER,
                                  2 * GROUPS * D_STATE, WIDTH, BLOCK_C)
                 tl.atomic_xchg(count_ptr + row_key, 0)
 

@@ -21,6 +21,20 @@ from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
+def ssu_step(s_ptrs, s_ok, x, dt, bv, cv, h, A_ptr, D_ptr, dt_bias_ptr, dt_min, dt_max,
+             DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """One token of head h's update on a [P, N] state tile at s_ptrs, written in place: x [P],
+    bv, cv [N] and the raw dt (scalar), float32. Returns y [P] float32."""
+    state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)  # [P, N]
+    dt = softplus_clamp(dt + tl.load(dt_bias_ptr + h).to(tl.float32), DT_SOFTPLUS, DT_CLAMP,
+                        dt_min, dt_max)
+    decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
+    state = state * decay + (dt * x)[:, None] * bv[None, :]
+    tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_ok)
+    return tl.sum(state * cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
+
+
+@triton.jit
 def _ssu_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, slots_ptr,
     head_dim, d_state, heads_per_group, dt_min, dt_max,
@@ -48,21 +62,15 @@ def _ssu_kernel(
             state_ptr + slot.to(tl.int64) * stride_s_slot + h * stride_s_h
             + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
         )
-        s_ok = p_ok[:, None] & n_ok[None, :]
-        state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
         x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p, mask=p_ok,
                     other=0.0).to(tl.float32)
         dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
-        dt = softplus_clamp(dt + tl.load(dt_bias_ptr + h).to(tl.float32), DT_SOFTPLUS, DT_CLAMP,
-                            dt_min, dt_max)
-        decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
         bv = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + offs_n * stride_B_n, mask=n_ok,
                      other=0.0).to(tl.float32)
         cv = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n * stride_C_n, mask=n_ok,
                      other=0.0).to(tl.float32)
-        state = state * decay + (dt * x)[:, None] * bv[None, :]
-        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_ok)
-        y = tl.sum(state * cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
+        y = ssu_step(s_ptrs, p_ok[:, None] & n_ok[None, :], x, dt, bv, cv, h, A_ptr, D_ptr,
+                     dt_bias_ptr, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
         tl.store(y_ptr + b * stride_y_b + h * stride_y_h + offs_p, y.to(y_ptr.dtype.element_ty),
                  mask=p_ok)
 
