@@ -42,7 +42,7 @@ case $what in
   kernels) run_kernels; run_parity ;;
   verify)  # first call after unmeasured changes: kernels at real sizes, GPU parity, GEMV sweep
     run_kernels; run_parity; pack
-    timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"
+    bash "$0" gemv
     ;;
   bench)
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done

@@ -128,6 +128,7 @@ class GraniteMoeHybridForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = cfg
         self.embedding_multiplier = float(cfg.embedding_multiplier)
+        self.residual_multiplier = float(cfg.residual_multiplier)
         self.logits_scaling = float(cfg.logits_scaling)
         types = list(cfg.layer_types)
         self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -142,9 +143,7 @@ class GraniteMoeHybridForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids) * self.embedding_multiplier
-        return run_layers(
-            self.layers, self.norm, x, positions, meta, self.layers[0].residual_multiplier
-        )
+        return run_layers(self.layers, self.norm, x, positions, meta, self.residual_multiplier)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (self.lm_head(hidden) / self.logits_scaling).float()
