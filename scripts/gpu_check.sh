@@ -66,22 +66,20 @@ case $what in
     done
     ;;
   profile)  # wall vs GPU kernel time of decode steps and one prefill, top kernels
-    OUT=$LOG timeout 400 python3 scripts/profile_decode.py \
+    # (and the host's own time per decode step with the functions it goes to: cProfile)
+    OUT=$LOG timeout ${PROFILE_TIMEOUT:-400} python3 scripts/profile_decode.py \
       ${PROFILE_SPECS:-qwen3-0.6b:1:1024 granite-4.0-h-micro:64:1024 mamba2-1.3b:64:1024 mamba2-1.3b:1:1024} \
-      --prefill 2048 2>&1 | grep -v -E "Warn|USDT|profiler" \
+      --prefill ${PROFILE_PREFILL:-2048} 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
     ;;
-  ab)  # knobs against the defaults `bench` measures, each opt-in and not yet measured:
-    # programmatic dependent launch (KRAIT_PDL=1: parity first, it changes kernel ordering), and
-    # the fused Mamba decode kernel (KRAIT_FUSED_MAMBA_DECODE=1, 72 registers since aaa2d78)
-    python3 -c "import krait.ops.pdl as p; print('PDL intrinsics:', p.gdc_wait is not None)"
-    (export KRAIT_PDL=1; run_parity > /dev/null; cp "$LOG/parity.log" "$LOG/parity_pdl.log"
-     tail -2 "$LOG/parity_pdl.log"; pack
-     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-       bench_latency $m "_pdl" --batch-sizes 1,8,64 --prompt-lens ""
-       # every one-row projection through the GEMV: no cuBLAS kernel breaks the PDL chain
-       KRAIT_GEMV=1 bench_latency $m "_pdl_gemv" --batch-sizes 1 --prompt-lens ""
-     done)
+  ab)  # knobs against the defaults, same machine: programmatic dependent launch off
+    # (KRAIT_PDL=0; on by default since session 4), every one-row projection through the GEMV
+    # (KRAIT_GEMV=1), the fused Mamba decode kernel (KRAIT_FUSED_MAMBA_DECODE=1)
+    for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_base" --batch-sizes 1,8,64 --prompt-lens ""
+      KRAIT_PDL=0 bench_latency $m "_nopdl" --batch-sizes 1,8,64 --prompt-lens ""
+      KRAIT_GEMV=1 bench_latency $m "_gemv" --batch-sizes 1 --prompt-lens ""
+    done
     (export KRAIT_FUSED_MAMBA_DECODE=1
      bench_latency mamba2-1.3b "_fused" --batch-sizes 1,64 --prompt-lens ""
      bench_latency granite-4.0-h-micro "_fused" --batch-sizes 1,64 --prompt-lens "")

@@ -76,6 +76,7 @@ def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
             eng.step()
         _sync()
     _report(f"{name} decode b{batch} ctx{ctx}", wall, prof, 10, out_dir)
+    _host_decode(eng)
     _find_syncs(eng, None, "three decode steps")
     for rid in list(eng._parents):
         eng.abort_request(rid)
@@ -98,6 +99,42 @@ def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
     top_cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
     print("   host (self CPU ms, calls): " + ", ".join(
         f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.1f}/{e.count}" for e in top_cpu))
+
+
+def _print_stats(pr, title: str, sort: str, n: int, per: int = 1) -> None:
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(n)
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    print(f"   {title} (cProfile, by {sort}; times over {per} steps):")
+    for ln in lines[3 : n + 5]:
+        print("     " + ln[:160])
+
+
+def _host_decode(eng: LLMEngine, steps: int = 50) -> None:
+    """The host's own time per decode step (wall minus the time blocked on the device) and the
+    Python functions it goes to: what bounds a step once the device work is shorter."""
+    import cProfile
+
+    _sync()
+    t, w = time.perf_counter(), eng.device_wait_s
+    for _ in range(steps):
+        eng.step()
+    _sync()
+    wall = (time.perf_counter() - t) / steps * 1e3
+    wait = (eng.device_wait_s - w) / steps * 1e3
+    print(f"   host per decode step: wall {wall:.3f} ms, blocked on the device {wait:.3f} ms, "
+          f"host's own {wall - wait:.3f} ms")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        eng.step()
+    _sync()
+    pr.disable()
+    _print_stats(pr, "host functions of decode steps", "tottime", 30, steps)
+    _print_stats(pr, "host functions of decode steps", "cumulative", 45, steps)
 
 
 def _host_functions(eng: LLMEngine, prompt: list[int]) -> None:

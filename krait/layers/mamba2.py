@@ -34,6 +34,9 @@ class MambaMetadata:
     # per-step precomputations shared by every layer (GPU kernels); None: each op computes its own
     prefill_token_seq: torch.Tensor | None = None  # int32 [num_prefill_tokens]
     prefill_chunk_layout: tuple | None = None  # mamba_ssd.chunk_layout(...) for chunk_size
+    # int32, flat: state_indices, prefill_query_start_loc and prefill_has_initial_state are views
+    # of it (a decode graph's replay refills it in one copy)
+    device_i32: torch.Tensor | None = None
 
     @property
     def decode_state_indices(self) -> torch.Tensor:

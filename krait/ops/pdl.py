@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (PDL) for the small kernels of a decode step (opt-in:
-`KRAIT_PDL=1`).
+"""Programmatic dependent launch (PDL) for the small kernels of a decode step (on by default on
+sm_90 and newer; `KRAIT_PDL=0` turns it off).
 
 At batch 1 a decode step is ~300 kernels of a few microseconds each, and each pays a launch and
 ramp-up that the previous kernel's tail does not hide (docs/benchmarks.md: qwen3-0.6b projections
@@ -12,13 +12,16 @@ while the previous kernel drains. `pdl_wait()` returns once every earlier kernel
 its writes are visible, so the stream's order is kept and the caching allocator stays safe.
 
 Kernels take `PDL: tl.constexpr`; launchers pass `**pdl_args(use_pdl(tensor))`. Off on the CPU
-(the interpreter has no grid-dependency instructions) and unless KRAIT_PDL=1.
+(the interpreter has no grid-dependency instructions), before sm_90, and with KRAIT_PDL=0.
+Measured on the H200 (docs/benchmarks.md, session 4): decode steps 4-11% shorter at batch 1.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -47,8 +50,17 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 def use_pdl(t: Tensor) -> bool:
-    """Whether kernels working on `t` launch with PDL: CUDA tensors with KRAIT_PDL=1."""
-    return t.is_cuda and gdc_wait is not None and os.environ.get("KRAIT_PDL") == "1"
+    """Whether kernels working on `t` launch with PDL: CUDA tensors on a Hopper-or-newer GPU
+    (the grid-dependency instructions need sm_90), unless KRAIT_PDL=0."""
+    if not t.is_cuda or gdc_wait is None or os.environ.get("KRAIT_PDL") == "0":
+        return False
+    return _supports_pdl(t.device.index if t.device.index is not None else -1)
+
+
+@functools.cache
+def _supports_pdl(device_index: int) -> bool:
+    index = torch.cuda.current_device() if device_index < 0 else device_index
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_args(on: bool) -> dict:

@@ -55,19 +55,24 @@ def _prepare_inputs_kernel(
 def prepare_inputs_triton(
     idx_mapping: Tensor, query_start_loc: Tensor, num_computed: Tensor,
     token_table: Tensor, block_table: Tensor, block_size: int, width: int, num_tokens: int,
+    out: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Triton launcher of `prepare_inputs`."""
     dev = idx_mapping.device
     rows = idx_mapping.shape[0]
-    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)  # [T]
-    positions = torch.zeros(num_tokens, dtype=torch.int64, device=dev)  # [T]
-    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)  # [T]
-    bt = torch.empty(rows, width, dtype=torch.int32, device=dev)  # [B, width]
+    if out is not None:
+        input_ids, positions, slots, bt_full = out
+        bt = bt_full[:, :width]
+    else:
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)  # [T]
+        positions = torch.zeros(num_tokens, dtype=torch.int64, device=dev)  # [T]
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)  # [T]
+        bt = torch.empty(rows, width, dtype=torch.int32, device=dev)  # [B, width]
     if rows:
         _prepare_inputs_kernel[(rows,)](
             idx_mapping, query_start_loc, num_computed, token_table, block_table,
             input_ids, positions, slots, bt,
-            block_size, width, token_table.stride(0), block_table.stride(0), max(width, 1),
+            block_size, width, token_table.stride(0), block_table.stride(0), max(bt.stride(0), 1),
             HAS_BLOCKS=block_table.shape[1] > 0, BLOCK_T=256, BLOCK_W=128,
         )
     return input_ids, positions, slots, bt
@@ -105,13 +110,24 @@ def prepare_inputs_ref(
 def prepare_inputs(
     idx_mapping: Tensor, query_start_loc: Tensor, num_computed: Tensor,
     token_table: Tensor, block_table: Tensor, block_size: int, width: int, num_tokens: int,
+    out: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """idx_mapping int32 [B] (-1 = padding), query_start_loc int32 [B + 1], num_computed int32 [B],
     token_table int32 [R, max_model_len], block_table int32 [R, max_blocks]; returns input_ids,
     positions, slot_mapping (int64 [num_tokens]; tokens past query_start_loc[-1] are padding: 0,
-    0, -1) and the step's block table int32 [B, width]."""
+    0, -1) and the step's block table int32 [B, width].
+
+    `out` (input_ids, positions, slot_mapping, a block table of >= width columns): write there
+    instead (a CUDA graph's captured inputs; the leading `width` columns of the table). Every
+    token must then belong to a row: padding tokens are not filled."""
     if use_triton(idx_mapping):
         return prepare_inputs_triton(idx_mapping, query_start_loc, num_computed, token_table,
-                                     block_table, block_size, width, num_tokens)
-    return prepare_inputs_ref(idx_mapping, query_start_loc, num_computed, token_table,
-                              block_table, block_size, width, num_tokens)
+                                     block_table, block_size, width, num_tokens, out)
+    result = prepare_inputs_ref(idx_mapping, query_start_loc, num_computed, token_table,
+                                block_table, block_size, width, num_tokens)
+    if out is None:
+        return result
+    for dst, src in zip(out[:3], result[:3]):
+        dst.copy_(src)
+    out[3][:, :width].copy_(result[3])
+    return (*out[:3], out[3][:, :width])

@@ -1,10 +1,13 @@
 """CUDA graphs for decode batches (every row one token).
 
-Each capture size N records embedding -> logits for N rows over static buffers. Capture builds
-the metadata with `for_capture=True` (max_seq_len = max_model_len); a replay builds the real
-batch's metadata, padded to N rows (idx_mapping -1, the null block, slot -1), and copies every
-tensor of it into the captured metadata before replaying. Batches with any prefill row never
-come here.
+Each capture size N records embedding -> logits -> greedy tokens for N rows over static
+buffers; with device-side input preparation the greedy tokens are also written into the device
+token table (a batch that samples otherwise overwrites them after the replay). Capture builds the
+metadata with `for_capture=True` (max_seq_len = max_model_len); a replay builds the real batch's
+inputs and metadata, padded to N rows (idx_mapping -1, the null block, slot -1), directly in the
+captured buffers (`build_input_batch(into=...)`, `prepare_attn(into=...)`: one host-to-device
+copy and one input-preparation launch), and copies only what was built elsewhere. Batches with
+any prefill row, or with a row whose token is not its last known one, never come here.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import logging
 
 import torch
 
+from krait.ops.argmax import argmax
+from krait.ops.write_tokens import write_tokens
 from krait.runner.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -29,12 +34,14 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def _copy_tensors(dst, src) -> None:
-    """Copies every tensor reachable through dataclass fields of src into dst's. A block table
-    narrower than the captured one fills its leading columns: the kernels read no column past a
-    row's length."""
+    """Copies every tensor reachable through dataclass fields of src into dst's, except those
+    already built in dst's memory. A block table narrower than the captured one fills its
+    leading columns: the kernels read no column past a row's length."""
     for f in dataclasses.fields(dst):
         d, s = getattr(dst, f.name), getattr(src, f.name)
         if isinstance(d, torch.Tensor):
+            if s.data_ptr() == d.data_ptr():
+                continue
             if d.shape != s.shape and d.dim() == 2 and s.shape[0] == d.shape[0]:
                 d = d[:, : s.shape[1]]
             d.copy_(s)
@@ -43,11 +50,13 @@ def _copy_tensors(dst, src) -> None:
 
 
 class _Graph:
-    def __init__(self, graph, batch: InputBatch, meta, logits: torch.Tensor) -> None:
+    def __init__(self, graph, batch: InputBatch, meta, logits: torch.Tensor,
+                 greedy: torch.Tensor) -> None:
         self.graph = graph
         self.batch = batch
         self.meta = meta
-        self.logits = logits
+        self.logits = logits  # [N, V]
+        self.greedy = greedy  # int64 [N]: argmax of each row's logits
 
 
 class CudaGraphRunner:
@@ -81,21 +90,35 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton compiles and autotunes outside the graph
-                r.model.compute_logits(r.model(batch.input_ids, batch.positions, meta))
+                self._body(batch, meta)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = r.model.compute_logits(r.model(batch.input_ids, batch.positions, meta))
+            logits, greedy = self._body(batch, meta)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[n] = _Graph(graph, batch, meta, logits)
+        self.graphs[n] = _Graph(graph, batch, meta, logits, greedy)
 
-    def run(self, batch: InputBatch) -> torch.Tensor:
-        """batch: a decode batch already padded to a captured size. Returns logits [n, V]."""
+    def _body(self, batch: InputBatch, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.runner
+        logits = r.model.compute_logits(r.model(batch.input_ids, batch.positions, meta))
+        greedy = argmax(logits)
+        if r.tables is not None:  # each row's token goes at its sequence length
+            write_tokens(r.tables.token_ids, batch.idx_mapping, batch.seq_lens, greedy)
+        return logits, greedy
+
+    def captured_batch(self, size: int) -> InputBatch:
+        """The input buffers of the graph of `size` rows (`build_input_batch(into=...)`)."""
+        return self.graphs[size].batch
+
+    def run(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch: a decode batch padded to a captured size (built into its buffers, or not).
+        Returns (logits [N, V], greedy tokens int64 [N])."""
         g = self.graphs[batch.num_reqs_padded]
-        meta = self.runner.model_state.prepare_attn(batch, for_capture=False)
-        g.batch.input_ids.copy_(batch.input_ids)
-        g.batch.positions.copy_(batch.positions)
+        meta = self.runner.model_state.prepare_attn(batch, for_capture=False, into=g.meta)
+        if batch.input_ids.data_ptr() != g.batch.input_ids.data_ptr():
+            g.batch.input_ids.copy_(batch.input_ids)
+            g.batch.positions.copy_(batch.positions)
         _copy_tensors(g.meta, meta)
         g.graph.replay()
-        return g.logits
+        return g.logits, g.greedy

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from krait.ops.write_tokens import write_tokens
 from krait.runner.input_batch import host_to_device
 
 
@@ -45,4 +46,4 @@ class DeviceTables:
         if len(rows) == 0:
             return
         rp = host_to_device(np.stack([rows, positions]).astype(np.int64), self.device)
-        self.token_ids[rp[0], rp[1]] = tokens.to(torch.int32)
+        write_tokens(self.token_ids, rp[0], rp[1], tokens)

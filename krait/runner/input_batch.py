@@ -33,6 +33,9 @@ class InputBatch:
     # except for CUDA-graph capture batches, which take the full table width
     block_table: torch.Tensor
     logits_indices: torch.Tensor  # int64 [num_reqs]: last scheduled token of each row
+    # int32, flat: idx_mapping, query_start_loc, seq_lens and the rows' computed counts are views
+    # of it (device-side preparation only); a decode graph's replay refills it in one copy
+    device_i32: torch.Tensor | None = None
 
 
 def build_input_batch(
@@ -46,6 +49,7 @@ def build_input_batch(
     pad_decode: bool = False,
     full_block_table: bool = False,
     tables=None,
+    into: InputBatch | None = None,
 ) -> InputBatch:
     """Gathers the step's rows from RequestStates (`states`) into flat tensors.
 
@@ -53,7 +57,10 @@ def build_input_batch(
     the null block; with `pad_decode` (CUDA-graph decode batches) each holds one token of
     sequence length 1 whose KV write is skipped (slot -1), else they hold no token. With `tables`
     (DeviceTables, on the GPU) the token inputs and the step's block table are built on the device
-    from the persistent tables; otherwise in numpy from `states`."""
+    from the persistent tables; otherwise in numpy from `states`.
+
+    `into` (with `tables`): a CUDA graph's captured batch of the same padded size, every token
+    in a row: the device tensors are written into its buffers, so the replay copies nothing."""
     num_reqs = len(req_ids)
     num_reqs_padded = num_reqs_padded or num_reqs
     idx = np.full(num_reqs_padded, -1, dtype=np.int32)
@@ -76,18 +83,30 @@ def build_input_batch(
 
     full = states.block_table.shape[1]
     width = full if full_block_table else min(-(-int(seq_lens.max(initial=1)) // block_size), full)
+    device_i32 = None
     if tables is not None:
         from krait.ops.prepare_inputs import prepare_inputs
 
-        (idx_t, qsl_t, seq_lens_t, computed_t) = to_device(
-            [idx, qsl, seq_lens, computed], np.int32, device
+        out = None
+        if into is not None:
+            if (into.num_reqs_padded, into.num_tokens_padded) != (
+                num_reqs_padded, num_tokens_padded
+            ) or qsl[-1] != num_tokens_padded:
+                raise ValueError("into: a captured batch of the same rows, every token in a row")
+            out = (into.input_ids, into.positions, into.slot_mapping, into.block_table)
+        (idx_t, qsl_t, seq_lens_t, computed_t), device_i32 = to_device(
+            [idx, qsl, seq_lens, computed], np.int32, device, flat=True,
+            out=into.device_i32 if into is not None else None,
         )
-        (logits_indices_t,) = to_device(
-            [qsl[1 : num_reqs + 1].astype(np.int64) - 1], np.int64, device
-        )
+        if into is not None:  # decode graphs: one token a row, the logits of every row
+            logits_indices_t = _row_indices(num_reqs_padded, device)[:num_reqs]
+        else:
+            (logits_indices_t,) = to_device(
+                [qsl[1 : num_reqs + 1].astype(np.int64) - 1], np.int64, device
+            )
         input_ids_t, positions_t, slot_mapping_t, block_table_t = prepare_inputs(
             idx_t, qsl_t, computed_t, tables.token_ids, tables.block_table, block_size, width,
-            num_tokens_padded,
+            num_tokens_padded, out=out,
         )
     else:
         (idx_t, qsl_t, seq_lens_t, block_table_t, input_ids_t, positions_t, slot_mapping_t,
@@ -117,7 +136,19 @@ def build_input_batch(
         slot_mapping=slot_mapping_t,
         block_table=block_table_t,
         logits_indices=logits_indices_t,
+        device_i32=device_i32,
     )
+
+
+_ROWS: dict[torch.device, torch.Tensor] = {}
+
+
+def _row_indices(n: int, device: torch.device) -> torch.Tensor:
+    """int64 [0, n) on `device`, from a cached tensor (no launch once it is long enough)."""
+    t = _ROWS.get(device)
+    if t is None or t.numel() < n:
+        t = _ROWS[device] = torch.arange(max(n, 256), dtype=torch.int64, device=device)
+    return t[:n]
 
 
 class _Staging:
@@ -172,29 +203,41 @@ def host_to_device(values, device, dtype: torch.dtype | None = None) -> torch.Te
 
 
 def to_device(
-    arrays: list[np.ndarray], dtype, device: torch.device, tag: str = "batch"
-) -> list[torch.Tensor]:
+    arrays: list[np.ndarray], dtype, device: torch.device, tag: str = "batch",
+    out: torch.Tensor | None = None, flat: bool = False,
+):
     """Moves several small arrays of one dtype to `device` in one copy (through a pinned
-    staging buffer per (dtype, tag) on CUDA) and returns views shaped like the arrays."""
+    staging buffer per (dtype, tag) on CUDA) and returns views shaped like the arrays.
+
+    `out`: a flat device tensor of at least their total size to copy into (a CUDA graph's
+    captured inputs) instead of a new one. `flat`: also return the flat tensor the views share,
+    as (views, flat)."""
     sizes = [a.size for a in arrays]
     total = sum(sizes)
-    flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(dtype, copy=False)
+    host = np.concatenate([a.reshape(-1) for a in arrays]).astype(dtype, copy=False)
     if device.type == "cuda":
         st = _STAGING.setdefault((np.dtype(dtype).name, tag), _Staging())
         if st.event is not None:
             st.event.synchronize()
         if st.buf is None or st.buf.numel() < total:
-            st.buf = torch.empty(max(total, 1 << 16), dtype=torch.from_numpy(flat[:0]).dtype,
+            st.buf = torch.empty(max(total, 1 << 16), dtype=torch.from_numpy(host[:0]).dtype,
                                  pin_memory=True)
-        st.buf[:total].numpy()[:] = flat
-        dev = st.buf[:total].to(device, non_blocking=True)
+        st.buf[:total].numpy()[:] = host
+        if out is not None:
+            dev = out[:total]
+            dev.copy_(st.buf[:total], non_blocking=True)
+        else:
+            dev = st.buf[:total].to(device, non_blocking=True)
         if st.event is None:
             st.event = torch.cuda.Event()
         st.event.record()
+    elif out is not None:
+        dev = out[:total]
+        dev.copy_(torch.from_numpy(host))
     else:
-        dev = torch.from_numpy(flat)
-    out, off = [], 0
+        dev = torch.from_numpy(host)
+    views, off = [], 0
     for a, n in zip(arrays, sizes):
-        out.append(dev[off : off + n].view(a.shape))
+        views.append(dev[off : off + n].view(a.shape))
         off += n
-    return out
+    return (views, dev) if flat else views

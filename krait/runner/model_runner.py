@@ -163,16 +163,20 @@ class ModelRunner:
             self.tables.flush()
         graph_size = None
         # never replay a prefill chunk in a decode graph, even a one-token one
-        if self.cuda_graphs is not None and num_prefills == 0 and all(n == 1 for n in num_scheduled):
+        if (self.cuda_graphs is not None and num_prefills == 0
+                and all(n == 1 for n in num_scheduled) and self._rows_sample(req_ids)):
             graph_size = self.cuda_graphs.size_for(len(req_ids))
         if graph_size is not None:
+            into = self.cuda_graphs.captured_batch(graph_size) if self.tables is not None else None
             batch = build_input_batch(
                 self.states, req_ids, num_scheduled, self.block_size, self.device,
                 num_reqs_padded=graph_size, num_tokens_padded=graph_size, pad_decode=True,
-                tables=self.tables,
+                tables=self.tables, into=into,
             )
-            logits = self.cuda_graphs.run(batch)[: batch.num_reqs]
-            return self._sample_and_update(batch, logits)
+            logits, greedy = self.cuda_graphs.run(batch)
+            n = batch.num_reqs
+            # the graph wrote the greedy tokens into the device token table already
+            return self._sample_and_update(batch, logits[:n], greedy[:n], self.tables is not None)
         batch = build_input_batch(
             self.states, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables
         )
@@ -219,11 +223,24 @@ class ModelRunner:
                 out[batch.req_ids[r]] = entries
         return out
 
+    def _rows_sample(self, req_ids: list[str]) -> bool:
+        """Every row's scheduled token is its last known one, so every row samples the token at
+        its sequence length (where a decode graph writes its greedy token)."""
+        st = self.states
+        idx = [st.index[r] for r in req_ids]
+        return bool((st.num_computed_tokens[idx] + 1 == st.num_tokens[idx]).all())
+
     def forward(self, batch: InputBatch) -> torch.Tensor:
         meta = self.model_state.prepare_attn(batch, for_capture=False)
         return self.model(batch.input_ids, batch.positions, meta)
 
-    def _sample_and_update(self, batch: InputBatch, logits: torch.Tensor) -> PendingSample:
+    def _sample_and_update(
+        self, batch: InputBatch, logits: torch.Tensor, greedy: torch.Tensor | None = None,
+        greedy_written: bool = False,
+    ) -> PendingSample:
+        """Samples the rows that reached their last known token and advances the host counters.
+        `greedy`: each row's argmax, computed already (decode graphs); `greedy_written`: and
+        stored in the device token table."""
         st = self.states
         idx = batch.idx_mapping_np[: batch.num_reqs]
         end = batch.num_computed_tokens_np[: batch.num_reqs] + batch.num_scheduled_tokens_np[
@@ -234,11 +251,14 @@ class ModelRunner:
         pending = PendingSample.empty()
         if len(rows):
             if len(rows) < batch.num_reqs:
-                logits = logits[host_to_device(rows, logits.device)]
-            result = self._sample(logits, idx[rows])
+                sel = host_to_device(rows, logits.device)
+                logits = logits[sel]
+                greedy = greedy[sel] if greedy is not None else None
+                greedy_written = False
+            result = self._sample(logits, idx[rows], greedy)
             self.penalties.record(idx[rows], result.sampled_token_ids)
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
-            if self.tables is not None:
+            if self.tables is not None and not (greedy_written and result.sampled_token_ids is greedy):
                 fits = pos < self.max_model_len
                 tokens = result.sampled_token_ids
                 if not fits.all():  # rows that just reached max_model_len keep no next token
@@ -261,10 +281,13 @@ class ModelRunner:
             )
         return pending
 
-    def _sample(self, logits: torch.Tensor, idx: np.ndarray) -> SamplerOutput:
+    def _sample(
+        self, logits: torch.Tensor, idx: np.ndarray, greedy: torch.Tensor | None = None
+    ) -> SamplerOutput:
         st = self.states
         if st.plain_greedy[idx].all():
-            return SamplerOutput(sampled_token_ids=argmax(logits), logprobs=None)
+            tokens = greedy if greedy is not None else argmax(logits)
+            return SamplerOutput(sampled_token_ids=tokens, logprobs=None)
         params = [st.params[i] for i in idx]
         num_out = st.num_tokens[idx] - (st.num_prompt_tokens[idx] - st.num_output_offset[idx])
         rows = [

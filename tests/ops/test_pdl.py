@@ -1,4 +1,4 @@
-"""Programmatic dependent launch is opt-in and GPU-only: the interpreter has no grid-dependency
+"""Programmatic dependent launch is on by default, GPU-only: the interpreter has no grid-dependency
 instructions, so CPU tensors never ask for it (the sm_90 compile of the PDL variants is in
 test_sm90_compile.py; their effect is measured by `scripts/gpu_check.sh ab`)."""
 
@@ -7,7 +7,7 @@ import torch
 from krait.ops.pdl import use_pdl
 
 
-def test_pdl_is_off_on_cpu_and_by_default(monkeypatch):
+def test_pdl_is_off_on_cpu(monkeypatch):
     t = torch.zeros(2)
     monkeypatch.delenv("KRAIT_PDL", raising=False)
     assert not use_pdl(t)

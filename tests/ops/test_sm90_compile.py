@@ -79,3 +79,12 @@ def test_pdl_mamba_decode_kernels_compile():
     r = compile_sm90("krait.ops.gated_rms_norm", "_gated_rms_norm_kernel", types, dict(
         HAS_Z=True, BLOCK_M=1, BLOCK_G=4096, PDL=True))
     assert r["pdl"] and r["local"] == 0, r
+
+
+@pytest.mark.parametrize("tok", ["*i64", I32])
+def test_write_tokens_compiles(tok):
+    # runs inside every decode graph: a front-end type error would only show on the GPU
+    types = dict(table_ptr=I32, rows_ptr=I32, pos_ptr=I32, tok_ptr=tok, n="i32", width="i32",
+                 stride_row="i32")
+    r = compile_sm90("krait.ops.write_tokens", "_write_tokens_kernel", types, dict(BLOCK=64))
+    assert r["local"] == 0, r

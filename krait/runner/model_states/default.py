@@ -64,7 +64,11 @@ class DefaultModelState:
             max_seq_len=max_seq_len,
         )
 
-    def prepare_attn(self, batch: InputBatch, for_capture: bool = False) -> StepMetadata:
+    def prepare_attn(
+        self, batch: InputBatch, for_capture: bool = False, into: StepMetadata | None = None
+    ) -> StepMetadata:
+        """The step's metadata. `into`: a CUDA graph's captured metadata, for states that build
+        device tensors of their own (the attention metadata holds the batch's tensors)."""
         return StepMetadata(attn=self.attention_metadata(batch, for_capture))
 
     def add_requests(self, new: list[tuple[int, list[int]]]) -> None:

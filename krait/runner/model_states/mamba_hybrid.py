@@ -79,11 +79,15 @@ class MambaHybridModelState(DefaultModelState):
             self.num_accepted_tokens.index_fill_(0, rows, 1)
 
     # -- per step ---------------------------------------------------------------------
-    def prepare_attn(self, batch: InputBatch, for_capture: bool = False) -> StepMetadata:
+    def prepare_attn(
+        self, batch: InputBatch, for_capture: bool = False, into: StepMetadata | None = None
+    ) -> StepMetadata:
         attn = self.attention_metadata(batch, for_capture) if self.attn_layers else None
-        return StepMetadata(attn=attn, mamba=self.mamba_metadata(batch))
+        mamba = self.mamba_metadata(batch, into.mamba if into is not None else None)
+        return StepMetadata(attn=attn, mamba=mamba)
 
-    def mamba_metadata(self, batch: InputBatch) -> MambaMetadata:
+    def mamba_metadata(self, batch: InputBatch, into: MambaMetadata | None = None) -> MambaMetadata:
+        """`into`: a CUDA graph's captured metadata of the same layout, refilled in place."""
         n, npad = batch.num_reqs, batch.num_reqs_padded
         nd = batch.num_decodes
         slots = np.full(npad, -1, dtype=np.int32)
@@ -102,8 +106,9 @@ class MambaHybridModelState(DefaultModelState):
             num_prefill_tokens = 0
             num_decode_tokens = batch.num_tokens_padded  # padded decode rows carry slot -1
         dev = self.device
-        slots_t, pqsl_t, init_t = to_device(
-            [slots, pqsl, has_init.astype(np.int32)], np.int32, dev, tag="mamba"
+        (slots_t, pqsl_t, init_t), flat = to_device(
+            [slots, pqsl, has_init.astype(np.int32)], np.int32, dev, tag="mamba", flat=True,
+            out=into.device_i32 if into is not None else None,
         )
         meta = MambaMetadata(
             num_decodes=nd,
@@ -113,6 +118,7 @@ class MambaHybridModelState(DefaultModelState):
             state_indices=slots_t,
             prefill_query_start_loc=pqsl_t,
             prefill_has_initial_state=init_t,
+            device_i32=flat,
         )
         if npf and dev.type == "cuda":
             from krait.ops.causal_conv1d import token_to_seq

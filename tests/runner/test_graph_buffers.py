@@ -1,0 +1,112 @@
+"""A decode graph's replay builds its inputs in the captured buffers (no copies) and writes its
+greedy tokens into the device token table: each piece against the path it replaces, on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from krait import LLM
+from krait.engine.kv_cache_manager import cdiv
+from krait.ops.prepare_inputs import prepare_inputs_ref, prepare_inputs_triton
+from krait.ops.write_tokens import write_tokens_ref, write_tokens_triton
+from krait.runner.cuda_graphs import _copy_tensors
+from krait.runner.device_tables import DeviceTables
+from krait.runner.input_batch import build_input_batch
+from krait.runner.request_states import RequestStates
+from krait.sampling_params import SamplingParams
+from tests.utils import make_tiny_hybrid
+
+BLOCK, LEN = 4, 64
+
+
+@pytest.mark.parametrize("write", [write_tokens_triton, write_tokens_ref])
+def test_write_tokens_skips_padding_rows_and_full_rows(write):
+    table = torch.arange(5 * LEN, dtype=torch.int32).view(5, LEN)
+    want = table.clone()
+    rows = torch.tensor([3, -1, 0, 2], dtype=torch.int32)
+    pos = torch.tensor([7, 5, LEN, 0], dtype=torch.int32)  # row 0 is at max_model_len
+    tokens = torch.tensor([111, 222, 333, 444, 555], dtype=torch.int64)  # longer than rows
+    write(table, rows, pos, tokens)
+    want[3, 7], want[2, 0] = 111, 444
+    assert torch.equal(table, want)
+
+
+@pytest.mark.parametrize("prepare", [prepare_inputs_triton, prepare_inputs_ref])
+def test_prepare_inputs_into_captured_buffers(prepare):
+    g = np.random.default_rng(0)
+    tokens = torch.from_numpy(g.integers(0, 500, (4, LEN)).astype(np.int32))
+    blocks = torch.from_numpy(g.permutation(4 * 16).reshape(4, 16).astype(np.int32) + 1)
+    idx = torch.tensor([2, 0, -1], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    computed = torch.tensor([9, 30, 0], dtype=torch.int32)
+    args = (idx, qsl, computed, tokens, blocks, BLOCK, 8, 3)
+    fresh = prepare_inputs_ref(*args)
+    out = (torch.full((3,), 7, dtype=torch.int64), torch.full((3,), 7, dtype=torch.int64),
+           torch.full((3,), 7, dtype=torch.int64), torch.full((3, 16), 9, dtype=torch.int32))
+    got = prepare(*args, out=out) if prepare is prepare_inputs_triton else None
+    if got is None:
+        from krait.ops.prepare_inputs import prepare_inputs
+
+        got = prepare_inputs(*args, out=out)
+    for a, b, o in zip(fresh, got, out):
+        assert torch.equal(a, b) and b.data_ptr() == o.data_ptr()
+    assert out[3][:, 8:].eq(9).all()  # columns past this step's width untouched
+
+
+def _decode_states() -> tuple[RequestStates, DeviceTables]:
+    """Three decode rows (each row's next token is its last known one)."""
+    states = RequestStates(8, LEN, cdiv(LEN, BLOCK), 0)
+    tables = DeviceTables(8, LEN, cdiv(LEN, BLOCK), torch.device("cpu"))
+    next_block = 1
+    for j, n in enumerate([5, 17, 30]):
+        toks = [(3 * t + j) % 97 for t in range(n)]
+        blocks = list(range(next_block, next_block + cdiv(n, BLOCK)))
+        next_block += len(blocks)
+        i = states.add(f"r{j}", toks, n - 1, n - 1, 0, SamplingParams(), blocks, [], [1])
+        tables.set_row(i, toks)
+        tables.add_blocks(i, 0, blocks)
+    tables.flush()
+    return states, tables
+
+
+def test_build_input_batch_into_captured_batch_matches_a_fresh_one():
+    states, tables = _decode_states()
+    cpu = torch.device("cpu")
+    pad = dict(num_reqs_padded=4, num_tokens_padded=4, pad_decode=True, tables=tables)
+    captured = build_input_batch(states, [], [], BLOCK, cpu, full_block_table=True, **pad)
+    ids = ["r2", "r0", "r1"]
+    fresh = build_input_batch(states, ids, [1, 1, 1], BLOCK, cpu, **pad)
+    into = build_input_batch(states, ids, [1, 1, 1], BLOCK, cpu, into=captured, **pad)
+    for name in ("idx_mapping", "query_start_loc", "seq_lens", "input_ids", "positions",
+                 "slot_mapping", "block_table", "logits_indices"):
+        a, b = getattr(fresh, name), getattr(into, name)
+        assert torch.equal(a, b), name
+        if name != "logits_indices":  # unused by the graph: a cached [0, n)
+            assert b.data_ptr() == getattr(captured, name).data_ptr(), name
+    assert captured.idx_mapping.tolist() == fresh.idx_mapping.tolist()
+    assert captured.input_ids.tolist() == fresh.input_ids.tolist()
+    with pytest.raises(ValueError, match="into"):  # a prefill chunk has no place in a graph
+        build_input_batch(states, ["r0"], [4], BLOCK, cpu, num_reqs_padded=4,
+                          num_tokens_padded=7, tables=tables, into=captured)
+
+
+def test_hybrid_metadata_into_captured_and_copy_skips_own_memory(tmp_path):
+    llm = LLM(make_tiny_hybrid(tmp_path / "g", "granitemoehybrid"), device="cpu",
+              dtype="float32", max_num_seqs=4, max_model_len=64)
+    runner = llm.llm_engine.runner
+    ms = runner.model_state
+    captured = ms.prepare_attn(runner.dummy_decode_batch(4), for_capture=True)
+    states = runner.states
+    i = states.add("x", [1, 2, 3], 2, 2, 0, SamplingParams(), [1], [3], [1])
+    batch = build_input_batch(states, ["x"], [1], runner.block_size, runner.device,
+                              num_reqs_padded=4, num_tokens_padded=4, pad_decode=True)
+    meta = ms.prepare_attn(batch, into=captured)
+    assert meta.mamba.state_indices.data_ptr() == captured.mamba.state_indices.data_ptr()
+    assert captured.mamba.state_indices.tolist() == [int(states.state_slots[i, 0]), -1, -1, -1]
+    before = captured.mamba.state_indices.clone()
+    _copy_tensors(captured, meta)  # nothing to copy for the Mamba part; attention is copied
+    assert torch.equal(captured.mamba.state_indices, before)
+    assert torch.equal(captured.attn.seq_lens, meta.attn.seq_lens)
+    states.remove("x")
