@@ -23,7 +23,9 @@ run_parity() {
   # from this machine's checkout: run `PYTHONPATH=. python3 scripts/gpu_parity.py make .parity`
   # there first and name .parity in the device call's carry.
   if [ -d .parity ]; then
-    timeout 600 python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn | tail -40 | tee "$LOG/parity.log"
+    # the full log keeps the first traceback (a failure can break the models after it)
+    timeout 600 python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn > "$LOG/parity_full.log"
+    tail -40 "$LOG/parity_full.log" | tee "$LOG/parity.log"
   else
     echo "no .parity fixtures carried: GPU parity skipped" | tee "$LOG/parity.log"
   fi

@@ -13,6 +13,7 @@ any prefill row, or with a row whose token is not its last known one, never come
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 
 import torch
@@ -74,10 +75,20 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
+        # Python's cyclic GC must not run inside a capture: collecting an earlier engine's
+        # graphs there frees their memory pool, a cudaFree that invalidates the capture (seen
+        # once as a GPU parity run whose later models all failed): collect first, then pause it
+        gc.collect()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
-        for n in self.sizes:  # largest first: later graphs reuse its pool
-            self._capture(n)
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for n in self.sizes:  # largest first: later graphs reuse its pool
+                self._capture(n)
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize()
         used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
         logger.info("captured %d decode CUDA graphs (%.0f MiB)", len(self.sizes), used)

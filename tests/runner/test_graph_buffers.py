@@ -3,6 +3,8 @@ greedy tokens into the device token table: each piece against the path it replac
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -110,3 +112,20 @@ def test_hybrid_metadata_into_captured_and_copy_skips_own_memory(tmp_path):
     assert torch.equal(captured.mamba.state_indices, before)
     assert torch.equal(captured.attn.seq_lens, meta.attn.seq_lens)
     states.remove("x")
+
+
+def test_capture_pauses_python_gc(monkeypatch):
+    # a collection inside a capture could free an earlier engine's graph pool (a cudaFree that
+    # invalidates the capture): capture_all collects first and pauses the GC while it captures
+    from krait.runner import cuda_graphs
+
+    seen = []
+    runner = type("R", (), {"config": type("C", (), {"scheduler": type("S", (), {
+        "max_num_seqs": 4})()})()})()
+    g = cuda_graphs.CudaGraphRunner(runner)
+    monkeypatch.setattr(g, "_capture", lambda n: seen.append(gc.isenabled()))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (0, 0))
+    assert gc.isenabled()
+    g.capture_all()
+    assert seen == [False, False, False] and gc.isenabled()
