@@ -2,7 +2,7 @@
 shipped configs, M = 1, 4, 8. Each variant is timed as a CUDA-graph replay over enough weight
 copies to miss the 50 MB L2, like a decode step that reads every weight once.
 
-PYTHONPATH=. python3 scripts/bench_gemv.py   (GPU)"""
+PYTHONPATH=. python3 scripts/bench_gemv.py [--quick]   (GPU; --quick: one row, no sweep)"""
 
 from __future__ import annotations
 
@@ -46,6 +46,33 @@ def time_us(fn, weights) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def previous_default(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]:
+    """The one-row config before session 4 (4 warps, K split to cover the SMs four times): the
+    `--quick` A/B's baseline."""
+    block_k = max(64, min(512, triton_pow2(k)))
+    tiles, split = -(-n // 8), 1
+    while tiles * split < 4 * num_sms and k // (2 * split) >= 2 * block_k and split < 16:
+        split *= 2
+    return dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=block_k, SPLIT_K=split, num_warps=4)
+
+
+def quick() -> None:
+    """One row only: cuBLAS, the default config and the previous default, no sweep (~30 s)."""
+    dev = torch.device("cuda")
+    print(f"{'shape':16} {'cuBLAS us':>9} {'default us':>10} {'previous us':>11}  default config")
+    for name, (n, k) in SHAPES.items():
+        copies = max(4, (400 << 20) // (n * k * 2))
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        prev = previous_default(1, n, k)
+        t = [time_us(lambda w, x=x: F.linear(x, w), weights),
+             time_us(lambda w, x=x: gemv_triton(x, w), weights),
+             time_us(lambda w, x=x, c=prev: gemv_triton(x, w, config=c), weights)]
+        print(f"{name:16} {t[0]:9.2f} {t[1]:10.2f} {t[2]:11.2f}  {default_config(1, n, k)}",
+              flush=True)
+        del weights
+
+
 def main() -> None:
     dev = torch.device("cuda")
     print(f"{'shape':16} {'M':>2} {'cuBLAS us':>9} {'TB/s':>5} {'krait us':>9} {'TB/s':>5} "
@@ -84,4 +111,6 @@ def triton_pow2(m: int) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    quick() if "--quick" in sys.argv[1:] else main()

@@ -107,10 +107,21 @@ def _num_sms(device: torch.device) -> int:
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]:
     """Tile sizes and split by shape (never by anything that changes between steps of one batch
-    size). The [BLOCK_M, BLOCK_N, BLOCK_K] product stays at 4096 elements (32 float32 registers a
-    thread at 4 warps); K is split until the programs cover the SMs about four times."""
+    size). Several rows: the [BLOCK_M, BLOCK_N, BLOCK_K] product stays at 4096 elements (32
+    float32 registers a thread at 4 warps); K is split until the programs cover the SMs about
+    four times."""
     block_m = triton.next_power_of_2(max(m, 1))
     block_n = 8
+    if block_m == 1:
+        # one row (H200 sweep, session 4): 8 warps and 512-wide K tiles won at every shape; K is
+        # split only while each program would stream more than 2048 columns and the tiles cover
+        # the SMs fewer than four times (qwen3 down and granite down split, qwen3 o does not)
+        block_k = max(64, min(512, triton.next_power_of_2(k)))
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while k // split > 2048 and tiles * split < 4 * num_sms and split < 16:
+            split *= 2
+        return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=8)
     block_k = max(64, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, block_n)
     split = 1

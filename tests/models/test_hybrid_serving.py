@@ -108,8 +108,8 @@ def _record_prefill_chunks(engine: LLMEngine) -> list[tuple[int, bool]]:
     state = engine.runner.model_state
     build = state.mamba_metadata
 
-    def recording_build(batch):
-        meta = build(batch)
+    def recording_build(batch, *args, **kwargs):
+        meta = build(batch, *args, **kwargs)
         if meta.num_prefills:
             lens = np.diff(meta.prefill_query_start_loc.cpu().numpy())
             init = meta.prefill_has_initial_state.cpu().numpy()
