@@ -31,6 +31,7 @@ def _argmax_kernel(
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                 other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("-inf"), x)  # NaN (a padded graph row's garbage) ranks last
     best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * NUM_BLOCKS + blk, best)
     tl.store(idx_ptr + row * NUM_BLOCKS + blk, blk * BLOCK + at)
@@ -64,5 +65,6 @@ def argmax_triton(x: Tensor, block: int = 4096) -> Tensor:
 
 
 def argmax(x: Tensor) -> Tensor:
-    """x [R, V] -> int64 [R]: the first index of each row's maximum."""
+    """x [R, V] -> int64 [R]: the first index of each row's maximum (the Triton kernel ranks
+    NaN below everything; no row of a real request holds NaN)."""
     return argmax_triton(x) if use_triton(x) else x.argmax(dim=-1)

@@ -61,10 +61,15 @@ class _Graph:
 
 
 class CudaGraphRunner:
-    """Captures and replays decode graphs for one ModelRunner."""
+    """Captures and replays decode graphs for one ModelRunner.
 
-    def __init__(self, runner) -> None:
+    `record=False` keeps every buffer and step of the graph path but runs the captured body
+    eagerly at each replay instead of recording a graph: how CPU tests (no CUDA) exercise the
+    decode-graph dataflow, and a debugging aid on the GPU."""
+
+    def __init__(self, runner, record: bool = True) -> None:
         self.runner = runner
+        self.record = record
         self.sizes = capture_sizes(runner.config.scheduler.max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
@@ -78,6 +83,10 @@ class CudaGraphRunner:
         # Python's cyclic GC must not run inside a capture: collecting an earlier engine's
         # graphs there frees their memory pool, a cudaFree that invalidates the capture (seen
         # once as a GPU parity run whose later models all failed): collect first, then pause it
+        if not self.record:
+            for n in self.sizes:
+                self._capture(n)
+            return
         gc.collect()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
@@ -97,6 +106,9 @@ class CudaGraphRunner:
         r = self.runner
         batch = r.dummy_decode_batch(n)
         meta = r.model_state.prepare_attn(batch, for_capture=True)
+        if not self.record:
+            self.graphs[n] = _Graph(None, batch, meta, *self._body(batch, meta))
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -131,5 +143,8 @@ class CudaGraphRunner:
             g.batch.input_ids.copy_(batch.input_ids)
             g.batch.positions.copy_(batch.positions)
         _copy_tensors(g.meta, meta)
-        g.graph.replay()
+        if g.graph is None:  # record=False
+            g.logits, g.greedy = self._body(g.batch, g.meta)
+        else:
+            g.graph.replay()
         return g.logits, g.greedy
