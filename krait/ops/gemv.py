@@ -171,11 +171,17 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     return y
 
 
+# one-row calls up to this many weight elements go to the GEMV by default: with the one-row
+# config of session 4 it beat cuBLAS at every projection shape up to 17M elements on the H200
+# (docs/benchmarks.md, run 10) and lost at granite's gate_up (32M); lm_heads (100M+) stay on
+# cuBLAS, where a step with every one-row call in the GEMV measured slower for qwen3
+ROW_GEMV_MAX_ELEMENTS = 20 << 20
+
+
 def _use_gemv(x: Tensor, weight: Tensor) -> bool:
-    """KRAIT_GEMV=1: every call with M <= 8; =0: never; unset: only where it beat cuBLAS on the
-    H200 (scripts/bench_gemv.py, docs/benchmarks.md): one row against a narrow weight (N <= K/2,
-    at most 8M elements), where cuBLAS splits K and adds a reduce launch. With more rows this
-    kernel re-reads W per row tile and loses."""
+    """KRAIT_GEMV=1: every call with M <= 8; =0: never; unset: one row against a weight of at
+    most ROW_GEMV_MAX_ELEMENTS, where it beat cuBLAS on the H200 (scripts/bench_gemv.py). With
+    more rows this kernel re-reads W per row tile and loses."""
     if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M:  # shape first: prefill pays no lookup
         return False
     mode = os.environ.get("KRAIT_GEMV")
@@ -183,8 +189,7 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
         return False
     if mode == "1":
         return True
-    n, k = weight.shape
-    return x.shape[0] == 1 and 2 * n <= k and n * k <= (8 << 20)
+    return x.shape[0] == 1 and weight.numel() <= ROW_GEMV_MAX_ELEMENTS
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

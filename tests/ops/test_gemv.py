@@ -101,18 +101,23 @@ def test_linear_dispatch(monkeypatch):
     assert len(calls) == 1
 
 
-def test_default_dispatch_takes_one_row_against_a_narrow_weight_only(monkeypatch):
+def test_default_dispatch_takes_one_row_against_a_projection_sized_weight(monkeypatch):
+    from krait.ops.gemv import ROW_GEMV_MAX_ELEMENTS
+
     calls = []
     monkeypatch.setattr("krait.ops.gemv.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.delenv("KRAIT_GEMV", raising=False)
-    narrow = torch.zeros(24, 64)  # N <= K / 2: cuBLAS splits K here
-    wide = torch.zeros(64, 24)
+    narrow, wide = torch.zeros(24, 64), torch.zeros(64, 24)
     linear(torch.ones(1, 64), narrow)
-    assert len(calls) == 1
-    linear(torch.ones(2, 64), narrow)  # two rows: cuBLAS
     linear(torch.ones(1, 24), wide)
-    assert len(calls) == 1
+    assert len(calls) == 2
+    linear(torch.ones(2, 64), narrow)  # two rows: cuBLAS
+    assert len(calls) == 2
+    # an lm_head-sized weight stays on cuBLAS (a view: no memory behind the shape check)
+    head = torch.zeros(1, 64).expand(ROW_GEMV_MAX_ELEMENTS // 64 + 1, 64)
+    linear(torch.ones(1, 64), head)
+    assert len(calls) == 2
 
 
 @pytest.mark.gpu

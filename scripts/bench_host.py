@@ -1,0 +1,66 @@
+"""The engine's own host time per decode step (scheduler, runner bookkeeping, sampling, output
+processing) with the model forward stubbed out: what async scheduling has to hide behind the
+device step at large batches. CPU, a tiny random model; prints JSON.
+
+PYTHONPATH=. python3 scripts/bench_host.py [--batch-sizes 1,64,256] [--steps 200] [--profile]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from krait.config import EngineConfig
+from krait.engine.engine import LLMEngine
+from krait.sampling_params import SamplingParams
+from tests.utils import make_tiny_llama
+
+
+def host_ms_per_step(model_dir: str, batch: int, steps: int, profile: bool) -> float:
+    eng = LLMEngine(EngineConfig.from_kwargs(
+        model=model_dir, device="cpu", dtype="float32", max_num_seqs=batch,
+        max_model_len=steps + 64, max_num_batched_tokens=max(2048, 32 * batch)))
+    hidden = eng.config.model.hf_config.hidden_size
+    # the forward is stubbed: zeros [tokens, hidden] (the lm_head and sampling still run)
+    eng.runner.forward = lambda b: torch.zeros(b.num_tokens_padded, hidden)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True,
+                            output_kind="final_only")
+    for i in range(batch):
+        eng.add_request(str(i), {"prompt_token_ids": [3 + (i + j) % 97 for j in range(32)]}, params)
+    for _ in range(5):
+        eng.step()
+    if profile:
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    ms = (time.perf_counter() - t) / steps * 1e3
+    if profile:
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_llama(tmp, num_hidden_layers=1)
+        rows = [{"batch": b, "host_ms_per_step": host_ms_per_step(model_dir, b, args.steps,
+                                                                   args.profile)}
+                for b in map(int, args.batch_sizes.split(","))]
+    print(json.dumps({"kind": "host", "torch": torch.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
