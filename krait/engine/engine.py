@@ -237,15 +237,18 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(sched, sampled)
         touched: dict[str, None] = {}
         for req in progressed:
-            self.num_generation_tokens_total += len(sampled[req.request_id].token_ids)
+            new_ids = sampled[req.request_id].token_ids
+            self.num_generation_tokens_total += len(new_ids)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             detok = self._detok.get(req.request_id)
-            new_ids = sampled[req.request_id].token_ids
             if detok is not None and _detokenize_at_end(req.params):
-                # nothing to stream, no stop string to find: one decode when it finishes
-                new_ids = req.output_token_ids if req.is_finished else None
-            if detok is not None and new_ids is not None:
+                if not req.is_finished:
+                    # final_only, no stop string: nothing to report until it finishes (its
+                    # parent reports once every child has)
+                    continue
+                new_ids = req.output_token_ids  # one decode when it finishes
+            if detok is not None:
                 if _ended_on_stop_token(req) and not req.params.include_stop_str_in_output:
                     new_ids = new_ids[:-1]  # EOS / stop token ids stay out of the text
                 stop = detok.update(new_ids)

@@ -19,10 +19,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self._value_ in _FINISHED_VALUES
+        # identity tests: this runs several times per request per step
+        return self is not _WAITING and self is not _RUNNING
 
 
-_FINISHED_VALUES = frozenset({"stop", "length", "abort"})
+_WAITING, _RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
 
 
 @dataclass

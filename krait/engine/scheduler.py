@@ -125,22 +125,30 @@ class Scheduler:
         return len(self.waiting)
 
     # -- scheduling -----------------------------------------------------------------------
+    # (these run for every request every step: they read the token lists' lengths directly
+    # instead of through Request's properties)
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        if req.num_inflight and self._length_reached(req, req.num_inflight):
+        inflight = req.num_inflight
+        if inflight and self._length_reached(req, inflight):
             return 0  # its in-flight token ends it
-        return min(req.num_tokens + req.num_inflight - req.num_computed_tokens, budget)
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        return min(num_tokens + inflight - req.num_computed_tokens, budget)
 
     def _length_reached(self, req: Request, extra: int = 0) -> bool:
         """max_tokens or max_model_len reached, counting `extra` tokens not appended yet."""
-        p = req.params
-        out_of_tokens = p.max_tokens is not None and req.num_output_tokens + extra >= p.max_tokens
-        return out_of_tokens or req.num_tokens + extra >= self.max_model_len
+        n_out = len(req.output_token_ids) + extra
+        max_tokens = req.params.max_tokens
+        if max_tokens is not None and n_out >= max_tokens:
+            return True
+        return len(req.prompt_token_ids) + n_out >= self.max_model_len
 
     @staticmethod
     def _advance(req: Request, n: int) -> None:
         """The step just scheduled computes n tokens; one reaching the end samples a token."""
         req.num_computed_tokens += n
-        if req.num_computed_tokens >= req.num_tokens + req.num_inflight:
+        if req.num_computed_tokens >= (
+            len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_inflight
+        ):
             req.num_inflight += 1
 
     def _preempt(self, req: Request) -> None:
@@ -239,17 +247,21 @@ class Scheduler:
         when the step was scheduled). A request preempted since the step was scheduled still
         takes its token. Returns the requests that made progress (got a token or finished)."""
         progressed: list[Request] = []
+        requests = self.requests
+        prefix_caching = self.kv.prefix_caching
         for req_id in sched.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is None or req.is_finished:
+            req = requests.get(req_id)
+            if req is None or req.status.finished:
                 continue  # finished (or aborted) while this step ran: its result is dropped
-            running = req.status == RequestStatus.RUNNING
-            if running:
+            running = req.status is RequestStatus.RUNNING
+            if running and prefix_caching:
                 self.kv.cache_full_blocks(req)
             got = sampled.get(req_id)
-            if got is not None and got.prompt_logprobs and running:
+            if got is None:
+                continue
+            if got.prompt_logprobs and running:
                 _store_prompt_logprobs(req, got.prompt_logprobs)
-            if got is None or not got.token_ids:
+            if not got.token_ids:
                 continue
             req.num_inflight = max(req.num_inflight - 1, 0)
             for j, tok in enumerate(got.token_ids):
@@ -259,7 +271,7 @@ class Scheduler:
                 if self._check_stop(req, tok):
                     break
             progressed.append(req)
-            if req.is_finished:
+            if req.status.finished:
                 if running:
                     self.running.remove(req)
                 else:
@@ -295,12 +307,11 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         p = req.params
-        n_out = req.num_output_tokens
-        if n_out >= p.min_tokens:
+        if len(req.output_token_ids) >= p.min_tokens:
             if not p.ignore_eos and tok in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if tok in p.stop_token_ids:
+            if p.stop_token_ids and tok in p.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = tok
                 return True

@@ -129,25 +129,31 @@ class ModelRunner:
             self.penalties.add(i, new.params, new.token_ids[:n_prompt], new.token_ids[n_prompt:])
         if added:
             self.model_state.add_requests(added)
-        for cached in sched.cached_reqs:
-            i = st.index[cached.req_id]
-            if self.tables is not None and cached.new_block_ids:
-                self.tables.add_blocks(i, int(st.num_blocks[i]), cached.new_block_ids)
-            st.append_blocks(i, cached.new_block_ids)
-            st.num_computed_tokens[i] = cached.num_computed_tokens
+        cached = sched.cached_reqs
+        if not cached:
+            return
+        # every running request, every step: one numpy write; blocks only where new ones came
+        rows = np.fromiter((st.index[c.req_id] for c in cached), np.int64, len(cached))
+        st.num_computed_tokens[rows] = [c.num_computed_tokens for c in cached]
+        for i, c in zip(rows.tolist(), cached):
+            if c.new_block_ids:
+                if self.tables is not None:
+                    self.tables.add_blocks(i, int(st.num_blocks[i]), c.new_block_ids)
+                st.append_blocks(i, c.new_block_ids)
 
     def _ordered_rows(self, sched: SchedulerOutput) -> tuple[list[str], list[int], int]:
         """Decode rows first, then prefill rows (the hybrid ops rely on this split); also the
         number of prefill rows."""
         st = self.states
-        decodes, prefills = [], []
-        for rid, n in sched.num_scheduled_tokens.items():
-            i = st.index[rid]
-            (prefills if st.num_computed_tokens[i] < st.num_prompt_tokens[i] else decodes).append(
-                (rid, n)
-            )
-        rows = decodes + prefills
-        return [r for r, _ in rows], [n for _, n in rows], len(prefills)
+        req_ids = list(sched.num_scheduled_tokens)
+        num = list(sched.num_scheduled_tokens.values())
+        idx = np.fromiter((st.index[r] for r in req_ids), np.int64, len(req_ids))
+        prefill = st.num_computed_tokens[idx] < st.num_prompt_tokens[idx]
+        num_prefills = int(np.count_nonzero(prefill))
+        if num_prefills == 0 or num_prefills == len(req_ids):
+            return req_ids, num, num_prefills
+        order = np.argsort(prefill, kind="stable").tolist()  # decodes first, each in order
+        return [req_ids[j] for j in order], [num[j] for j in order], num_prefills
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> PendingSample:
@@ -265,9 +271,10 @@ class ModelRunner:
                     tokens = tokens[host_to_device(np.nonzero(fits)[0], tokens.device)]
                 self.tables.write_sampled(idx[rows][fits], pos[fits], tokens)
             st.num_tokens[idx[rows]] += 1  # values arrive with the pending result
+            sampled_ids = (batch.req_ids if len(rows) == batch.num_reqs
+                           else [batch.req_ids[r] for r in rows])
             pending = PendingSample(
-                [batch.req_ids[r] for r in rows], idx[rows], pos, result, st,
-                want_logprobs=[st.params[i].logprobs is not None for i in idx[rows]],
+                sampled_ids, idx[rows], pos, result, st, want_logprobs=st.wants_logprobs[idx[rows]],
             )
             if self.tables is None:  # the host gathers the next step's inputs: it needs them now
                 pending.write_host_tokens()
@@ -314,7 +321,7 @@ class PendingSample:
         self.rows = rows  # req_state_idx of each sampling row
         self.positions = positions  # the token position each row samples
         self.states = states
-        self.want_logprobs = want_logprobs or []
+        self.want_logprobs = want_logprobs if want_logprobs is not None else []
         self.prompt_logprobs: dict = {}
         self._host = None
         self._event = None

@@ -27,6 +27,7 @@ class RequestStates:
         # rows the sampler can serve with a bare argmax (greedy, no penalties/bans/logprobs)
         self.plain_greedy = np.zeros(max_num_reqs, dtype=bool)
         self.wants_prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
+        self.wants_logprobs = np.zeros(max_num_reqs, dtype=bool)
         self.eos_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.index: dict[str, int] = {}
@@ -60,6 +61,7 @@ class RequestStates:
         self.params[i] = params
         self.plain_greedy[i] = params is not None and _plain_greedy(params)
         self.wants_prompt_logprobs[i] = params is not None and params.prompt_logprobs is not None
+        self.wants_logprobs[i] = params is not None and params.logprobs is not None
         self.eos_token_ids[i] = eos_token_ids
         self.req_ids[i] = req_id
         self.index[req_id] = i
