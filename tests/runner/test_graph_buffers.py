@@ -147,6 +147,8 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
              SamplingParams(temperature=0.9, seed=3, max_tokens=5, ignore_eos=True, logprobs=1),
              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
     greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 2, 4)]
+    # all-greedy batches (the graph's own token write stands) once; the interpreter is slow
+    param_sets = (mixed, greedy) if arch == "qwen3" else (mixed,)
 
     def run(graphs: bool) -> tuple[list, int]:
         llm = LLM(d, device="cpu", dtype="float32", max_num_seqs=4)
@@ -158,7 +160,7 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
             real_run = runner.cuda_graphs.run
             runner.cuda_graphs.run = lambda b: (replays.append(b.num_reqs), real_run(b))[1]
         out = []
-        for params in (mixed, greedy):
+        for params in param_sets:
             res = llm.generate(prompts, params, use_tqdm=False)
             out.append([(o.outputs[0].token_ids,
                          [round(e[t].logprob, 4) for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
