@@ -65,6 +65,11 @@ def quick() -> None:
         weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         prev = previous_default(1, n, k)
+        ref = F.linear(x.float(), weights[0].float())
+        for cfg in (None, prev):  # both configs must be right before their times mean anything
+            err = (gemv_triton(x, weights[0], config=cfg).float() - ref).norm() / ref.norm()
+            if err > 1e-2:
+                print(f"   {name}: wrong result with {cfg or 'the default'} (rel err {err:.3g})")
         t = [time_us(lambda w, x=x: F.linear(x, w), weights),
              time_us(lambda w, x=x: gemv_triton(x, w), weights),
              time_us(lambda w, x=x, c=prev: gemv_triton(x, w, config=c), weights)]

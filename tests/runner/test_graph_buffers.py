@@ -171,3 +171,18 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     got, replays = run(graphs=True)
     assert got == want
     assert max(replays) == 3 and min(replays) == 1  # padded to 4, then smaller graphs
+
+
+def test_decode_graph_rows_must_be_at_their_last_known_token():
+    # the graph writes each row's greedy token at its sequence length: a row whose next token is
+    # already known (a recomputed output) must run eagerly, or the write would overwrite it
+    from types import SimpleNamespace
+
+    from krait.runner.model_runner import ModelRunner
+
+    states, _ = _decode_states()
+    runner = SimpleNamespace(states=states)
+    assert ModelRunner._rows_sample(runner, ["r0", "r1", "r2"])
+    states.num_tokens[states.index["r1"]] += 1  # r1 knows one more token than it computed
+    assert not ModelRunner._rows_sample(runner, ["r0", "r1"])
+    assert ModelRunner._rows_sample(runner, ["r0", "r2"])
