@@ -75,12 +75,14 @@ case $what in
       | tee "$LOG/profile.log"
     ;;
   ab)  # knobs against the defaults, same machine: programmatic dependent launch off
-    # (KRAIT_PDL=0; on by default since session 4), every one-row projection through the GEMV
-    # (KRAIT_GEMV=1), the fused Mamba decode kernel (KRAIT_FUSED_MAMBA_DECODE=1)
+    # (KRAIT_PDL=0; on by default since session 4), every call of <= 8 rows through the GEMV
+    # (KRAIT_GEMV=1), the GEMV dispatch before session 4's widening (KRAIT_GEMV=narrow), the
+    # fused Mamba decode kernel (KRAIT_FUSED_MAMBA_DECODE=1)
     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "_base" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_PDL=0 bench_latency $m "_nopdl" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_GEMV=1 bench_latency $m "_gemv" --batch-sizes 1 --prompt-lens ""
+      KRAIT_GEMV=narrow bench_latency $m "_gemv_narrow" --batch-sizes 1 --prompt-lens ""
     done
     (export KRAIT_FUSED_MAMBA_DECODE=1
      bench_latency mamba2-1.3b "_fused" --batch-sizes 1,64 --prompt-lens ""

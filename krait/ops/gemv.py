@@ -181,7 +181,8 @@ ROW_GEMV_MAX_ELEMENTS = 20 << 20
 def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     """KRAIT_GEMV=1: every call with M <= 8; =0: never; unset: one row against a weight of at
     most ROW_GEMV_MAX_ELEMENTS, where it beat cuBLAS on the H200 (scripts/bench_gemv.py). With
-    more rows this kernel re-reads W per row tile and loses."""
+    more rows this kernel re-reads W per row tile and loses. KRAIT_GEMV=narrow: the rule before
+    session 4 (one row, N <= K/2, at most 8M elements), kept for the A/B in gpu_check.sh ab."""
     if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M:  # shape first: prefill pays no lookup
         return False
     mode = os.environ.get("KRAIT_GEMV")
@@ -189,6 +190,9 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
         return False
     if mode == "1":
         return True
+    if mode == "narrow":
+        n, k = weight.shape
+        return x.shape[0] == 1 and 2 * n <= k and n * k <= (8 << 20)
     return x.shape[0] == 1 and weight.numel() <= ROW_GEMV_MAX_ELEMENTS
 
 

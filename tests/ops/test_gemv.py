@@ -118,6 +118,10 @@ def test_default_dispatch_takes_one_row_against_a_projection_sized_weight(monkey
     head = torch.zeros(1, 64).expand(ROW_GEMV_MAX_ELEMENTS // 64 + 1, 64)
     linear(torch.ones(1, 64), head)
     assert len(calls) == 2
+    monkeypatch.setenv("KRAIT_GEMV", "narrow")  # the previous rule: narrow weights only
+    linear(torch.ones(1, 64), narrow)
+    linear(torch.ones(1, 24), wide)
+    assert len(calls) == 3
 
 
 @pytest.mark.gpu
