@@ -25,6 +25,8 @@ def test_throughput_with_hf_baseline(tmp_path):
     assert r["kind"] == "throughput" and r["num_prompts"] == 6
     assert r["output_tok_per_s"] > 0 and r["steps"] >= 5
     assert r["hf"]["num_prompts"] == 2 and r["hf"]["output_tok_per_s"] > 0
+    passes = r["hf"]["output_tok_per_s_each_pass"]  # a warm-up, then two timed passes
+    assert len(passes) == 2 and r["hf"]["output_tok_per_s"] == max(passes)
     assert abs(r["speedup_vs_hf"] - r["output_tok_per_s"] / r["hf"]["output_tok_per_s"]) < 1e-6
 
 
