@@ -141,8 +141,6 @@ def _host_functions(eng: LLMEngine, prompt: list[int]) -> None:
     """Python functions by own time during one prefill request (cProfile): where the host time
     of an eager step goes (krait's wrappers, Triton's launcher, torch dispatch)."""
     import cProfile
-    import io
-    import pstats
 
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     eng.add_request("host", {"prompt_token_ids": prompt}, one)
@@ -152,12 +150,7 @@ def _host_functions(eng: LLMEngine, prompt: list[int]) -> None:
         eng.step()
     _sync()
     pr.disable()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(15)
-    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
-    print("   host functions (cProfile, one prefill request, by own time):")
-    for ln in lines[3:20]:
-        print("     " + ln[:150])
+    _print_stats(pr, "host functions of one prefill request", "tottime", 15)
 
 
 def _find_syncs(eng: LLMEngine, prompt: list[int] | None, what: str = "one prefill request") -> None:

@@ -141,9 +141,12 @@ class ModelRunner:
                     self.tables.add_blocks(i, int(st.num_blocks[i]), c.new_block_ids)
                 st.append_blocks(i, c.new_block_ids)
 
-    def _ordered_rows(self, sched: SchedulerOutput) -> tuple[list[str], list[int], int]:
-        """Decode rows first, then prefill rows (the hybrid ops rely on this split); also the
-        number of prefill rows."""
+    def _ordered_rows(
+        self, sched: SchedulerOutput
+    ) -> tuple[list[str], list[int], np.ndarray, int]:
+        """Decode rows first, then prefill rows (the hybrid ops rely on this split): their
+        request ids, scheduled token counts and req_state indices, and the number of prefill
+        rows."""
         st = self.states
         req_ids = list(sched.num_scheduled_tokens)
         num = list(sched.num_scheduled_tokens.values())
@@ -151,9 +154,10 @@ class ModelRunner:
         prefill = st.num_computed_tokens[idx] < st.num_prompt_tokens[idx]
         num_prefills = int(np.count_nonzero(prefill))
         if num_prefills == 0 or num_prefills == len(req_ids):
-            return req_ids, num, num_prefills
-        order = np.argsort(prefill, kind="stable").tolist()  # decodes first, each in order
-        return [req_ids[j] for j in order], [num[j] for j in order], num_prefills
+            return req_ids, num, idx, num_prefills
+        order = np.argsort(prefill, kind="stable")  # decodes first, each in order
+        ids = [req_ids[j] for j in order.tolist()]
+        return ids, [num[j] for j in order.tolist()], idx[order], num_prefills
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> PendingSample:
@@ -164,13 +168,13 @@ class ModelRunner:
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
             return PendingSample.empty()
-        req_ids, num_scheduled, num_prefills = self._ordered_rows(sched)
+        req_ids, num_scheduled, rows, num_prefills = self._ordered_rows(sched)
         if self.tables is not None:
             self.tables.flush()
         graph_size = None
         # never replay a prefill chunk in a decode graph, even a one-token one
         if (self.cuda_graphs is not None and num_prefills == 0
-                and all(n == 1 for n in num_scheduled) and self._rows_sample(req_ids)):
+                and all(n == 1 for n in num_scheduled) and self._rows_sample(rows)):
             graph_size = self.cuda_graphs.size_for(len(req_ids))
         if graph_size is not None:
             into = self.cuda_graphs.captured_batch(graph_size) if self.tables is not None else None
@@ -229,12 +233,12 @@ class ModelRunner:
                 out[batch.req_ids[r]] = entries
         return out
 
-    def _rows_sample(self, req_ids: list[str]) -> bool:
-        """Every row's scheduled token is its last known one, so every row samples the token at
-        its sequence length (where a decode graph writes its greedy token)."""
+    def _rows_sample(self, rows: np.ndarray) -> bool:
+        """Every row's (req_state indices) scheduled token is its last known one, so every row
+        samples the token at its sequence length (where a decode graph writes its greedy
+        token)."""
         st = self.states
-        idx = [st.index[r] for r in req_ids]
-        return bool((st.num_computed_tokens[idx] + 1 == st.num_tokens[idx]).all())
+        return bool((st.num_computed_tokens[rows] + 1 == st.num_tokens[rows]).all())
 
     def forward(self, batch: InputBatch) -> torch.Tensor:
         meta = self.model_state.prepare_attn(batch, for_capture=False)

@@ -182,7 +182,11 @@ def test_decode_graph_rows_must_be_at_their_last_known_token():
 
     states, _ = _decode_states()
     runner = SimpleNamespace(states=states)
-    assert ModelRunner._rows_sample(runner, ["r0", "r1", "r2"])
+
+    def rows(*ids: str) -> np.ndarray:
+        return np.array([states.index[r] for r in ids])
+
+    assert ModelRunner._rows_sample(runner, rows("r0", "r1", "r2"))
     states.num_tokens[states.index["r1"]] += 1  # r1 knows one more token than it computed
-    assert not ModelRunner._rows_sample(runner, ["r0", "r1"])
-    assert ModelRunner._rows_sample(runner, ["r0", "r2"])
+    assert not ModelRunner._rows_sample(runner, rows("r0", "r1"))
+    assert ModelRunner._rows_sample(runner, rows("r0", "r2"))
