@@ -1,10 +1,18 @@
-"""Linear layers. `MergedLinear` fuses several HF projections (q/k/v, gate/up) into one GEMM."""
+"""Linear layers. `MergedLinear` fuses several HF projections (q/k/v, gate/up) into one GEMM.
+Both take a tensor or a `PendingNorm` (the norm then fused into the decode GEMV)."""
 
 from __future__ import annotations
 
 import torch
 
-from krait.ops.gemv import linear, silu_mul_linear
+from krait.layers.norm import PendingNorm
+from krait.ops.gemv import gated_norm_linear, linear, silu_mul_linear
+
+
+def _project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None):
+    if isinstance(x, PendingNorm):
+        return x.project(weight, bias)
+    return linear(x, weight, bias)
 
 
 class Linear(torch.nn.Linear):
@@ -13,12 +21,19 @@ class Linear(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        return _project(x, self.weight, self.bias)
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (fused for decode)."""
         return silu_mul_linear(gate_up, self.weight, self.bias)
+
+    def forward_gated_norm(
+        self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+        group_size: int,
+    ) -> torch.Tensor:
+        """self(gated_rms_norm(x, gate)) for x, gate [T, in_features] (fused for decode)."""
+        return gated_norm_linear(x, gate, norm_weight, eps, group_size, self.weight, self.bias)
 
 
 class MergedLinear(torch.nn.Module):
@@ -32,8 +47,8 @@ class MergedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(sum(out_sizes), in_features))
         self.bias = torch.nn.Parameter(torch.empty(sum(out_sizes))) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        return _project(x, self.weight, self.bias)
 
     def load_shard(self, shard: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
         target = self.bias if is_bias else self.weight

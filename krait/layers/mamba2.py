@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from krait.layers.linear import Linear
+from krait.layers.norm import PendingNorm
 from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
@@ -115,14 +116,14 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         return (d.conv_dim, d.d_conv - 1), (d.num_heads, d.head_dim, d.d_state)
 
-    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor | PendingNorm, meta: MambaMetadata) -> torch.Tensor:
+        """x [T, hidden] (or its pending pre-norm, fused into in_proj) -> [T, hidden]."""
         d = self.d
         group = d.norm_group_size or d.intermediate // d.n_groups
-        if meta.num_decode_tokens and use_triton(x) and self._fuse_decode(group):
+        if meta.num_decode_tokens and use_triton(self.D) and self._fuse_decode(group):
             return self.out_proj(self._forward_fused_decode(x, meta, group))
         y, gate = self.scan(x, meta)
-        return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
+        return self.out_proj.forward_gated_norm(y, gate, self.norm_weight, d.eps, group)
 
     def _fuse_decode(self, group: int) -> bool:
         """Decode rows through krait/ops/mamba_decode.py only with KRAIT_FUSED_MAMBA_DECODE=1:
@@ -130,17 +131,19 @@ class Mamba2Mixer(torch.nn.Module):
         return (os.environ.get("KRAIT_FUSED_MAMBA_DECODE") == "1"
                 and fusable(self.d.head_dim, self.d.intermediate, group))
 
-    def scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def scan(
+        self, x: torch.Tensor | PendingNorm, meta: MambaMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing
         the state slots: returns (y [T, intermediate], gate [T, intermediate])."""
         gate, xbc, dt = self._project(x)
         nd = meta.num_decode_tokens
         y_dec = self._decode_ssm(xbc, dt, meta) if nd else None
         y_pre = self._prefill_ssm(xbc, dt, meta) if meta.num_prefills else None
-        return self._join(x, nd, y_dec, y_pre), gate
+        return self._join(gate, nd, y_dec, y_pre), gate
 
     def _forward_fused_decode(
-        self, x: torch.Tensor, meta: MambaMetadata, group: int
+        self, x: torch.Tensor | PendingNorm, meta: MambaMetadata, group: int
     ) -> torch.Tensor:
         """Decode rows through one fused kernel (conv, state update, gated norm), prefill rows
         as in `scan`: the gated, normalized y [T, intermediate]."""
@@ -157,9 +160,9 @@ class Mamba2Mixer(torch.nn.Module):
         if meta.num_prefills:
             y = self._prefill_ssm(xbc, dt, meta).reshape(-1, d.intermediate)
             y_pre = gated_rms_norm(y, gate[nd : nd + y.shape[0]], self.norm_weight, d.eps, group)
-        return self._join(x, nd, y_dec, y_pre)
+        return self._join(gate, nd, y_dec, y_pre)
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views."""
         d = self.d
         return self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
@@ -198,14 +201,15 @@ class Mamba2Mixer(torch.nn.Module):
         )
 
     def _join(
-        self, x: torch.Tensor, nd: int, y_dec: torch.Tensor | None, y_pre: torch.Tensor | None
+        self, gate: torch.Tensor, nd: int, y_dec: torch.Tensor | None, y_pre: torch.Tensor | None
     ) -> torch.Tensor:
-        """Decode rows then prefill rows as [T, intermediate]; rows past both (padding) are 0."""
-        T, inter = x.shape[0], self.d.intermediate
+        """Decode rows then prefill rows as [T, intermediate] (gate's shape); rows past both
+        (padding) are 0."""
+        T, inter = gate.shape
         parts = [p.reshape(-1, inter) for p in (y_dec, y_pre) if p is not None]
         if len(parts) == 1 and parts[0].shape[0] == T:
             return parts[0]  # the common case: no copy
-        y = x.new_zeros(T, inter)  # [T, intermediate]
+        y = gate.new_zeros(T, inter)  # [T, intermediate]
         if y_dec is not None:
             y[:nd] = parts[0]
         if y_pre is not None:

@@ -1,9 +1,11 @@
-"""RMSNorm with optional fused residual add."""
+"""RMSNorm with optional fused residual add, and `PendingNorm`: a norm that the projection
+reading it may fuse into its decode GEMV."""
 
 from __future__ import annotations
 
 import torch
 
+from krait.ops.gemv import linear, rms_norm_linear
 from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 
@@ -21,3 +23,46 @@ class RMSNorm(torch.nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps, x_scale)
+
+
+class PendingNorm:
+    """norm(s) for s = x * x_scale + residual (s = x when residual is None: the first layer),
+    not computed yet. A layer hands it to its mixer in place of the normalized activations: a
+    `Linear` reading it computes norm and projection in one launch where the decode GEMV takes
+    the call (`rms_norm_linear`), anything else asks for `value()`. Once read, `residual` is s,
+    the residual stream the layer carries on."""
+
+    def __init__(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, x_scale: float = 1.0
+    ) -> None:
+        self.norm, self.x, self.residual_in, self.x_scale = norm, x, residual, x_scale
+        self._value: torch.Tensor | None = None
+        self._sum: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        """The normalized activations [T, hidden] (computed once)."""
+        if self._value is None:
+            if self.residual_in is None:
+                self._value, self._sum = self.norm(self.x), self.x
+            else:
+                self._value, self._sum = self.norm(self.x, self.residual_in, self.x_scale)
+        return self._value
+
+    def project(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """linear(value(), weight, bias), the norm fused in when nothing has read it yet."""
+        if self._value is not None:
+            return linear(self._value, weight, bias)
+        y, self._sum = rms_norm_linear(self.x, self.residual_in, self.norm.weight, self.norm.eps,
+                                       weight, bias, self.x_scale)
+        return y
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """s = x * x_scale + residual: the residual stream after this norm."""
+        if self._sum is None:
+            raise RuntimeError("PendingNorm.residual: read the norm (value() or a projection) first")
+        return self._sum

@@ -9,9 +9,9 @@ import torch
 
 from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
-from krait.layers.norm import RMSNorm
+from krait.layers.norm import PendingNorm, RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import lm_head_for, run_layers
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -35,9 +35,12 @@ class LlamaAttention(torch.nn.Module):
         )
         self.split = [q_size, kv_size, kv_size]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+    def forward(
+        self, x: torch.Tensor | PendingNorm, positions: torch.Tensor, meta: StepMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        T = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
         out = self.attn.forward_rope(
             q.view(T, self.num_heads, self.head_dim),
             k.view(T, self.num_kv_heads, self.head_dim),
@@ -53,7 +56,7 @@ class LlamaMLP(torch.nn.Module):
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
@@ -73,10 +76,10 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta):
-        x, residual = pre_norm(self.input_layernorm, x, residual)
-        x = self.self_attn(x, positions, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        h = PendingNorm(self.input_layernorm, x, residual)  # fused into qkv_proj for decode
+        x = self.self_attn(h, positions, meta)
+        h = PendingNorm(self.post_attention_layernorm, x, h.residual)
+        return self.mlp(h), h.residual
 
 
 class LlamaForCausalLM(torch.nn.Module):

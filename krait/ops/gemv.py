@@ -9,9 +9,15 @@ program writes its partial sums and bumps a per-tile counter; the last program o
 partials in slice order (deterministic), writes y and resets the counter for the next launch — one
 launch, no memset, graph-safe.
 
+A prologue may transform the input row as it is loaded: silu(gate) * up (the down projection),
+or an RMSNorm of it (with the residual add, the sum written out of place; Mamba2's gated norm
+over one group): each program first reduces the row over all of K, then streams its slice of W.
+The norm and the projection take one launch instead of two.
+
 Measured on the H200 (`scripts/bench_gemv.py`, docs/benchmarks.md) it wins at one row against a
-narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us) and loses elsewhere, so by default only those
-calls come here; `KRAIT_GEMV=1` sends every call with M <= 8, `KRAIT_GEMV=0` none.
+narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us), so by default only those plain projections and
+the one-row projections with a fused norm come here; `KRAIT_GEMV=1` sends every call with
+M <= 8, `KRAIT_GEMV=0` none, `KRAIT_FUSE_NORM=0` keeps norms in their own kernels.
 """
 
 from __future__ import annotations
@@ -27,18 +33,47 @@ from torch import Tensor
 from krait.ops._dispatch import use_triton
 from krait.ops.activation import silu_and_mul
 from krait.ops.arrival import arrival_counters
+from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
 
 
+# prologue of the GEMV's input: what the x row is turned into before it meets W
+PLAIN, SILU_MUL, RMS_NORM, GATED_NORM = 0, 1, 2, 3
+
+
+@triton.jit
+def _prologue_h(x_rows, a_rows, k, ld_ok, K, x_scale,
+                PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SCALE_X: tl.constexpr):
+    """The float32 value a norm prologue normalizes, at columns k ([M, N, BLOCK_K]): RMS_NORM
+    the residual sum s = x * x_scale + a (each rounded to x's dtype, as the unfused add is),
+    GATED_NORM y * silu(z) with y = x, z = a (not rounded, as in MambaRMSNormGated)."""
+    x = tl.load(x_rows + k, mask=ld_ok, other=0.0)
+    if PROLOGUE == 2:
+        if HAS_RES:
+            xs = x
+            if SCALE_X:
+                xs = (x.to(tl.float32) * x_scale).to(x.dtype)
+            r = tl.load(a_rows + k, mask=ld_ok, other=0.0)
+            h = (xs.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32)
+        else:
+            h = x.to(tl.float32)
+    else:
+        z = tl.load(a_rows + k, mask=ld_ok, other=0.0).to(tl.float32)
+        h = x.to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+    return h
+
+
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, a_ptr, nw_ptr, s_ptr,
+    M, N, K, k_per_split, eps, x_scale,
+    stride_xm, stride_wn, stride_ym, stride_am, stride_sm,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
+    HAS_RES: tl.constexpr, SCALE_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
@@ -53,7 +88,9 @@ def _gemv_kernel(
     # (repeated reads hit L1) so that no layout conversion, and no shared-memory round trip
     # with barriers, sits in the loop; products accumulate elementwise and K is reduced once.
     w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # [1, BLOCK_N, 1]
-    x_rows = x_ptr + offs_m[:, None, None] * stride_xm + 0 * offs_n[None, :, None]  # [M, N, 1]
+    bcast_n = 0 * offs_n[None, :, None]
+    x_rows = x_ptr + offs_m[:, None, None] * stride_xm + bcast_n  # [M, N, 1]
+    a_rows = a_ptr + offs_m[:, None, None] * stride_am + bcast_n  # residual or gate: [M, N, 1]
     w_ok = n_ok[None, :, None]
     x_ok = m_ok[:, None, None] & w_ok
     k_lo = pid_k * k_per_split
@@ -64,15 +101,37 @@ def _gemv_kernel(
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
+    if PROLOGUE >= 2:
+        # a norm prologue: every program first reduces its rows over the whole of K (K is at
+        # most a few thousand: these reads hit L2); program (0, 0) writes the residual sum
+        # out of place (the other programs are still reading the residual it replaces)
+        sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        write_sum = (pid_n == 0) & (pid_k == 0) & (tl.arange(0, BLOCK_N) == 0)[None, :, None]
+        s_rows = s_ptr + offs_m[:, None, None] * stride_sm + bcast_n
+        for k0 in range(0, K, BLOCK_K):
+            k = (k0 + offs_k)[None, None, :]
+            ld_ok = m_ok[:, None, None] & (k < K)
+            h = _prologue_h(x_rows, a_rows, k, ld_ok, K, x_scale, PROLOGUE, HAS_RES, SCALE_X)
+            if PROLOGUE == 2 and HAS_RES:
+                tl.store(s_rows + k, h.to(s_ptr.dtype.element_ty), mask=ld_ok & write_sum)
+            sq += tl.sum(h * h, axis=2)
+        rstd = tl.rsqrt(sq / K + eps)[:, :, None]  # [M, N, 1]
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = (k0 + offs_k)[None, None, :]
         k_ok = k < k_hi
-        x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
-        if SILU_MUL:  # x holds [gate | up] of width 2K: the input is silu(gate) * up
+        if PROLOGUE == 0:
+            x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
+        elif PROLOGUE == 1:  # x holds [gate | up] of width 2K: the input is silu(gate) * up
+            g = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_rows + K + k, mask=x_ok & k_ok, other=0.0)
-            g = x.to(tl.float32)
             # rounded to the activation dtype, as silu_and_mul hands it to the projection
             x = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(up.dtype)
+        else:  # normalized, rounded, scaled by the norm weight and rounded, as the norm op does
+            h = _prologue_h(x_rows, a_rows, k, x_ok & k_ok, K, x_scale,
+                            PROLOGUE, HAS_RES, SCALE_X)
+            h = (h * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = (nw * h).to(y_ptr.dtype.element_ty)
         k_next = k + BLOCK_K
         w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
         acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
@@ -135,22 +194,64 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
     With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
     silu_and_mul: one launch and no [M, K] intermediate)."""
-    m = x.shape[0]
     k = x.shape[1] // 2 if silu_mul else x.shape[1]
-    n = weight.shape[0]
+    return _launch(x, weight, bias, config, SILU_MUL if silu_mul else PLAIN, k)[0]
+
+
+def gemv_rms_norm_triton(
+    x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+    bias: Tensor | None = None, x_scale: float = 1.0, config: dict[str, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(linear(rms_norm(s)), s) for x [M, K], s = x * x_scale + residual (s = x without a
+    residual): fused_add_rms_norm in the GEMV's prologue, one launch. s comes back in a new
+    tensor; residual is not modified."""
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"gemv_rms_norm_triton: residual {tuple(residual.shape)} vs x "
+                         f"{tuple(x.shape)}")
+    y, summed = _launch(x, weight, bias, config, RMS_NORM, x.shape[1], residual, norm_weight,
+                        eps, x_scale)
+    return y, (x if residual is None else summed)
+
+
+def gemv_gated_norm_triton(
+    x: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+    bias: Tensor | None = None, config: dict[str, int] | None = None,
+) -> Tensor:
+    """linear(gated_rms_norm(x, gate)) for x, gate [M, K], the norm over all K channels (one
+    group): Mamba2's gated norm in the GEMV's prologue."""
+    if gate.shape != x.shape:
+        raise ValueError(f"gemv_gated_norm_triton: gate {tuple(gate.shape)} vs x {tuple(x.shape)}")
+    return _launch(x, weight, bias, config, GATED_NORM, x.shape[1], gate, norm_weight, eps)[0]
+
+
+def _rowwise(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(
+    x: Tensor, weight: Tensor, bias: Tensor | None, config: dict[str, int] | None,
+    prologue: int, k: int, aux: Tensor | None = None, norm_weight: Tensor | None = None,
+    eps: float = 0.0, x_scale: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """One GEMV launch: (y [M, N], the residual sum [M, K] of an RMS_NORM prologue with aux)."""
+    m, n = x.shape[0], weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"gemv_triton: weight is [N, {weight.shape[1]}], input gives K={k}")
     if m > MAX_M:
         raise ValueError(f"gemv_triton serves at most {MAX_M} rows, got {m}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _rowwise(x)
+    aux = _rowwise(aux) if aux is not None else None
     # PDL reads the weight before waiting for earlier kernels: only a parameter, never a copy
     pdl = use_pdl(x) and weight.stride(-1) == 1
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
+    weight = _rowwise(weight)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    summed = None
+    if prologue == RMS_NORM and aux is not None:
+        summed = torch.empty(m, k, dtype=x.dtype, device=x.device)  # [M, K]
     if m == 0 or n == 0:
-        return y
+        if summed is not None:
+            summed.copy_(fused_add_rms_norm(x, aux, norm_weight, eps, x_scale)[1])
+        return y, summed
     cfg = dict(config or default_config(m, n, k, _num_sms(x.device)))
     cfg.setdefault("SPLIT_K", 1)
     if x.device.type == "cpu":
@@ -163,36 +264,61 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         counters = arrival_counters(_COUNTERS, x.device, tiles)
     else:
         part = counters = y
+    a = aux if aux is not None else x
+    s = summed if summed is not None else x
     _gemv_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else weight, y, part, counters,
-        m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, **pdl_args(pdl), **cfg,
+        x, weight, bias if bias is not None else weight, y, part, counters, a,
+        norm_weight if norm_weight is not None else weight, s,
+        m, n, k, k_per_split, float(eps), float(x_scale),
+        x.stride(0), weight.stride(0), y.stride(0), a.stride(0), s.stride(0),
+        HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RES=aux is not None,
+        SCALE_X=x_scale != 1.0, **pdl_args(pdl), **cfg,
     )
-    return y
+    return y, summed
 
 
-# one-row calls up to this many weight elements go to the GEMV by default: with the one-row
-# config of session 4 it beat cuBLAS at every projection shape up to 17M elements on the H200
-# (docs/benchmarks.md, run 10) and lost at granite's gate_up (32M); lm_heads (100M+) stay on
-# cuBLAS, where a step with every one-row call in the GEMV measured slower for qwen3
+# one-row calls up to this many weight elements may go to the GEMV (KRAIT_GEMV=wide for a plain
+# projection; always when a norm is fused into it): with the one-row config of session 4 it beat
+# cuBLAS at every projection shape up to 17M elements in isolation on the H200 (docs/benchmarks.md,
+# run 10) and lost at granite's gate_up (32M); lm_heads (100M+) stay on cuBLAS
 ROW_GEMV_MAX_ELEMENTS = 20 << 20
 
 
-def _use_gemv(x: Tensor, weight: Tensor) -> bool:
-    """KRAIT_GEMV=1: every call with M <= 8; =0: never; unset: one row against a weight of at
-    most ROW_GEMV_MAX_ELEMENTS, where it beat cuBLAS on the H200 (scripts/bench_gemv.py). With
-    more rows this kernel re-reads W per row tile and loses. KRAIT_GEMV=narrow: the rule before
-    session 4 (one row, N <= K/2, at most 8M elements), kept for the A/B in gpu_check.sh ab."""
+def _gemv_allowed(x: Tensor) -> bool:
+    """The GEMV serves x at all: at most MAX_M rows, Triton on, KRAIT_GEMV not 0."""
     if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M:  # shape first: prefill pays no lookup
         return False
-    mode = os.environ.get("KRAIT_GEMV")
-    if mode == "0" or not use_triton(x):
+    return os.environ.get("KRAIT_GEMV") != "0" and use_triton(x)
+
+
+def _use_gemv(x: Tensor, weight: Tensor) -> bool:
+    """A plain projection through the GEMV? KRAIT_GEMV=1: every call with M <= 8; =0: never;
+    unset: one row against a narrow weight (N <= K/2, at most 8M elements), where it beat
+    cuBLAS end to end on the H200 (session 5: a step with every one-row projection of at most
+    20M elements in the GEMV, KRAIT_GEMV=wide, was 3-5% slower than this rule for all three
+    models although the GEMV won each shape alone). With more rows it re-reads W per row tile
+    and loses."""
+    if not _gemv_allowed(x):
         return False
+    mode = os.environ.get("KRAIT_GEMV")
     if mode == "1":
         return True
-    if mode == "narrow":
-        n, k = weight.shape
-        return x.shape[0] == 1 and 2 * n <= k and n * k <= (8 << 20)
+    if x.shape[0] != 1:
+        return False
+    n, k = weight.shape
+    if mode == "wide":
+        return weight.numel() <= ROW_GEMV_MAX_ELEMENTS
+    return 2 * n <= k and n * k <= (8 << 20)
+
+
+def _fuse_norm(x: Tensor, weight: Tensor) -> bool:
+    """A norm fused into the GEMV's prologue: one row against a weight of at most
+    ROW_GEMV_MAX_ELEMENTS (one launch fewer than norm + projection), unless KRAIT_FUSE_NORM=0;
+    KRAIT_GEMV=1 fuses for every call of at most MAX_M rows."""
+    if not _gemv_allowed(x) or os.environ.get("KRAIT_FUSE_NORM") == "0":
+        return False
+    if os.environ.get("KRAIT_GEMV") == "1":
+        return True
     return x.shape[0] == 1 and weight.numel() <= ROW_GEMV_MAX_ELEMENTS
 
 
@@ -209,3 +335,29 @@ def silu_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     if _use_gemv(x, weight):
         return gemv_triton(x, weight, bias, silu_mul=True)
     return F.linear(silu_and_mul(x), weight, bias)
+
+
+def rms_norm_linear(
+    x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+    bias: Tensor | None = None, x_scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """(linear(rms_norm(s)), s) with s = x * x_scale + residual, or s = x without a residual
+    (x_scale then unused): one launch for the decode shapes `_fuse_norm` picks, else the norm
+    op then `linear`."""
+    if _fuse_norm(x, weight):
+        return gemv_rms_norm_triton(x, residual, norm_weight, eps, weight, bias, x_scale)
+    if residual is None:
+        return linear(rms_norm(x, norm_weight, eps), weight, bias), x
+    h, summed = fused_add_rms_norm(x, residual, norm_weight, eps, x_scale)
+    return linear(h, weight, bias), summed
+
+
+def gated_norm_linear(
+    x: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, group_size: int, weight: Tensor,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """linear(gated_rms_norm(x, gate)): one launch for one group (group_size == K) at the
+    decode shapes `_fuse_norm` picks, else the norm op then `linear`."""
+    if group_size == x.shape[-1] and _fuse_norm(x, weight):
+        return gemv_gated_norm_triton(x, gate, norm_weight, eps, weight, bias)
+    return linear(gated_rms_norm(x, gate, norm_weight, eps, group_size), weight, bias)

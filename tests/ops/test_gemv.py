@@ -7,7 +7,19 @@ import torch
 import torch.nn.functional as F
 
 from krait.ops.activation import silu_and_mul_ref
-from krait.ops.gemv import MAX_M, default_config, gemv_triton, linear, silu_mul_linear
+from krait.ops.gated_rms_norm import gated_rms_norm_ref
+from krait.ops.gemv import (
+    MAX_M,
+    default_config,
+    gated_norm_linear,
+    gemv_gated_norm_triton,
+    gemv_rms_norm_triton,
+    gemv_triton,
+    linear,
+    rms_norm_linear,
+    silu_mul_linear,
+)
+from krait.ops.rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton, rms_norm_ref
 
 
 def _inputs(m, n, k, dtype=torch.float32, seed=0, bias=False):
@@ -101,7 +113,7 @@ def test_linear_dispatch(monkeypatch):
     assert len(calls) == 1
 
 
-def test_default_dispatch_takes_one_row_against_a_projection_sized_weight(monkeypatch):
+def test_default_dispatch_takes_one_row_against_a_narrow_weight(monkeypatch):
     from krait.ops.gemv import ROW_GEMV_MAX_ELEMENTS
 
     calls = []
@@ -110,19 +122,91 @@ def test_default_dispatch_takes_one_row_against_a_projection_sized_weight(monkey
     monkeypatch.delenv("KRAIT_GEMV", raising=False)
     narrow, wide = torch.zeros(24, 64), torch.zeros(64, 24)
     linear(torch.ones(1, 64), narrow)
-    linear(torch.ones(1, 24), wide)
-    assert len(calls) == 2
+    linear(torch.ones(1, 24), wide)  # N > K/2: cuBLAS by default
+    assert len(calls) == 1
     linear(torch.ones(2, 64), narrow)  # two rows: cuBLAS
-    assert len(calls) == 2
-    # an lm_head-sized weight stays on cuBLAS (a view: no memory behind the shape check)
-    head = torch.zeros(1, 64).expand(ROW_GEMV_MAX_ELEMENTS // 64 + 1, 64)
-    linear(torch.ones(1, 64), head)
-    assert len(calls) == 2
-    monkeypatch.setenv("KRAIT_GEMV", "narrow")  # the previous rule: narrow weights only
+    assert len(calls) == 1
+    monkeypatch.setenv("KRAIT_GEMV", "wide")  # every projection-sized weight
     linear(torch.ones(1, 64), narrow)
     linear(torch.ones(1, 24), wide)
     assert len(calls) == 3
+    # an lm_head-sized weight stays on cuBLAS (a view: no memory behind the shape check)
+    head = torch.zeros(1, 64).expand(ROW_GEMV_MAX_ELEMENTS // 64 + 1, 64)
+    linear(torch.ones(1, 64), head)
+    assert len(calls) == 3
 
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("x_scale", [1.0, 0.5])
+def test_gemv_rms_norm_prologue_matches_norm_then_linear(split, x_scale):
+    x, w, b = _inputs(3, 24, 300, seed=21, bias=True)
+    r, _, _ = _inputs(3, 1, 300, seed=22)
+    nw = 1 + 0.1 * _inputs(1, 1, 300, seed=23)[0][0]  # [K]
+    cfg = dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    for _ in range(2):  # split K: the counters are back at zero for the second launch
+        y, summed = gemv_rms_norm_triton(x, r, nw, 1e-6, w, b, x_scale, config=cfg)
+        h, want_sum = fused_add_rms_norm_ref(x, r, nw, 1e-6, x_scale)
+        torch.testing.assert_close(summed, want_sum)
+        torch.testing.assert_close(y, F.linear(h, w, b), atol=1e-4, rtol=1e-4)
+    assert summed.data_ptr() not in (x.data_ptr(), r.data_ptr())  # out of place
+    y, same = gemv_rms_norm_triton(x, None, nw, 1e-6, w, config=cfg)  # the first layer
+    assert same is x
+    torch.testing.assert_close(y, F.linear(rms_norm_ref(x, nw, 1e-6), w), atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_rms_norm_prologue_rounds_as_the_norm_kernel_bf16():
+    x, w, _ = _inputs(1, 16, 256, torch.bfloat16, seed=24)
+    r, _, _ = _inputs(1, 1, 256, torch.bfloat16, seed=25)
+    nw = torch.ones(256, dtype=torch.bfloat16)
+    y, summed = gemv_rms_norm_triton(x, r, nw, 1e-6, w, x_scale=0.25)
+    h, want_sum = fused_add_rms_norm_triton(x, r, nw, 1e-6, 0.25)
+    assert torch.equal(summed, want_sum)  # the residual stream is bit-identical
+    ref = F.linear(h.float(), w.float())
+    assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemv_gated_norm_prologue(split):
+    x, w, _ = _inputs(2, 16, 320, seed=26)
+    z = _inputs(2, 1, 400, seed=27)[0][:, 40:360]  # a column slice of in_proj's output, as in Mamba2
+    nw = 1 + 0.1 * _inputs(1, 1, 320, seed=28)[0][0]
+    cfg = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    got = gemv_gated_norm_triton(x, z, nw, 1e-5, w, config=cfg)
+    want = F.linear(gated_rms_norm_ref(x, z, nw, 1e-5, 320), w)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="gate"):
+        gemv_gated_norm_triton(x, z[:1], nw, 1e-5, w)
+
+
+def test_norm_linear_dispatch_fuses_one_row_only(monkeypatch):
+    x, w, _ = _inputs(1, 24, 48, seed=29)
+    r, _, _ = _inputs(1, 1, 48, seed=30)
+    nw = torch.ones(48)
+    fused = []
+    real = gemv_rms_norm_triton
+    monkeypatch.setattr("krait.ops.gemv.gemv_rms_norm_triton",
+                        lambda *a, **k: fused.append(a) or real(*a, **k))
+    h, want_sum = fused_add_rms_norm_ref(x, r, nw, 1e-6)
+    y, summed = rms_norm_linear(x, r, nw, 1e-6, w)  # CPU without KRAIT_TRITON_CPU: unfused
+    assert not fused and torch.equal(summed, want_sum)
+    torch.testing.assert_close(y, F.linear(h, w))
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    y, summed = rms_norm_linear(x, r, nw, 1e-6, w)
+    assert len(fused) == 1
+    torch.testing.assert_close(y, F.linear(h, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(summed, want_sum)
+    x2, r2 = x.expand(2, 48).contiguous(), r.expand(2, 48).contiguous()
+    rms_norm_linear(x2, r2, nw, 1e-6, w)  # two rows: norm kernel, then the projection
+    monkeypatch.setenv("KRAIT_FUSE_NORM", "0")
+    rms_norm_linear(x, r, nw, 1e-6, w)
+    assert len(fused) == 1
+    monkeypatch.delenv("KRAIT_FUSE_NORM")
+    z, _, _ = _inputs(1, 1, 48, seed=31)
+    want = F.linear(gated_rms_norm_ref(x, z, nw, 1e-5, 24), w[:, :48])
+    # two groups: the prologue covers one group only, so the norm runs on its own
+    torch.testing.assert_close(gated_norm_linear(x, z, nw, 1e-5, 24, w), want,
+                               atol=1e-4, rtol=1e-4)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 8])
@@ -131,4 +215,20 @@ def test_gemv_real_sizes_gpu(m, n, k):
     x, w, b = (t.cuda() if t is not None else None for t in _inputs(m, n, k, torch.bfloat16))
     y = gemv_triton(x, w)
     ref = F.linear(x.float(), w.float())
+    assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024), (8512, 2048), (2048, 4096)])
+def test_gemv_norm_prologues_real_sizes_gpu(n, k):
+    x, w, _ = (t.cuda() if t is not None else None for t in _inputs(1, n, k, torch.bfloat16))
+    r, _, _ = _inputs(1, 1, k, torch.bfloat16, seed=5)
+    r, nw = r.cuda(), (1 + 0.1 * torch.randn(k)).to(torch.bfloat16).cuda()
+    y, summed = gemv_rms_norm_triton(x, r, nw, 1e-6, w, x_scale=0.5)
+    h, want_sum = fused_add_rms_norm_triton(x, r, nw, 1e-6, 0.5)
+    assert torch.equal(summed, want_sum)
+    ref = F.linear(h.float(), w.float())
+    assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
+    y = gemv_gated_norm_triton(x, r, nw, 1e-5, w)
+    ref = F.linear(gated_rms_norm_ref(x, r, nw, 1e-5, k).float(), w.float())
     assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
