@@ -2,7 +2,9 @@
 shipped configs, M = 1, 4, 8. Each variant is timed as a CUDA-graph replay over enough weight
 copies to miss the 50 MB L2, like a decode step that reads every weight once.
 
-PYTHONPATH=. python3 scripts/bench_gemv.py [--quick]   (GPU; --quick: one row, no sweep)"""
+PYTHONPATH=. python3 scripts/bench_gemv.py [--quick | --norm]   (GPU; --quick: one row, no
+sweep; --norm: a pre-norm fused into the one-row GEMV against the norm kernel then the
+projection)"""
 
 from __future__ import annotations
 
@@ -11,7 +13,15 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from krait.ops.gemv import default_config, gemv_triton
+from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.gemv import (
+    default_config,
+    gemv_gated_norm_triton,
+    gemv_rms_norm_triton,
+    gemv_triton,
+    linear,
+)
+from krait.ops.rms_norm import fused_add_rms_norm
 
 # (N, K) of the decode projections: qwen3-0.6b, mamba2-1.3b, granite-4.0-h-micro
 SHAPES = {
@@ -78,6 +88,28 @@ def quick() -> None:
         del weights
 
 
+def norm() -> None:
+    """One row: the residual add + RMSNorm (or Mamba2's gated norm) then the projection as the
+    default dispatch runs them (two launches), against the norm in the GEMV's prologue."""
+    print(f"{'shape':16} {'norm + linear us':>16} {'fused us':>9}")
+    for name in ("qwen3 qkv", "qwen3 gate_up", "mamba2 in_proj", "granite qkv", "mamba2 out_proj"):
+        t = _norm_times(*SHAPES[name], gated=name.endswith("out_proj"))
+        print(f"{name:16} {t[0]:16.2f} {t[1]:9.2f}", flush=True)
+
+
+def _norm_times(n: int, k: int, gated: bool) -> tuple[float, float]:
+    dev = torch.device("cuda")
+    copies = max(4, (400 << 20) // (n * k * 2))
+    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+    x, r = (torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
+    if gated:
+        return (time_us(lambda w: linear(gated_rms_norm(x, r, nw, 1e-5, k), w), weights),
+                time_us(lambda w: gemv_gated_norm_triton(x, r, nw, 1e-5, w), weights))
+    return (time_us(lambda w: linear(fused_add_rms_norm(x, r, nw, 1e-6)[0], w), weights),
+            time_us(lambda w: gemv_rms_norm_triton(x, r, nw, 1e-6, w), weights))
+
+
 def main() -> None:
     dev = torch.device("cuda")
     print(f"{'shape':16} {'M':>2} {'cuBLAS us':>9} {'TB/s':>5} {'krait us':>9} {'TB/s':>5} "
@@ -118,4 +150,9 @@ def triton_pow2(m: int) -> int:
 if __name__ == "__main__":
     import sys
 
-    quick() if "--quick" in sys.argv[1:] else main()
+    if "--quick" in sys.argv[1:]:
+        quick()
+    elif "--norm" in sys.argv[1:]:
+        norm()
+    else:
+        main()

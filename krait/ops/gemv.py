@@ -103,19 +103,22 @@ def _gemv_kernel(
     pdl_wait(PDL)
     if PROLOGUE >= 2:
         # a norm prologue: every program first reduces its rows over the whole of K (K is at
-        # most a few thousand: these reads hit L2); program (0, 0) writes the residual sum
-        # out of place (the other programs are still reading the residual it replaces)
-        sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        write_sum = (pid_n == 0) & (pid_k == 0) & (tl.arange(0, BLOCK_N) == 0)[None, :, None]
-        s_rows = s_ptr + offs_m[:, None, None] * stride_sm + bcast_n
+        # most a few thousand: these reads hit L2), in a [BLOCK_M, BLOCK_K] layout (not
+        # broadcast over N); program (0, 0) writes the residual sum out of place (the other
+        # programs are still reading the residual it replaces)
+        xm = x_ptr + offs_m[:, None] * stride_xm  # [M, 1]
+        am = a_ptr + offs_m[:, None] * stride_am
+        sm = s_ptr + offs_m[:, None] * stride_sm
+        write_sum = (pid_n == 0) & (pid_k == 0)
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = (k0 + offs_k)[None, None, :]
-            ld_ok = m_ok[:, None, None] & (k < K)
-            h = _prologue_h(x_rows, a_rows, k, ld_ok, K, x_scale, PROLOGUE, HAS_RES, SCALE_X)
+            k = (k0 + offs_k)[None, :]  # [1, BLOCK_K]
+            ld_ok = m_ok[:, None] & (k < K)
+            h = _prologue_h(xm, am, k, ld_ok, K, x_scale, PROLOGUE, HAS_RES, SCALE_X)
             if PROLOGUE == 2 and HAS_RES:
-                tl.store(s_rows + k, h.to(s_ptr.dtype.element_ty), mask=ld_ok & write_sum)
-            sq += tl.sum(h * h, axis=2)
-        rstd = tl.rsqrt(sq / K + eps)[:, :, None]  # [M, N, 1]
+                tl.store(sm + k, h.to(s_ptr.dtype.element_ty), mask=ld_ok & write_sum)
+            sq += tl.sum(h * h, axis=1)
+        rstd = tl.rsqrt(sq / K + eps)[:, None, None]  # [M, 1, 1]
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = (k0 + offs_k)[None, None, :]
         k_ok = k < k_hi
