@@ -111,13 +111,14 @@ def _gemv_kernel(
         sm = s_ptr + offs_m[:, None] * stride_sm
         write_sum = (pid_n == 0) & (pid_k == 0)
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # (names apart from the main loop's: a compiled loop keeps each variable's shape)
         for k0 in range(0, K, BLOCK_K):
-            k = (k0 + offs_k)[None, :]  # [1, BLOCK_K]
-            ld_ok = m_ok[:, None] & (k < K)
-            h = _prologue_h(xm, am, k, ld_ok, K, x_scale, PROLOGUE, HAS_RES, SCALE_X)
+            kp = (k0 + offs_k)[None, :]  # [1, BLOCK_K]
+            ldp = m_ok[:, None] & (kp < K)
+            hp = _prologue_h(xm, am, kp, ldp, K, x_scale, PROLOGUE, HAS_RES, SCALE_X)
             if PROLOGUE == 2 and HAS_RES:
-                tl.store(sm + k, h.to(s_ptr.dtype.element_ty), mask=ld_ok & write_sum)
-            sq += tl.sum(h * h, axis=1)
+                tl.store(sm + kp, hp.to(s_ptr.dtype.element_ty), mask=ldp & write_sum)
+            sq += tl.sum(hp * hp, axis=1)
         rstd = tl.rsqrt(sq / K + eps)[:, None, None]  # [M, 1, 1]
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = (k0 + offs_k)[None, None, :]
