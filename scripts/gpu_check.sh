@@ -75,24 +75,24 @@ case $what in
       | tee "$LOG/profile.log"
     ;;
   ab)  # knobs against the defaults, same machine: programmatic dependent launch off
-    # (KRAIT_PDL=0; on by default since session 4), norms in their own kernels (KRAIT_FUSE_NORM=0;
-    # fused into the one-row GEMV since session 5), every one-row projection of at most 20M
+    # (KRAIT_PDL=0; on by default since session 4), norms fused into the one-row GEMV
+    # (KRAIT_FUSE_NORM=1; opt-in, slower in session 5), every one-row projection of at most 20M
     # elements through the GEMV (KRAIT_GEMV=wide), the fused Mamba decode kernel
     # (KRAIT_FUSED_MAMBA_DECODE=1)
     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "_base" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_PDL=0 bench_latency $m "_nopdl" --batch-sizes 1,8,64 --prompt-lens ""
-      KRAIT_FUSE_NORM=0 bench_latency $m "_nofuse" --batch-sizes 1 --prompt-lens ""
+      KRAIT_FUSE_NORM=1 bench_latency $m "_fuse" --batch-sizes 1 --prompt-lens ""
       KRAIT_GEMV=wide bench_latency $m "_gemv_wide" --batch-sizes 1 --prompt-lens ""
     done
     (export KRAIT_FUSED_MAMBA_DECODE=1
      bench_latency mamba2-1.3b "_fused" --batch-sizes 1,64 --prompt-lens ""
      bench_latency granite-4.0-h-micro "_fused" --batch-sizes 1,64 --prompt-lens "")
     ;;
-  fuse)  # the norm fusion against the unfused norms, alternating twice, batch 1
+  fuse)  # the norm fusion (opt-in) against the unfused norms, alternating twice, batch 1
     for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_fuse$i" --batch-sizes 1 --prompt-lens ""
-      KRAIT_FUSE_NORM=0 bench_latency $m "_nofuse$i" --batch-sizes 1 --prompt-lens ""
+      KRAIT_FUSE_NORM=1 bench_latency $m "_fuse$i" --batch-sizes 1 --prompt-lens ""
+      bench_latency $m "_nofuse$i" --batch-sizes 1 --prompt-lens ""
     done; done
     ;;
   gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep

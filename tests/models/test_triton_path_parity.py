@@ -20,6 +20,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     if arch.endswith("+gemv"):  # decode projections through krait/ops/gemv.py, norms fused in
         arch = arch.removesuffix("+gemv")
         monkeypatch.setenv("KRAIT_GEMV", "1")
+        monkeypatch.setenv("KRAIT_FUSE_NORM", "1")
     if arch == "qwen3":
         d = make_tiny_llama(tmp_path / arch, arch="qwen3")
     else:
