@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fuse|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|fuse|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -85,9 +85,21 @@ case $what in
       KRAIT_FUSE_NORM=1 bench_latency $m "_fuse" --batch-sizes 1 --prompt-lens ""
       KRAIT_GEMV=wide bench_latency $m "_gemv_wide" --batch-sizes 1 --prompt-lens ""
     done
+    bash "$0" attn
     (export KRAIT_FUSED_MAMBA_DECODE=1
      bench_latency mamba2-1.3b "_fused" --batch-sizes 1,64 --prompt-lens ""
      bench_latency granite-4.0-h-micro "_fused" --batch-sizes 1,64 --prompt-lens "")
+    ;;
+  attn)  # split-KV decode attention knobs (session 5, unmeasured): the last split merges
+    # (KRAIT_DECODE_MERGE=1: one launch, no combine kernel), V loaded beside K
+    # (KRAIT_DECODE_EARLY_V=1); each alone and both, against the defaults, twice
+    for i in 1 2; do for m in qwen3-0.6b granite-4.0-h-micro; do
+      bench_latency $m "_attn_base$i" --batch-sizes 1,8,64 --prompt-lens ""
+      KRAIT_DECODE_MERGE=1 bench_latency $m "_attn_merge$i" --batch-sizes 1,8,64 --prompt-lens ""
+      KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_earlyv$i" --batch-sizes 1,8,64 --prompt-lens ""
+      KRAIT_DECODE_MERGE=1 KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_both$i" \
+        --batch-sizes 1,8,64 --prompt-lens ""
+    done; done
     ;;
   fuse)  # the norm fusion (opt-in) against the unfused norms, alternating twice, batch 1
     for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do

@@ -21,7 +21,10 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+from krait.ops.arrival import arrival_counters
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+
+_COUNTERS: dict[torch.device, Tensor] = {}  # per-(row, kv head) arrival counters of MERGE
 
 
 @triton.jit
@@ -30,9 +33,11 @@ def _attend_tile(
     k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, EARLY_V: tl.constexpr = False,
 ):
-    """One online-softmax step over keys [start_n, start_n + BLOCK_N)."""
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N). EARLY_V issues the V
+    tile's load beside K's, before the first dot waits on K (two memory round trips become
+    one; the V tile then occupies registers through the softmax)."""
     k_pos = start_n + tl.arange(0, BLOCK_N)
     k_ok = k_pos < hi
     blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
@@ -40,6 +45,10 @@ def _attend_tile(
     k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
     k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
                 mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
+    if EARLY_V:
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -50,9 +59,9 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
-    v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    if not EARLY_V:
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -129,20 +138,22 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr, out_ptr, count_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, head_dim, block_size, sliding_window,
-    stride_qt, stride_qh,
+    stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kc_b, stride_kc_o, stride_kc_h,
     stride_vc_b, stride_vc_o, stride_vc_h,
     stride_bt,
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, EARLY_V: tl.constexpr, MERGE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
-    exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units."""
+    exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
+    With MERGE, the last split of a (row, kv head) to finish merges them all and writes the
+    output (part 2 in the same launch: per-(row, kv head) arrival counters, back to zero after)."""
     pdl_trigger(PDL)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -176,14 +187,42 @@ def _decode_split_kernel(
                 q, m_i, l_i, acc, start_n, s_hi, q_pos, kv_head, qk_scale, sliding_window,
                 k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
                 stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                True, USE_WINDOW, DOT_PRECISION, BLOCK_N,
+                True, USE_WINDOW, DOT_PRECISION, BLOCK_N, EARLY_V,
             )
         # partials: [rows, Hq, NUM_SPLITS, D] and [rows, Hq, NUM_SPLITS, 2]
-        part = (row * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        first = (row * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS  # split 0 of each head
+        part = first + split
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        if MERGE:
+            counter = count_ptr + row * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1)  # acq_rel: orders the stores above
+            if arrived == NUM_SPLITS - 1:
+                sp = tl.arange(0, NUM_SPLITS)
+                ml = part_ml_ptr + (first[:, None] + sp[None, :]) * 2  # [BLOCK_M, NUM_SPLITS]
+                m_s = tl.load(ml, mask=row_ok[:, None], other=-1.0e30, cache_modifier=".cg")
+                l_s = tl.load(ml + 1, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                m_all = tl.max(m_s, 1)
+                total = tl.sum(tl.where(l_s > 0.0, l_s * tl.exp2(m_s - m_all[:, None]), 0.0), 1)
+                merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for s in tl.static_range(NUM_SPLITS):  # in split order: deterministic
+                    ps = first + s
+                    m_p = tl.load(part_ml_ptr + ps * 2, mask=row_ok, other=-1.0e30,
+                                  cache_modifier=".cg")
+                    l_p = tl.load(part_ml_ptr + ps * 2 + 1, mask=row_ok, other=0.0,
+                                  cache_modifier=".cg")
+                    w = tl.where(l_p > 0.0, tl.exp2(m_p - m_all), 0.0)  # empty splits: 0
+                    a = tl.load(part_acc_ptr + ps[:, None] * BLOCK_D + d[None, :],
+                                mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+                                cache_modifier=".cg")
+                    merged += a * w[:, None]
+                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+                o_off = q_start.to(tl.int64) * stride_ot + head * stride_oh
+                tl.store(out_ptr + o_off[:, None] + d[None, :],
+                         merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -252,6 +291,7 @@ def paged_attention_triton(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
     sliding_window: int | None = None, num_splits: int | None = None,
+    merge: bool | None = None, early_v: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) split each
     row's keys over `num_splits` programs (flash-decoding; chosen from the batch shape when None)
@@ -276,7 +316,7 @@ def paged_attention_triton(
             num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len, q.device)
     if max_query_len == 1 and num_splits > 1:
         _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                      sliding_window, num_splits, interpret)
+                      sliding_window, num_splits, interpret, merge, early_v)
         return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
@@ -297,7 +337,11 @@ def paged_attention_triton(
 
 
 def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                  sliding_window, num_splits, interpret) -> None:
+                  sliding_window, num_splits, interpret, merge: bool | None = None,
+                  early_v: bool | None = None) -> None:
+    """Flash-decoding launches. merge: the splits merged by the last one to finish, one launch
+    (None: KRAIT_DECODE_MERGE=1); early_v: V loaded beside K (None: KRAIT_DECODE_EARLY_V=1).
+    Both are off by default until measured on the GPU."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -310,19 +354,25 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                           device=q.device)
     opts = {} if interpret else dict(num_warps=4, num_stages=2)
     pdl = use_pdl(q)
+    merge = merge if merge is not None else os.environ.get("KRAIT_DECODE_MERGE") == "1"
+    early_v = early_v if early_v is not None else os.environ.get("KRAIT_DECODE_EARLY_V") == "1"
+    counters = arrival_counters(_COUNTERS, q.device, num_rows * num_kv_heads) if merge else part_ml
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, part_acc, part_ml,
+        q, k_cache, v_cache, part_acc, part_ml, out, counters,
         query_start_loc, seq_lens, block_table,
         scale * math.log2(math.e), head_dim, k_cache.shape[1], sliding_window or 0,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, **opts, **pdl_args(pdl),
+        BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, EARLY_V=early_v, MERGE=merge,
+        **opts, **pdl_args(pdl),
     )
+    if merge:
+        return
     _decode_combine_kernel[(num_rows, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,
