@@ -52,12 +52,14 @@ case $what in
   throughput)  # offline throughput against HF transformers generate, same process
     # HF's Mamba2 without mamba_ssm kernels is very slow: it goes last, each model time-boxed.
     # Two workloads: prefill-heavy (256 in / 64 out) and decode-heavy (256 in / 256 out, HF
-    # timed on 64 new tokens: its per-token rate only rises with shorter outputs)
+    # timed on 64 new tokens: its per-token rate only rises with shorter outputs). TP_EXTRA adds
+    # engine flags, e.g. TP_EXTRA="--mamba-ssm-cache-dtype bfloat16" (HF keeps its SSM state in
+    # the model dtype; krait's default is float32, twice the state bytes a decode step moves)
     for m in ${MODELS:-qwen3-0.6b granite-4.0-h-micro mamba2-1.3b}; do
       for out in ${OUT_LENS:-64 256}; do
         timeout ${TP_TIMEOUT:-150} python3 -m krait bench throughput --config $m --num-prompts 256 \
           --input-len 256 --output-len $out --hf-output-len ${HF_OUT:-64} --hf-baseline \
-          --hf-max-prompts 32 > "$LOG/tp_${m}_o$out.json" 2> "$LOG/tp_${m}_o$out.err"
+          --hf-max-prompts 32 ${TP_EXTRA:-} > "$LOG/tp_${m}_o$out.json" 2> "$LOG/tp_${m}_o$out.err"
         echo "== $m output $out"; grep -v Warn "$LOG/tp_${m}_o$out.err" | tail -3; pack
       done
     done
