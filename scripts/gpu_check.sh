@@ -94,13 +94,15 @@ case $what in
     ;;
   attn)  # split-KV decode attention knobs (session 5, unmeasured): the last split merges
     # (KRAIT_DECODE_MERGE=1: one launch, no combine kernel), V loaded beside K
-    # (KRAIT_DECODE_EARLY_V=1); each alone and both, against the defaults, twice
+    # (KRAIT_DECODE_EARLY_V=1); each alone and both, against the defaults, twice; and splits of
+    # 64 keys at least instead of 256 (KRAIT_DECODE_SPLIT_KEYS=64: more programs at batch 1)
     for i in 1 2; do for m in qwen3-0.6b granite-4.0-h-micro; do
       bench_latency $m "_attn_base$i" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_DECODE_MERGE=1 bench_latency $m "_attn_merge$i" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_earlyv$i" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_DECODE_MERGE=1 KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_both$i" \
         --batch-sizes 1,8,64 --prompt-lens ""
+      KRAIT_DECODE_SPLIT_KEYS=64 bench_latency $m "_attn_keys64_$i" --batch-sizes 1,8 --prompt-lens ""
     done; done
     ;;
   fuse)  # the norm fusion (opt-in) against the unfused norms, alternating twice, batch 1

@@ -260,7 +260,8 @@ def _decode_combine_kernel(
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device) -> int:
     """Splits per decode row so that rows x kv heads x splits fills the GPU about twice; 1 when
-    the batch already does or the rows are short."""
+    the batch already does or the rows are short (a split takes at least
+    KRAIT_DECODE_SPLIT_KEYS keys, 256 unless set: an A/B knob, 64 = one key tile a split)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
@@ -269,7 +270,7 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
     # for the GPU benchmarks; 2 unless set)
     waves = int(os.environ.get("KRAIT_DECODE_SPLIT_WAVES", "2"))
     want = triton.cdiv(waves * sms, max(num_rows * num_kv_heads, 1))
-    by_len = triton.cdiv(max_seq_len, 256)
+    by_len = triton.cdiv(max_seq_len, int(os.environ.get("KRAIT_DECODE_SPLIT_KEYS", "256")))
     return max(1, min(16, triton.next_power_of_2(min(want, by_len))))
 
 

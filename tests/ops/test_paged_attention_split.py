@@ -45,6 +45,13 @@ def test_split_choice_fills_the_gpu_but_stays_bounded():
     assert decode_num_splits(1, 1, 10**6, cpu) <= 16
 
 
+def test_split_keys_knob(monkeypatch):
+    cpu = torch.device("cpu")
+    assert decode_num_splits(1, 1, 512, cpu) == 2  # 256 keys a split at least
+    monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "64")
+    assert decode_num_splits(1, 1, 512, cpu) == 8
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,ctx", [(1, 16384), (8, 16384), (64, 2048)])
 def test_split_decode_real_size_gpu(rows, ctx):
