@@ -28,14 +28,32 @@ def test_fused_mamba_decode_compiles_lean():
         assert r["local"] == 0 and r["regs"] <= 128, r
 
 
+GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32,
+                  a_ptr=BF, nw_ptr=BF, s_ptr=BF, eps="fp32", x_scale="fp32")
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_gemv_compiles_without_spills(pdl):
-    types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32)
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
-        HAS_BIAS=False, SPLIT_K=4, SILU_MUL=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, PDL=pdl))
+    from krait.ops.gemv import SILU_MUL
+
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
+        HAS_BIAS=False, SPLIT_K=4, PROLOGUE=SILU_MUL, HAS_RES=False, SCALE_X=False, BLOCK_M=1,
+        BLOCK_N=8, BLOCK_K=512, PDL=pdl))
     # the weight streams in 16-byte loads; with PDL the kernel waits for the previous one
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
     assert r["pdl"] == pdl
+
+
+@pytest.mark.parametrize("prologue,has_res", [("RMS_NORM", True), ("RMS_NORM", False),
+                                              ("GATED_NORM", True)])
+def test_gemv_norm_prologues_compile(prologue, has_res):
+    """The norm prologues (KRAIT_FUSE_NORM=1): a prepass over K before the weight loop."""
+    import krait.ops.gemv as gemv
+
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
+        HAS_BIAS=False, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), HAS_RES=has_res,
+        SCALE_X=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, PDL=True), num_warps=8)
+    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
 
 
 def test_pdl_kernels_compile():
@@ -50,13 +68,18 @@ def test_pdl_kernels_compile():
     assert r["pdl"]
 
 
-def test_pdl_attention_and_rope_compile():
+@pytest.mark.parametrize("merge,early_v", [(False, False), (True, True)])
+def test_pdl_attention_and_rope_compile(merge, early_v):
     types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32,
-                 qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
+                 out_ptr=BF, count_ptr=I32, qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32,
+                 qk_scale="fp32")
     r = compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
         GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=8, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_D=128, PDL=True), odd=("block_size", "sliding_window", "head_dim"))
+        BLOCK_D=128, EARLY_V=early_v, MERGE=merge, PDL=True),
+        odd=("block_size", "sliding_window", "head_dim"))
     assert r["pdl"] and r["local"] == 0, r
+    if merge:  # the merge is an epilogue of the same kernel
+        return
     types = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, q_out_ptr=BF, pos_ptr="*i64", cs_ptr=F32,
                  qw_ptr=BF, kw_ptr=BF, eps="fp32", k_cache_ptr=BF, v_cache_ptr=BF,
                  slot_ptr="*i64")
