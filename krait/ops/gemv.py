@@ -75,8 +75,13 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
     HAS_RES: tl.constexpr, SCALE_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    TRIGGER_LATE: tl.constexpr = False,
 ):
-    pdl_trigger(PDL)
+    # PDL: the next kernel may launch once every program has triggered. Early (the default),
+    # its programs can occupy SM slots while this grid still has programs to place; late, after
+    # the weight loop (KRAIT_PDL_TRIGGER=late, an A/B knob)
+    if not TRIGGER_LATE:
+        pdl_trigger(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -140,6 +145,8 @@ def _gemv_kernel(
         w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
         acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
         w = w_next
+    if TRIGGER_LATE:
+        pdl_trigger(PDL)
     acc = tl.sum(acc3, axis=2)  # [M, N]
     mn_ok = m_ok[:, None] & n_ok[None, :]
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -276,7 +283,8 @@ def _launch(
         m, n, k, k_per_split, float(eps), float(x_scale),
         x.stride(0), weight.stride(0), y.stride(0), a.stride(0), s.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RES=aux is not None,
-        SCALE_X=x_scale != 1.0, **pdl_args(pdl), **cfg,
+        SCALE_X=x_scale != 1.0, TRIGGER_LATE=pdl and os.environ.get("KRAIT_PDL_TRIGGER") == "late",
+        **pdl_args(pdl), **cfg,
     )
     return y, summed
 

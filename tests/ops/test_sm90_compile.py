@@ -32,13 +32,13 @@ GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_pt
                   a_ptr=BF, nw_ptr=BF, s_ptr=BF, eps="fp32", x_scale="fp32")
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_gemv_compiles_without_spills(pdl):
+@pytest.mark.parametrize("pdl,late", [(False, False), (True, False), (True, True)])
+def test_gemv_compiles_without_spills(pdl, late):
     from krait.ops.gemv import SILU_MUL
 
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
         HAS_BIAS=False, SPLIT_K=4, PROLOGUE=SILU_MUL, HAS_RES=False, SCALE_X=False, BLOCK_M=1,
-        BLOCK_N=8, BLOCK_K=512, PDL=pdl))
+        BLOCK_N=8, BLOCK_K=512, PDL=pdl, TRIGGER_LATE=late))
     # the weight streams in 16-byte loads; with PDL the kernel waits for the previous one
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
     assert r["pdl"] == pdl
@@ -52,7 +52,8 @@ def test_gemv_norm_prologues_compile(prologue, has_res):
 
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
         HAS_BIAS=False, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), HAS_RES=has_res,
-        SCALE_X=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, PDL=True), num_warps=8)
+        SCALE_X=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, PDL=True, TRIGGER_LATE=False),
+        num_warps=8)
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
 
 
@@ -111,3 +112,13 @@ def test_write_tokens_compiles(tok):
                  stride_row="i32")
     r = compile_sm90("krait.ops.write_tokens", "_write_tokens_kernel", types, dict(BLOCK=64))
     assert r["local"] == 0, r
+
+
+def test_prefill_attention_compiles_without_spills():
+    """The varlen kernel shares `_attend_tile` with the decode split kernel."""
+    types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, out_ptr=BF, qsl_ptr=I32,
+                 seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
+    r = compile_sm90("krait.ops.paged_attention", "_paged_attention_kernel", types, dict(
+        GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_D=128,
+        PDL=True), num_warps=8, odd=("sliding_window",))
+    assert r["local"] == 0 and r["pdl"], r
