@@ -60,7 +60,7 @@ case $what in
         timeout ${TP_TIMEOUT:-150} python3 -m krait bench throughput --config $m --num-prompts 256 \
           --input-len 256 --output-len $out --hf-output-len ${HF_OUT:-64} --hf-baseline \
           --hf-max-prompts 32 ${TP_EXTRA:-} > "$LOG/tp_${m}_o$out.json" 2> "$LOG/tp_${m}_o$out.err"
-        echo "== $m output $out"; grep -v Warn "$LOG/tp_${m}_o$out.err" | tail -3; pack
+        echo "== $m output $out"; grep -v Warn "$LOG/tp_${m}_o$out.err" | tail -4; pack
       done
     done
     ;;

@@ -28,6 +28,11 @@ def test_throughput_with_hf_baseline(tmp_path):
     passes = r["hf"]["output_tok_per_s_each_pass"]  # a warm-up, then two timed passes
     assert len(passes) == 2 and r["hf"]["output_tok_per_s"] == max(passes)
     assert abs(r["speedup_vs_hf"] - r["output_tok_per_s"] / r["hf"]["output_tok_per_s"]) < 1e-6
+    # krait on exactly HF's workload (its 2 prompts, 5 tokens each) for a same-workload ratio
+    same = r["krait_on_hf_workload"]
+    assert same["num_prompts"] == 2 and same["output_len"] == 5 and same["output_tok_per_s"] > 0
+    assert abs(r["speedup_same_workload"]
+               - same["output_tok_per_s"] / r["hf"]["output_tok_per_s"]) < 1e-6
 
 
 def test_latency_rows_carry_a_roofline(tmp_path):

@@ -185,39 +185,8 @@ def bench_throughput(args) -> dict:
     dev = engine.config.device
     vocab = engine.config.model.vocab_size
     prompts = _prompts(args.num_prompts, args.input_len, vocab, seed=args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-                            output_kind="final_only")
-    # warm-up: the same workload on other prompts (Triton compiles and specializes on the
-    # prefill chunk layouts, batch sizes and context lengths the timed run will see: with a few
-    # tokens each, the first run on a fresh machine measured 24% below the next, session 5)
     warm = _prompts(args.num_prompts, args.input_len, vocab, seed=args.seed + 1)
-    warm_params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
-                                 ignore_eos=True, output_kind="final_only")
-    for i, p in enumerate(warm):
-        engine.add_request(f"warm{i}", {"prompt_token_ids": p}, warm_params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    _sync(dev)
-    t = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"tp{i}", {"prompt_token_ids": p}, params)
-    n_out = 0
-    step_kinds = []  # per step: True when it computes prompt tokens (eager), else decode only
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        step_kinds.append(out.total_num_scheduled_tokens > len(out.num_scheduled_tokens))
-        return out
-
-    engine.scheduler.schedule = recording_schedule
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                n_out += len(o.outputs[0].token_ids)
-    _sync(dev)
-    elapsed = time.perf_counter() - t
-    engine.scheduler.schedule = schedule
+    n_out, elapsed, step_kinds = _krait_run(engine, prompts, warm, args.output_len)
     out = {"kind": "throughput", "model": args.config or args.model, "device": _device_name(dev),
            "num_prompts": args.num_prompts, "input_len": args.input_len,
            "output_len": args.output_len, "elapsed_s": elapsed,
@@ -228,6 +197,14 @@ def bench_throughput(args) -> dict:
             f"({len(step_kinds)} steps, {sum(step_kinds)} with prompt tokens)"]
     print(rows.pop(0), file=sys.stderr, flush=True)  # before a baseline that may run long
     if args.hf_baseline:
+        # krait on exactly HF's workload too (its prompts and output length): a same-workload
+        # ratio beside the headline one, which sets krait's full workload against HF's subset
+        hf_prompts = prompts[: args.hf_max_prompts]
+        hf_out_len = args.hf_output_len or args.output_len
+        n_sub, t_sub, _ = _krait_run(engine, hf_prompts, warm[: len(hf_prompts)], hf_out_len,
+                                     tag="hf-")
+        out["krait_on_hf_workload"] = {"num_prompts": len(hf_prompts), "output_len": hf_out_len,
+                                       "elapsed_s": t_sub, "output_tok_per_s": n_sub / t_sub}
         hf_config = engine.config.model.hf_config
         dtype = engine.config.model.dtype
         del engine
@@ -236,16 +213,58 @@ def bench_throughput(args) -> dict:
             torch.cuda.empty_cache()
             print(f"HF baseline starts with {torch.cuda.memory_allocated(dev) / 2**30:.2f} GiB "
                   "still allocated", file=sys.stderr, flush=True)
-        hf = hf_generate_rate(hf_config, dtype, dev, prompts[: args.hf_max_prompts],
-                              args.hf_output_len or args.output_len, args.hf_batch_size,
+        hf = hf_generate_rate(hf_config, dtype, dev, hf_prompts, hf_out_len, args.hf_batch_size,
                               args.hf_repeats)
         out["hf"] = hf
         out["speedup_vs_hf"] = out["output_tok_per_s"] / hf["output_tok_per_s"]
+        same = out["krait_on_hf_workload"]["output_tok_per_s"]
+        out["speedup_same_workload"] = same / hf["output_tok_per_s"]
         rows.append(f"HF transformers: {hf['output_tok_per_s']:.1f} output tok/s, the best of "
                     f"{len(hf['output_tok_per_s_each_pass'])} passes "
                     f"(batch {args.hf_batch_size}, {hf['output_len']} new tokens); "
                     f"krait / HF = {out['speedup_vs_hf']:.1f}x")
+        rows.append(f"same workload ({len(hf_prompts)} prompts, {hf_out_len} new tokens): krait "
+                    f"{same:.1f} output tok/s = {out['speedup_same_workload']:.1f}x HF")
     return out, rows
+
+
+def _krait_run(engine: LLMEngine, prompts: list[list[int]], warm: list[list[int]],
+               output_len: int, tag: str = "") -> tuple[int, float, list[bool]]:
+    """(output tokens, seconds, per step: whether it computed prompt tokens) of the prompts
+    with `output_len` tokens each (ignore_eos), after a warm-up: the same workload on the `warm`
+    prompts (Triton compiles and specializes on the prefill chunk layouts, batch sizes and
+    context lengths the timed run will see: with a few tokens each, the first run on a fresh
+    machine measured 24% below the next, session 5)."""
+    dev = engine.config.device
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind="final_only")
+    for i, p in enumerate(warm):
+        engine.add_request(f"{tag}warm{i}", {"prompt_token_ids": p}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _sync(dev)
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}tp{i}", {"prompt_token_ids": p}, params)
+    n_out = 0
+    step_kinds = []  # per step: True when it computes prompt tokens (eager), else decode only
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        step_kinds.append(out.total_num_scheduled_tokens > len(out.num_scheduled_tokens))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    try:
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    n_out += len(o.outputs[0].token_ids)
+        _sync(dev)
+    finally:
+        engine.scheduler.schedule = schedule
+    return n_out, time.perf_counter() - t, step_kinds
 
 
 def hf_generate_rate(hf_config, dtype, dev, prompts, output_len, batch_size,
