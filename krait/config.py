@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,11 +158,17 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto, safetensors or dummy; got {load_format!r}")
         dev = resolve_device(device)
         hf_config = read_hf_config(model)
-        derived_len = _derived_max_len(hf_config)
+        limit = _positional_limit(hf_config)
         if max_model_len is None:
-            max_model_len = derived_len
+            max_model_len = limit or 4096  # pure state-space models have no positional limit
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+        if limit and max_model_len > limit and os.environ.get(
+                "KRAIT_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+            raise ValueError(
+                f"max_model_len {max_model_len} is longer than the model's positional limit "
+                f"({limit}, max_position_embeddings in its config.json): positions past it are "
+                "untrained. Set KRAIT_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -226,9 +233,10 @@ def engine_option_names() -> list[str]:
     return [p for p in inspect.signature(EngineConfig.from_kwargs).parameters if p != "cls"]
 
 
-def _derived_max_len(hf_config: Any) -> int:
+def _positional_limit(hf_config: Any) -> int | None:
+    """The longest sequence the config declares (None: no positional limit, e.g. Mamba2)."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = getattr(hf_config, key, None)
         if isinstance(v, int) and v > 0:
             return v
-    return 4096  # pure state-space models have no positional limit
+    return None

@@ -125,3 +125,21 @@ def test_kv_pool_too_small_for_one_request(llm: LLM) -> None:
     model = llm.llm_engine.config.model.model
     with pytest.raises(ValueError, match="num_kv_blocks"):
         LLM(model, max_model_len=MAX_LEN, block_size=4, num_kv_blocks=2)
+
+
+def test_max_model_len_past_the_positional_limit(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A max_model_len longer than max_position_embeddings (256 in the tiny config) is refused
+    at startup, naming the field, instead of failing (CPU) or reading past the rotary cache
+    (GPU) once a request gets there; the override extends the cache and matches HF."""
+    from tests.utils import hf_greedy
+
+    model = make_tiny_llama(tmp_path / "m", arch="qwen3")
+    with pytest.raises(ValueError, match="max_model_len 300 .*max_position_embeddings"):
+        LLM(model, max_model_len=300)
+    monkeypatch.setenv("KRAIT_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(model, max_model_len=300, dtype="float32")
+    prompt = [5 + i % 200 for i in range(250)]
+    want, _, _ = hf_greedy(model, [prompt], 12)  # positions up to 261: past the limit
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want[0]

@@ -58,12 +58,23 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.rot_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
         self.is_neox = is_neox
-        inv = _inv_freq(self.rot_dim, params)
-        t = torch.arange(max_position, dtype=torch.float64)
+        self.params = params
+        self.register_buffer("cos_sin_cache", self._cache(max_position), persistent=False)
+
+    def _cache(self, num_positions: int) -> torch.Tensor:
+        inv = _inv_freq(self.rot_dim, self.params)
+        t = torch.arange(num_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv)
-        # [max_position, rot_dim]: cos in the first half, sin in the second
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        # [num_positions, rot_dim]: cos in the first half, sin in the second
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+    def cover(self, num_positions: int) -> None:
+        """Grows the cache to at least `num_positions` positions (a max_model_len past the
+        config's max_position_embeddings, allowed by KRAIT_ALLOW_LONG_MAX_MODEL_LEN=1): the
+        kernels index it by position without a bound check."""
+        if num_positions > self.cos_sin_cache.shape[0]:
+            device = self.cos_sin_cache.device
+            self.cos_sin_cache = self._cache(num_positions).to(device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from krait.config import ModelConfig
+from krait.layers.rotary import RotaryEmbedding
 from krait.models.registry import get_model_class
 
 
@@ -59,4 +60,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
     else:
         with torch.no_grad():
             model.load_weights(iterate_safetensors(cfg.model))
+    for m in model.modules():  # every position a request may reach has its rotary entry
+        if isinstance(m, RotaryEmbedding):
+            m.cover(cfg.max_model_len)
     return model.eval()

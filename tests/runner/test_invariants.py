@@ -153,9 +153,12 @@ def test_invariant_2_max_seq_len_real_batch_vs_capture(model_dir: str) -> None:
     assert captured.max_query_len == 9
 
 
-def test_invariant_2_decode_metadata_independent_of_max_model_len(model_dir: str) -> None:
+def test_invariant_2_decode_metadata_independent_of_max_model_len(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same decode+prefill batch under max_model_len 64 and 4096: identical metadata (the
     block table is only wider, with null blocks) and identical attention output."""
+    monkeypatch.setenv("KRAIT_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the tiny model's limit is 256
     metas = []
     for max_len in (64, 4096):
         ms = _model_state(model_dir, max_len)
