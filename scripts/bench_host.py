@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_llama(tmp, num_hidden_layers=1)
+        model_dir = make_tiny_llama(tmp, num_hidden_layers=1, max_position_embeddings=1 << 16)
         rows = [{"batch": b, "host_ms_per_step": host_ms_per_step(model_dir, b, args.steps,
                                                                    args.profile)}
                 for b in map(int, args.batch_sizes.split(","))]
