@@ -54,6 +54,7 @@ def _report(tag: str, wall_ms: float, prof, per: int, out_dir: str) -> None:
 def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
     name, batch, ctx = spec.split(":")
     batch, ctx = int(batch), int(ctx)
+    os.environ.setdefault("KRAIT_ALLOW_LONG_MAX_MODEL_LEN", "1")  # random weights
     eng = LLMEngine(EngineConfig.from_kwargs(
         model=str(CONFIG_DIR / name), load_format="dummy", max_model_len=max(ctx, prefill) + 256,
         max_num_seqs=max(batch, 8), max_num_batched_tokens=max(2048, prefill)))
