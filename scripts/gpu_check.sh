@@ -80,13 +80,15 @@ case $what in
     # (KRAIT_PDL=0; on by default since session 4), norms fused into the one-row GEMV
     # (KRAIT_FUSE_NORM=1; opt-in, slower in session 5), every one-row projection of at most 20M
     # elements through the GEMV (KRAIT_GEMV=wide), the GEMV's PDL trigger after its weight loop
-    # (KRAIT_PDL_TRIGGER=late; alone and with wide), the fused Mamba decode kernel
+    # (KRAIT_PDL_TRIGGER=late; alone and with wide), residual add + next norm in the epilogue
+    # of the projection before it (KRAIT_NORM_EPILOGUE=1), the fused Mamba decode kernel
     # (KRAIT_FUSED_MAMBA_DECODE=1)
     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "_base" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_PDL=0 bench_latency $m "_nopdl" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_FUSE_NORM=1 bench_latency $m "_fuse" --batch-sizes 1 --prompt-lens ""
       KRAIT_GEMV=wide bench_latency $m "_gemv_wide" --batch-sizes 1 --prompt-lens ""
+      KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epi" --batch-sizes 1,8 --prompt-lens ""
       KRAIT_PDL_TRIGGER=late bench_latency $m "_late" --batch-sizes 1 --prompt-lens ""
       KRAIT_PDL_TRIGGER=late KRAIT_GEMV=wide bench_latency $m "_late_wide" --batch-sizes 1 \
         --prompt-lens ""

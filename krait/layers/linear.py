@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from krait.layers.deferred import DeferredLinear
 from krait.layers.norm import PendingNorm
-from krait.ops.gemv import gated_norm_linear, linear, silu_mul_linear
+from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.gemv import (
+    defer_to_norm,
+    fuse_gated_norm,
+    gemv_gated_norm_triton,
+    linear,
+    silu_mul_linear,
+)
 
 
 def _project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -24,16 +32,32 @@ class Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         return _project(x, self.weight, self.bias)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (fused for decode)."""
+    def forward_silu_mul(
+        self, gate_up: torch.Tensor, defer: bool = False
+    ) -> torch.Tensor | DeferredLinear:
+        """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (fused for decode).
+        With `defer`, a decode call may come back unrun, for the next norm (`DeferredLinear`)."""
+        if defer and defer_to_norm(gate_up, self.weight):
+            return DeferredLinear(gate_up, self.weight, self.bias, silu_mul=True)
         return silu_mul_linear(gate_up, self.weight, self.bias)
+
+    def forward_deferred(self, x: torch.Tensor) -> torch.Tensor | DeferredLinear:
+        """self(x), or for a decode call the GEMV takes (KRAIT_NORM_EPILOGUE=1) the unrun
+        projection, for the next norm to run with the residual add and itself."""
+        if defer_to_norm(x, self.weight):
+            return DeferredLinear(x, self.weight, self.bias, silu_mul=False)
+        return linear(x, self.weight, self.bias)
 
     def forward_gated_norm(
         self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-        group_size: int,
-    ) -> torch.Tensor:
-        """self(gated_rms_norm(x, gate)) for x, gate [T, in_features] (fused for decode)."""
-        return gated_norm_linear(x, gate, norm_weight, eps, group_size, self.weight, self.bias)
+        group_size: int, defer: bool = False,
+    ) -> torch.Tensor | DeferredLinear:
+        """self(gated_rms_norm(x, gate)) for x, gate [T, in_features]: the norm in the GEMV's
+        prologue (KRAIT_FUSE_NORM=1) or, with `defer`, the projection possibly left unrun."""
+        if fuse_gated_norm(x, group_size, self.weight):
+            return gemv_gated_norm_triton(x, gate, norm_weight, eps, self.weight, self.bias)
+        h = gated_rms_norm(x, gate, norm_weight, eps, group_size)
+        return self.forward_deferred(h) if defer else linear(h, self.weight, self.bias)
 
 
 class MergedLinear(torch.nn.Module):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from krait.layers.deferred import DeferredLinear
 from krait.layers.linear import Linear
 from krait.layers.norm import PendingNorm
 from krait.ops._dispatch import use_triton
@@ -116,14 +117,17 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         return (d.conv_dim, d.d_conv - 1), (d.num_heads, d.head_dim, d.d_state)
 
-    def forward(self, x: torch.Tensor | PendingNorm, meta: MambaMetadata) -> torch.Tensor:
-        """x [T, hidden] (or its pending pre-norm, fused into in_proj) -> [T, hidden]."""
+    def forward(
+        self, x: torch.Tensor | PendingNorm, meta: MambaMetadata, defer: bool = False
+    ) -> torch.Tensor | DeferredLinear:
+        """x [T, hidden] (or its pending pre-norm, fused into in_proj) -> [T, hidden]; with
+        `defer`, out_proj may come back unrun for the next norm (KRAIT_NORM_EPILOGUE=1)."""
         d = self.d
         group = d.norm_group_size or d.intermediate // d.n_groups
         if meta.num_decode_tokens and use_triton(self.D) and self._fuse_decode(group):
             return self.out_proj(self._forward_fused_decode(x, meta, group))
         y, gate = self.scan(x, meta)
-        return self.out_proj.forward_gated_norm(y, gate, self.norm_weight, d.eps, group)
+        return self.out_proj.forward_gated_norm(y, gate, self.norm_weight, d.eps, group, defer)
 
     def _fuse_decode(self, group: int) -> bool:
         """Decode rows through krait/ops/mamba_decode.py only with KRAIT_FUSED_MAMBA_DECODE=1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from krait.layers.deferred import DeferredLinear
 from krait.ops.gemv import linear, rms_norm_linear
 from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
 
@@ -33,18 +34,22 @@ class PendingNorm:
     the residual stream the layer carries on."""
 
     def __init__(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, x_scale: float = 1.0
+        self, norm: RMSNorm, x: torch.Tensor | DeferredLinear, residual: torch.Tensor | None,
+        x_scale: float = 1.0,
     ) -> None:
         self.norm, self.x, self.residual_in, self.x_scale = norm, x, residual, x_scale
         self._value: torch.Tensor | None = None
         self._sum: torch.Tensor | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return self.x.shape[0]
-
     def value(self) -> torch.Tensor:
-        """The normalized activations [T, hidden] (computed once)."""
+        """The normalized activations [T, hidden] (computed once). A deferred projection as x
+        runs here, with the residual add and this norm in its epilogue where it can."""
+        if self._value is None and isinstance(self.x, DeferredLinear):
+            if self.residual_in is not None:
+                self._value, self._sum = self.x.add_norm(
+                    self.residual_in, self.norm.weight, self.norm.eps, self.x_scale)
+                return self._value
+            self.x = self.x.value()
         if self._value is None:
             if self.residual_in is None:
                 self._value, self._sum = self.norm(self.x), self.x
@@ -54,8 +59,8 @@ class PendingNorm:
 
     def project(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """linear(value(), weight, bias), the norm fused in when nothing has read it yet."""
-        if self._value is not None:
-            return linear(self._value, weight, bias)
+        if self._value is not None or isinstance(self.x, DeferredLinear):
+            return linear(self.value(), weight, bias)
         y, self._sum = rms_norm_linear(self.x, self.residual_in, self.norm.weight, self.norm.eps,
                                        weight, bias, self.x_scale)
         return y

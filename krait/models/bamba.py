@@ -59,11 +59,11 @@ class BambaDecoderLayer(torch.nn.Module):
     def forward(self, positions, x, residual, meta: StepMetadata):
         h = PendingNorm(self.input_layernorm, x, residual)
         if self.mamba is not None:
-            x = self.mamba(h, meta.mamba)
+            x = self.mamba(h, meta.mamba, defer=True)
         else:
-            x = self.self_attn(h, positions, meta)
+            x = self.self_attn(h, positions, meta, defer=True)
         h = PendingNorm(self.pre_ff_layernorm, x, h.residual)
-        return self.feed_forward(h), h.residual
+        return self.feed_forward(h, defer=True), h.residual
 
 
 class BambaForCausalLM(torch.nn.Module):

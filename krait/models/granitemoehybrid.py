@@ -109,7 +109,7 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
         m = self.residual_multiplier
         h = PendingNorm(self.input_layernorm, x, residual, m)
         if self.mamba is not None:
-            x = self.mamba(h, meta.mamba)
+            x = self.mamba(h, meta.mamba, defer=True)
         else:
             x = self.self_attn(h, positions, meta)
         h = PendingNorm(self.post_attention_layernorm, x, h.residual, m)

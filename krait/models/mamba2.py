@@ -41,7 +41,7 @@ class Mamba2Block(torch.nn.Module):
 
     def forward(self, positions, x, residual, meta: StepMetadata):
         h = PendingNorm(self.norm, x, residual)  # fused into in_proj for decode
-        return self.mixer(h, meta.mamba), h.residual
+        return self.mixer(h, meta.mamba, defer=True), h.residual
 
 
 class Mamba2ForCausalLM(torch.nn.Module):

@@ -39,6 +39,7 @@ from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
+_NORM_COUNTERS: dict[torch.device, Tensor] = {}  # the add-norm epilogue's, one a launch
 
 
 # prologue of the GEMV's input: what the x row is turned into before it meets W
@@ -69,13 +70,13 @@ def _prologue_h(x_rows, a_rows, k, ld_ok, K, x_scale,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, a_ptr, nw_ptr, s_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, a_ptr, nw_ptr, s_ptr, ncount_ptr,
     M, N, K, k_per_split, eps, x_scale,
     stride_xm, stride_wn, stride_ym, stride_am, stride_sm,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
-    HAS_RES: tl.constexpr, SCALE_X: tl.constexpr,
+    HAS_RES: tl.constexpr, SCALE_X: tl.constexpr, EPI_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER_LATE: tl.constexpr = False,
+    TRIGGER_LATE: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):
     # PDL: the next kernel may launch once every program has triggered. Early (the default),
     # its programs can occupy SM slots while this grid still has programs to place; late, after
@@ -153,7 +154,12 @@ def _gemv_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mn_ok)
+        if EPI_NORM:
+            _add_norm_epilogue(acc, offs_m, offs_n, m_ok, mn_ok, N, y_ptr, a_ptr, s_ptr, nw_ptr,
+                               ncount_ptr, eps, x_scale, stride_ym, stride_am, stride_sm,
+                               SCALE_X, BLOCK_M, NORM_BLOCK)
+        else:
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mn_ok)
     else:
         # partials [SPLIT_K, M, N] in float32
         part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -165,8 +171,52 @@ def _gemv_kernel(
                 total += tl.load(part + s * M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mn_ok)
             tl.atomic_xchg(count_ptr + pid_n, 0)
+            if EPI_NORM:
+                _add_norm_epilogue(total, offs_m, offs_n, m_ok, mn_ok, N, y_ptr, a_ptr, s_ptr,
+                                   nw_ptr, ncount_ptr, eps, x_scale, stride_ym, stride_am,
+                                   stride_sm, SCALE_X, BLOCK_M, NORM_BLOCK)
+            else:
+                tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mn_ok)
+
+
+@triton.jit
+def _add_norm_epilogue(
+    val, offs_m, offs_n, m_ok, mn_ok, N, y_ptr, r_ptr, s_ptr, nw_ptr, ncount_ptr, eps, x_scale,
+    stride_ym, stride_rm, stride_sm,
+    SCALE_X: tl.constexpr, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr,
+):
+    """The tile's output val [M, BLOCK_N] (float32) joins the residual stream: s = y * x_scale +
+    residual (each rounded to the model dtype, as the unfused add is) is written out of place;
+    the last tile to arrive (one counter a launch, back to zero after) reads the whole rows of s
+    and writes their RMSNorm to y: residual add and norm without a kernel of their own."""
+    dt = s_ptr.dtype.element_ty
+    y = val.to(dt)
+    if SCALE_X:
+        y = (y.to(tl.float32) * x_scale).to(dt)
+    r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_ok, other=0.0)
+    s = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_n[None, :], s, mask=mn_ok)
+    arrived = tl.atomic_add(ncount_ptr, 1)  # acq_rel: orders the store above
+    if arrived == tl.num_programs(0) - 1:
+        cols = tl.arange(0, NORM_BLOCK)
+        s_rows = s_ptr + offs_m[:, None] * stride_sm
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for n0 in range(0, N, NORM_BLOCK):
+            c = n0 + cols
+            ok = m_ok[:, None] & (c < N)[None, :]
+            v = tl.load(s_rows + c[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            sq += tl.sum(v.to(tl.float32) * v.to(tl.float32), axis=1)
+        rstd = tl.rsqrt(sq / N + eps)[:, None]  # [M, 1]
+        for n0 in range(0, N, NORM_BLOCK):
+            c = n0 + cols
+            ok = m_ok[:, None] & (c < N)[None, :]
+            v = tl.load(s_rows + c[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            h = (v.to(tl.float32) * rstd).to(dt).to(tl.float32)
+            w = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + c[None, :], (w[None, :] * h).to(dt),
+                     mask=ok)
+        tl.atomic_xchg(ncount_ptr, 0)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -235,6 +285,20 @@ def gemv_gated_norm_triton(
     return _launch(x, weight, bias, config, GATED_NORM, x.shape[1], gate, norm_weight, eps)[0]
 
 
+def gemv_add_norm_triton(
+    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, norm_weight: Tensor,
+    eps: float, x_scale: float = 1.0, silu_mul: bool = False,
+    config: dict[str, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(rms_norm(s), s) for s = y * x_scale + residual, y = linear(x) (x = [gate | up] through
+    silu_and_mul with `silu_mul`): the projection, the residual add and the next layer's norm
+    in one launch (the last output tile to finish normalizes the rows)."""
+    k = x.shape[1] // 2 if silu_mul else x.shape[1]
+    y, summed = _launch(x, weight, bias, config, SILU_MUL if silu_mul else PLAIN, k, residual,
+                        norm_weight, eps, x_scale, epi_norm=True)
+    return y, summed
+
+
 def _rowwise(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -242,9 +306,10 @@ def _rowwise(t: Tensor) -> Tensor:
 def _launch(
     x: Tensor, weight: Tensor, bias: Tensor | None, config: dict[str, int] | None,
     prologue: int, k: int, aux: Tensor | None = None, norm_weight: Tensor | None = None,
-    eps: float = 0.0, x_scale: float = 1.0,
+    eps: float = 0.0, x_scale: float = 1.0, epi_norm: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """One GEMV launch: (y [M, N], the residual sum [M, K] of an RMS_NORM prologue with aux)."""
+    """One GEMV launch: (y [M, N], the residual sum: [M, K] of an RMS_NORM prologue with aux,
+    [M, N] of the add-norm epilogue (aux the residual; y then holds the normalized sum))."""
     m, n = x.shape[0], weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"gemv_triton: weight is [N, {weight.shape[1]}], input gives K={k}")
@@ -259,8 +324,12 @@ def _launch(
     summed = None
     if prologue == RMS_NORM and aux is not None:
         summed = torch.empty(m, k, dtype=x.dtype, device=x.device)  # [M, K]
+    if epi_norm:
+        if aux is None or aux.shape != (m, n):
+            raise ValueError(f"gemv add-norm epilogue: residual must be [{m}, {n}]")
+        summed = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
-        if summed is not None:
+        if summed is not None and not epi_norm:
             summed.copy_(fused_add_rms_norm(x, aux, norm_weight, eps, x_scale)[1])
         return y, summed
     cfg = dict(config or default_config(m, n, k, _num_sms(x.device)))
@@ -277,14 +346,16 @@ def _launch(
         part = counters = y
     a = aux if aux is not None else x
     s = summed if summed is not None else x
+    ncount = arrival_counters(_NORM_COUNTERS, x.device, 1) if epi_norm else y
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, y, part, counters, a,
-        norm_weight if norm_weight is not None else weight, s,
+        norm_weight if norm_weight is not None else weight, s, ncount,
         m, n, k, k_per_split, float(eps), float(x_scale),
         x.stride(0), weight.stride(0), y.stride(0), a.stride(0), s.stride(0),
-        HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RES=aux is not None,
-        SCALE_X=x_scale != 1.0, TRIGGER_LATE=pdl and os.environ.get("KRAIT_PDL_TRIGGER") == "late",
-        **pdl_args(pdl), **cfg,
+        HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RES=aux is not None and not epi_norm,
+        SCALE_X=x_scale != 1.0, EPI_NORM=epi_norm,
+        TRIGGER_LATE=pdl and os.environ.get("KRAIT_PDL_TRIGGER") == "late",
+        NORM_BLOCK=min(1024, triton.next_power_of_2(n)), **pdl_args(pdl), **cfg,
     )
     return y, summed
 
@@ -336,6 +407,28 @@ def _fuse_norm(x: Tensor, weight: Tensor) -> bool:
     return x.shape[0] == 1 and weight.numel() <= ROW_GEMV_MAX_ELEMENTS
 
 
+def defer_to_norm(x: Tensor, weight: Tensor) -> bool:
+    """Leave a projection for the next norm to run with the residual add and the norm in its
+    epilogue (`linear_add_norm`)? Only with KRAIT_NORM_EPILOGUE=1 (unmeasured on the GPU), for
+    the calls the GEMV takes; x is the projection's input (for silu_mul its gate half's shape
+    decides as well: the rows are what counts)."""
+    return os.environ.get("KRAIT_NORM_EPILOGUE") == "1" and _use_gemv(x, weight)
+
+
+def linear_add_norm(
+    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, norm_weight: Tensor,
+    eps: float, x_scale: float = 1.0, silu_mul: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """(rms_norm(s), s) for s = linear(x) * x_scale + residual (x through silu_and_mul first
+    with `silu_mul`): one launch for the decode shapes `_use_gemv` picks, else the projection
+    then fused_add_rms_norm."""
+    if _use_gemv(x, weight):
+        return gemv_add_norm_triton(x, weight, bias, residual, norm_weight, eps, x_scale,
+                                    silu_mul)
+    y = silu_mul_linear(x, weight, bias) if silu_mul else linear(x, weight, bias)
+    return fused_add_rms_norm(y, residual, norm_weight, eps, x_scale)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear, through gemv_triton for the decode shapes `_use_gemv` picks."""
     if _use_gemv(x, weight):
@@ -372,6 +465,11 @@ def gated_norm_linear(
 ) -> Tensor:
     """linear(gated_rms_norm(x, gate)): one launch for one group (group_size == K) at the
     decode shapes `_fuse_norm` picks, else the norm op then `linear`."""
-    if group_size == x.shape[-1] and _fuse_norm(x, weight):
+    if fuse_gated_norm(x, group_size, weight):
         return gemv_gated_norm_triton(x, gate, norm_weight, eps, weight, bias)
     return linear(gated_rms_norm(x, gate, norm_weight, eps, group_size), weight, bias)
+
+
+def fuse_gated_norm(x: Tensor, group_size: int, weight: Tensor) -> bool:
+    """The gated norm in the GEMV's prologue: one group only, and `_fuse_norm`'s rule."""
+    return group_size == x.shape[-1] and _fuse_norm(x, weight)

@@ -47,3 +47,27 @@ def test_first_layer_and_several_readers():
     # projections after value(): read the computed activations, no second norm
     torch.testing.assert_close(a(h), F.linear(value, a.weight, a.bias))
     torch.testing.assert_close(b(h), F.linear(value, b.weight, b.bias))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_deferred_projection_runs_in_the_next_norm(fused, monkeypatch):
+    """KRAIT_NORM_EPILOGUE=1: a layer's last projection comes back unrun and the next norm runs
+    it with the residual add (and, through the GEMV, itself in the epilogue)."""
+    from krait.layers.deferred import DeferredLinear
+
+    monkeypatch.setenv("KRAIT_NORM_EPILOGUE", "1")
+    if fused:
+        monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+        monkeypatch.setenv("KRAIT_GEMV", "1")  # a [48, 32] weight is not narrow
+    g = torch.Generator().manual_seed(3)
+    gate_up, r = torch.randn(1, 64, generator=g), torch.randn(1, 48, generator=g)
+    down, norm, nxt = Linear(32, 48), _norm(), Linear(48, 8)
+    out = down.forward_silu_mul(gate_up, defer=True)
+    assert isinstance(out, DeferredLinear) == fused  # only where the GEMV takes the call
+    h = PendingNorm(norm, out, r, x_scale=0.5)
+    y = nxt(h)
+    branch = F.linear(F.silu(gate_up[:, :32]) * gate_up[:, 32:], down.weight, down.bias)
+    want_h, want_sum = fused_add_rms_norm_ref(branch, r, norm.weight, 1e-6, 0.5)
+    torch.testing.assert_close(h.residual, want_sum, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y, F.linear(want_h, nxt.weight, nxt.bias), atol=1e-5, rtol=1e-5)
+    assert not isinstance(down.forward_silu_mul(gate_up), DeferredLinear)  # not asked: runs

@@ -13,14 +13,14 @@ PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 50))]
 NUM_TOKENS = 12
 
 
-@pytest.mark.parametrize(
-    "arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv", "mamba2+gemv"]
-)
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv",
+                                  "mamba2+gemv", "qwen3+epi", "granitemoehybrid+epi"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
-    if arch.endswith("+gemv"):  # decode projections through krait/ops/gemv.py, norms fused in
-        arch = arch.removesuffix("+gemv")
+    if "+" in arch:  # decode projections through krait/ops/gemv.py with the norms fused in:
+        # +gemv in the GEMV's prologue, +epi in the epilogue of the projection before the norm
+        arch, fusion = arch.split("+")
         monkeypatch.setenv("KRAIT_GEMV", "1")
-        monkeypatch.setenv("KRAIT_FUSE_NORM", "1")
+        monkeypatch.setenv("KRAIT_FUSE_NORM" if fusion == "gemv" else "KRAIT_NORM_EPILOGUE", "1")
     if arch == "qwen3":
         d = make_tiny_llama(tmp_path / arch, arch="qwen3")
     else:

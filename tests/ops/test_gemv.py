@@ -12,10 +12,12 @@ from krait.ops.gemv import (
     MAX_M,
     default_config,
     gated_norm_linear,
+    gemv_add_norm_triton,
     gemv_gated_norm_triton,
     gemv_rms_norm_triton,
     gemv_triton,
     linear,
+    linear_add_norm,
     rms_norm_linear,
     silu_mul_linear,
 )
@@ -209,6 +211,52 @@ def test_norm_linear_dispatch_fuses_one_row_on_request_only(monkeypatch):
     torch.testing.assert_close(gated_norm_linear(x, z, nw, 1e-5, 24, w), want,
                                atol=1e-4, rtol=1e-4)
 
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_add_norm_epilogue(split, silu):
+    """Projection, residual add and the next norm in one launch: the residual sum as the
+    unfused add, the normalized rows from the last tile; counters back at zero."""
+    m, n, k = 3, 40, 300
+    x, _, _ = _inputs(m, 1, 2 * k if silu else k, seed=41)
+    _, w, b = _inputs(m, n, k, seed=42, bias=True)
+    r, _, _ = _inputs(m, 1, n, seed=43)
+    nw = 1 + 0.1 * _inputs(1, 1, n, seed=44)[0][0]
+    y = F.linear(silu_and_mul_ref(x) if silu else x, w, b)
+    want_h, want_sum = fused_add_rms_norm_ref(y, r, nw, 1e-6, 0.5)
+    cfg = dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    for _ in range(2):
+        h, summed = gemv_add_norm_triton(x, w, b, r, nw, 1e-6, 0.5, silu, config=cfg)
+        torch.testing.assert_close(summed, want_sum, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h, want_h, atol=1e-5, rtol=1e-5)
+    from krait.ops.gemv import _COUNTERS, _NORM_COUNTERS
+
+    assert int(_NORM_COUNTERS[x.device].abs().sum()) == 0
+    if split > 1:
+        assert int(_COUNTERS[x.device].abs().sum()) == 0
+    with pytest.raises(ValueError, match="residual"):
+        gemv_add_norm_triton(x, w, b, r[:, :8], nw, 1e-6, silu_mul=silu)
+
+
+def test_linear_add_norm_dispatch(monkeypatch):
+    x, w, _ = _inputs(1, 24, 48, seed=45)
+    r, _, _ = _inputs(1, 1, 24, seed=46)
+    nw = torch.ones(24)
+    want_h, want_sum = fused_add_rms_norm_ref(F.linear(x, w), r, nw, 1e-6)
+    fused = []
+    real = gemv_add_norm_triton
+    monkeypatch.setattr("krait.ops.gemv.gemv_add_norm_triton",
+                        lambda *a, **k: fused.append(a) or real(*a, **k))
+    h, summed = linear_add_norm(x, w, None, r, nw, 1e-6)  # CPU references: unfused
+    assert not fused
+    torch.testing.assert_close(h, want_h)
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setenv("KRAIT_GEMV", "1")
+    h, summed = linear_add_norm(x, w, None, r, nw, 1e-6)
+    assert len(fused) == 1
+    torch.testing.assert_close(h, want_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(summed, want_sum, atol=1e-5, rtol=1e-5)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 8])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (8512, 2048), (2048, 8192)])
@@ -233,3 +281,20 @@ def test_gemv_norm_prologues_real_sizes_gpu(n, k):
     y = gemv_gated_norm_triton(x, r, nw, 1e-5, w)
     ref = F.linear(gated_rms_norm_ref(x, r, nw, 1e-5, k).float(), w.float())
     assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,silu", [(1024, 2048, False), (1024, 3072, True), (2048, 4096, False)])
+def test_gemv_add_norm_epilogue_real_sizes_gpu(n, k, silu):
+    x, w, _ = (t.cuda() if t is not None else None
+               for t in _inputs(1, n, k, torch.bfloat16))
+    if silu:
+        x = torch.cat([x, x.flip(-1)], dim=-1)
+    r = _inputs(1, 1, n, torch.bfloat16, seed=6)[0].cuda()
+    nw = (1 + 0.1 * torch.randn(n)).to(torch.bfloat16).cuda()
+    h, summed = gemv_add_norm_triton(x, w, None, r, nw, 1e-6, 0.5, silu)
+    y = (silu_mul_linear if silu else linear)(x, w)  # the unfused kernels
+    want_h, want_sum = fused_add_rms_norm_triton(y, r, nw, 1e-6, 0.5)
+    assert ((summed.float() - want_sum.float()).norm() / want_sum.float().norm()) < 1e-2
+    assert ((h.float() - want_h.float()).norm() / want_h.float().norm()) < 1e-2

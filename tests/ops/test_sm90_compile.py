@@ -29,7 +29,9 @@ def test_fused_mamba_decode_compiles_lean():
 
 
 GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32,
-                  a_ptr=BF, nw_ptr=BF, s_ptr=BF, eps="fp32", x_scale="fp32")
+                  a_ptr=BF, nw_ptr=BF, s_ptr=BF, ncount_ptr=I32, eps="fp32", x_scale="fp32")
+GEMV_PLAIN = dict(HAS_BIAS=False, HAS_RES=False, SCALE_X=False, EPI_NORM=False, BLOCK_M=1,
+                  BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, NORM_BLOCK=1024)
 
 
 @pytest.mark.parametrize("pdl,late", [(False, False), (True, False), (True, True)])
@@ -37,8 +39,7 @@ def test_gemv_compiles_without_spills(pdl, late):
     from krait.ops.gemv import SILU_MUL
 
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
-        HAS_BIAS=False, SPLIT_K=4, PROLOGUE=SILU_MUL, HAS_RES=False, SCALE_X=False, BLOCK_M=1,
-        BLOCK_N=8, BLOCK_K=512, PDL=pdl, TRIGGER_LATE=late))
+        GEMV_PLAIN, SPLIT_K=4, PROLOGUE=SILU_MUL, PDL=pdl, TRIGGER_LATE=late))
     # the weight streams in 16-byte loads; with PDL the kernel waits for the previous one
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
     assert r["pdl"] == pdl
@@ -51,9 +52,20 @@ def test_gemv_norm_prologues_compile(prologue, has_res):
     import krait.ops.gemv as gemv
 
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
-        HAS_BIAS=False, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), HAS_RES=has_res,
-        SCALE_X=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, PDL=True, TRIGGER_LATE=False),
-        num_warps=8)
+        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), HAS_RES=has_res, SCALE_X=True,
+        PDL=True), num_warps=8)
+    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
+
+
+@pytest.mark.parametrize("split,silu", [(1, False), (2, True)])
+def test_gemv_add_norm_epilogue_compiles(split, silu):
+    """KRAIT_NORM_EPILOGUE=1: residual add and the next norm after the tile (the last tile to
+    finish normalizes the rows)."""
+    import krait.ops.gemv as gemv
+
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
+        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.SILU_MUL if silu else gemv.PLAIN,
+        SCALE_X=True, EPI_NORM=True, PDL=True), num_warps=8)
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
 
 

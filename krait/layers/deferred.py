@@ -1,0 +1,30 @@
+"""A projection left for the norm after it (KRAIT_NORM_EPILOGUE=1): a layer's last projection
+(o_proj, down, Mamba2's out_proj) returns a `DeferredLinear` instead of its output, and the next
+layer's `PendingNorm` runs it with the residual add and the norm in the GEMV's epilogue: one
+launch for projection, add and norm (`krait.ops.gemv.linear_add_norm`)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from krait.ops.gemv import linear, linear_add_norm, silu_mul_linear
+
+
+class DeferredLinear:
+    """linear(x, weight, bias) (x through silu_and_mul first with `silu_mul`), not run yet."""
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, silu_mul: bool) -> None:
+        self.x, self.weight, self.bias, self.silu_mul = x, weight, bias, silu_mul
+
+    def value(self) -> Tensor:
+        """The projection's output [T, N], on its own."""
+        if self.silu_mul:
+            return silu_mul_linear(self.x, self.weight, self.bias)
+        return linear(self.x, self.weight, self.bias)
+
+    def add_norm(
+        self, residual: Tensor, norm_weight: Tensor, eps: float, x_scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """(rms_norm(s), s) for s = value() * x_scale + residual, in one launch where it can."""
+        return linear_add_norm(self.x, self.weight, self.bias, residual, norm_weight, eps,
+                               x_scale, self.silu_mul)
