@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top logprobs a request may ask for (OpenAI's top_logprobs, vLLM's default)
+
 
 @dataclass
 class SamplingParams:
@@ -72,10 +74,12 @@ class SamplingParams:
             bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            bad("logprobs", f"must be non-negative, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}")
+        # beyond the limit the sampler's top-k would outgrow small vocabularies mid-step
+        for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                bad(name, f"must be in [0, {MAX_LOGPROBS}], got {k}")
+            if k is not None and vocab_size is not None and k > vocab_size:
+                bad(name, f"must not exceed the vocabulary size {vocab_size}, got {k}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -32,6 +32,9 @@ BAD_PARAMS = {
     "top_k_0": (dict(top_k=0), "top_k"),
     "top_k_below_-1": (dict(top_k=-2), "top_k"),
     "n_0": (dict(n=0), "n"),
+    # more than the sampler's top-k may take (a 100000 once crashed the step for everyone)
+    "logprobs_too_many": (dict(logprobs=100_000), "logprobs"),
+    "prompt_logprobs_too_many": (dict(prompt_logprobs=21), "prompt_logprobs"),
     "stop_token_ids_outside_vocab": (dict(stop_token_ids=[TINY_VOCAB + 3]), "stop_token_ids"),
 }
 

@@ -12,9 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from krait.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20  # as OpenAI (top_logprobs) and vLLM's default max_logprobs
+from krait.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def random_id(prefix: str) -> str:
