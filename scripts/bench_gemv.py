@@ -19,8 +19,8 @@ from krait.ops.gemv import (
     gemv_gated_norm_triton,
     gemv_rms_norm_triton,
     gemv_triton,
-    linear,
 )
+from krait.ops.linear import linear
 from krait.ops.rms_norm import fused_add_rms_norm
 
 # (N, K) of the decode projections: qwen3-0.6b, mamba2-1.3b, granite-4.0-h-micro

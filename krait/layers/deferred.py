@@ -1,13 +1,13 @@
 """A projection left for the norm after it (KRAIT_NORM_EPILOGUE=1): a layer's last projection
 (o_proj, down, Mamba2's out_proj) returns a `DeferredLinear` instead of its output, and the next
 layer's `PendingNorm` runs it with the residual add and the norm in the GEMV's epilogue: one
-launch for projection, add and norm (`krait.ops.gemv.linear_add_norm`)."""
+launch for projection, add and norm (`krait.ops.linear.linear_add_norm`)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from krait.ops.gemv import linear, linear_add_norm, silu_mul_linear
+from krait.ops.linear import linear, linear_add_norm, silu_mul_linear
 
 
 class DeferredLinear:

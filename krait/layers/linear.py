@@ -8,13 +8,8 @@ import torch
 from krait.layers.deferred import DeferredLinear
 from krait.layers.norm import PendingNorm
 from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.gemv import (
-    defer_to_norm,
-    fuse_gated_norm,
-    gemv_gated_norm_triton,
-    linear,
-    silu_mul_linear,
-)
+from krait.ops.gemv import gemv_gated_norm_triton
+from krait.ops.linear import defer_to_norm, fuse_gated_norm, linear, silu_mul_linear
 
 
 def _project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None):

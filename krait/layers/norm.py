@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from krait.layers.deferred import DeferredLinear
-from krait.ops.gemv import linear, rms_norm_linear
+from krait.ops.linear import linear, rms_norm_linear
 from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 

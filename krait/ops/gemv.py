@@ -12,12 +12,13 @@ launch, no memset, graph-safe.
 A prologue may transform the input row as it is loaded: silu(gate) * up (the down projection),
 or an RMSNorm of it (with the residual add, the sum written out of place; Mamba2's gated norm
 over one group): each program first reduces the row over all of K, then streams its slice of W.
-The norm and the projection take one launch instead of two.
+The norm and the projection take one launch instead of two. An epilogue may instead add the
+output to the residual stream (the sum written out of place) and, in the last tile to finish,
+RMS-normalize the whole rows: the next layer's norm without a kernel or a repeated reduction.
 
 Measured on the H200 (`scripts/bench_gemv.py`, docs/benchmarks.md) it wins at one row against a
-narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us), so by default only those plain projections
-come here; `KRAIT_GEMV=1` sends every call with M <= 8, `KRAIT_GEMV=0` none. The norm prologue
-is opt-in (`KRAIT_FUSE_NORM=1`): it measured slower (see `_fuse_norm`).
+narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us); which calls come here, and with which fusion,
+is krait/ops/linear.py's choice.
 """
 
 from __future__ import annotations
@@ -25,17 +26,13 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
-from krait.ops.activation import silu_and_mul
 from krait.ops.arrival import arrival_counters
-from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
+from krait.ops.rms_norm import fused_add_rms_norm
 
 MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
@@ -358,118 +355,3 @@ def _launch(
         NORM_BLOCK=min(1024, triton.next_power_of_2(n)), **pdl_args(pdl), **cfg,
     )
     return y, summed
-
-
-# one-row calls up to this many weight elements may go to the GEMV (KRAIT_GEMV=wide for a plain
-# projection; always when a norm is fused into it): with the one-row config of session 4 it beat
-# cuBLAS at every projection shape up to 17M elements in isolation on the H200 (docs/benchmarks.md,
-# run 10) and lost at granite's gate_up (32M); lm_heads (100M+) stay on cuBLAS
-ROW_GEMV_MAX_ELEMENTS = 20 << 20
-
-
-def _gemv_allowed(x: Tensor) -> bool:
-    """The GEMV serves x at all: at most MAX_M rows, Triton on, KRAIT_GEMV not 0."""
-    if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M:  # shape first: prefill pays no lookup
-        return False
-    return os.environ.get("KRAIT_GEMV") != "0" and use_triton(x)
-
-
-def _use_gemv(x: Tensor, weight: Tensor) -> bool:
-    """A plain projection through the GEMV? KRAIT_GEMV=1: every call with M <= 8; =0: never;
-    unset: one row against a narrow weight (N <= K/2, at most 8M elements), where it beat
-    cuBLAS end to end on the H200 (session 5: a step with every one-row projection of at most
-    20M elements in the GEMV, KRAIT_GEMV=wide, was 3-5% slower than this rule for all three
-    models although the GEMV won each shape alone). With more rows it re-reads W per row tile
-    and loses."""
-    if not _gemv_allowed(x):
-        return False
-    mode = os.environ.get("KRAIT_GEMV")
-    if mode == "1":
-        return True
-    if x.shape[0] != 1:
-        return False
-    n, k = weight.shape
-    if mode == "wide":
-        return weight.numel() <= ROW_GEMV_MAX_ELEMENTS
-    return 2 * n <= k and n * k <= (8 << 20)
-
-
-def _fuse_norm(x: Tensor, weight: Tensor) -> bool:
-    """A norm fused into the GEMV's prologue, only with KRAIT_FUSE_NORM=1: one row against a
-    weight of at most ROW_GEMV_MAX_ELEMENTS (with KRAIT_GEMV=1 every call of at most MAX_M
-    rows). Off by default: on the H200 (session 5) every program re-reading and normalizing
-    the row cost more than the launch it saves (mamba2 in_proj 19.5 vs 13.4 us for norm +
-    cuBLAS; b=1 steps 9% (qwen3) to 50% (mamba2) slower)."""
-    if not _gemv_allowed(x) or os.environ.get("KRAIT_FUSE_NORM") != "1":
-        return False
-    if os.environ.get("KRAIT_GEMV") == "1":
-        return True
-    return x.shape[0] == 1 and weight.numel() <= ROW_GEMV_MAX_ELEMENTS
-
-
-def defer_to_norm(x: Tensor, weight: Tensor) -> bool:
-    """Leave a projection for the next norm to run with the residual add and the norm in its
-    epilogue (`linear_add_norm`)? Only with KRAIT_NORM_EPILOGUE=1 (unmeasured on the GPU), for
-    the calls the GEMV takes; x is the projection's input (for silu_mul its gate half's shape
-    decides as well: the rows are what counts)."""
-    return os.environ.get("KRAIT_NORM_EPILOGUE") == "1" and _use_gemv(x, weight)
-
-
-def linear_add_norm(
-    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, norm_weight: Tensor,
-    eps: float, x_scale: float = 1.0, silu_mul: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """(rms_norm(s), s) for s = linear(x) * x_scale + residual (x through silu_and_mul first
-    with `silu_mul`): one launch for the decode shapes `_use_gemv` picks, else the projection
-    then fused_add_rms_norm."""
-    if _use_gemv(x, weight):
-        return gemv_add_norm_triton(x, weight, bias, residual, norm_weight, eps, x_scale,
-                                    silu_mul)
-    y = silu_mul_linear(x, weight, bias) if silu_mul else linear(x, weight, bias)
-    return fused_add_rms_norm(y, residual, norm_weight, eps, x_scale)
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, through gemv_triton for the decode shapes `_use_gemv` picks."""
-    if _use_gemv(x, weight):
-        return gemv_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def silu_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """linear(silu_and_mul(x)) for x [T, 2I]: one fused launch for the decode shapes
-    `_use_gemv` picks."""
-    if _use_gemv(x, weight):
-        return gemv_triton(x, weight, bias, silu_mul=True)
-    return F.linear(silu_and_mul(x), weight, bias)
-
-
-def rms_norm_linear(
-    x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-    bias: Tensor | None = None, x_scale: float = 1.0,
-) -> tuple[Tensor, Tensor]:
-    """(linear(rms_norm(s)), s) with s = x * x_scale + residual, or s = x without a residual
-    (x_scale then unused): one launch for the decode shapes `_fuse_norm` picks, else the norm
-    op then `linear`."""
-    if _fuse_norm(x, weight):
-        return gemv_rms_norm_triton(x, residual, norm_weight, eps, weight, bias, x_scale)
-    if residual is None:
-        return linear(rms_norm(x, norm_weight, eps), weight, bias), x
-    h, summed = fused_add_rms_norm(x, residual, norm_weight, eps, x_scale)
-    return linear(h, weight, bias), summed
-
-
-def gated_norm_linear(
-    x: Tensor, gate: Tensor, norm_weight: Tensor, eps: float, group_size: int, weight: Tensor,
-    bias: Tensor | None = None,
-) -> Tensor:
-    """linear(gated_rms_norm(x, gate)): one launch for one group (group_size == K) at the
-    decode shapes `_fuse_norm` picks, else the norm op then `linear`."""
-    if fuse_gated_norm(x, group_size, weight):
-        return gemv_gated_norm_triton(x, gate, norm_weight, eps, weight, bias)
-    return linear(gated_rms_norm(x, gate, norm_weight, eps, group_size), weight, bias)
-
-
-def fuse_gated_norm(x: Tensor, group_size: int, weight: Tensor) -> bool:
-    """The gated norm in the GEMV's prologue: one group only, and `_fuse_norm`'s rule."""
-    return group_size == x.shape[-1] and _fuse_norm(x, weight)

@@ -1,4 +1,5 @@
-"""Skinny decode GEMV (krait/ops/gemv.py) against F.linear: shapes, bias, strides, dispatch."""
+"""Skinny decode GEMV (krait/ops/gemv.py) against F.linear: shapes, bias, strides, the norm
+prologues and epilogue; the dispatch of krait/ops/linear.py."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from krait.ops.gated_rms_norm import gated_rms_norm_ref
 from krait.ops.gemv import (
     MAX_M,
     default_config,
-    gated_norm_linear,
     gemv_add_norm_triton,
     gemv_gated_norm_triton,
     gemv_rms_norm_triton,
     gemv_triton,
+)
+from krait.ops.linear import (
+    gated_norm_linear,
     linear,
     linear_add_norm,
     rms_norm_linear,
@@ -103,7 +106,7 @@ def test_gemv_refuses_wide_batches_and_configs_follow_shape_only():
 def test_linear_dispatch(monkeypatch):
     x, w, b = _inputs(2, 24, 48, bias=True)
     calls = []
-    monkeypatch.setattr("krait.ops.gemv.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
+    monkeypatch.setattr("krait.ops.linear.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.setenv("KRAIT_GEMV", "1")
     linear(x, w, b)
@@ -116,10 +119,10 @@ def test_linear_dispatch(monkeypatch):
 
 
 def test_default_dispatch_takes_one_row_against_a_narrow_weight(monkeypatch):
-    from krait.ops.gemv import ROW_GEMV_MAX_ELEMENTS
+    from krait.ops.linear import ROW_GEMV_MAX_ELEMENTS
 
     calls = []
-    monkeypatch.setattr("krait.ops.gemv.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
+    monkeypatch.setattr("krait.ops.linear.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.delenv("KRAIT_GEMV", raising=False)
     narrow, wide = torch.zeros(24, 64), torch.zeros(64, 24)
@@ -187,7 +190,7 @@ def test_norm_linear_dispatch_fuses_one_row_on_request_only(monkeypatch):
     nw = torch.ones(48)
     fused = []
     real = gemv_rms_norm_triton
-    monkeypatch.setattr("krait.ops.gemv.gemv_rms_norm_triton",
+    monkeypatch.setattr("krait.ops.linear.gemv_rms_norm_triton",
                         lambda *a, **k: fused.append(a) or real(*a, **k))
     h, want_sum = fused_add_rms_norm_ref(x, r, nw, 1e-6)
     monkeypatch.setenv("KRAIT_FUSE_NORM", "1")
@@ -245,7 +248,7 @@ def test_linear_add_norm_dispatch(monkeypatch):
     want_h, want_sum = fused_add_rms_norm_ref(F.linear(x, w), r, nw, 1e-6)
     fused = []
     real = gemv_add_norm_triton
-    monkeypatch.setattr("krait.ops.gemv.gemv_add_norm_triton",
+    monkeypatch.setattr("krait.ops.linear.gemv_add_norm_triton",
                         lambda *a, **k: fused.append(a) or real(*a, **k))
     h, summed = linear_add_norm(x, w, None, r, nw, 1e-6)  # CPU references: unfused
     assert not fused
