@@ -76,29 +76,24 @@ case $what in
       --prefill ${PROFILE_PREFILL:-2048} 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
     ;;
-  ab)  # knobs against the defaults, same machine: programmatic dependent launch off
-    # (KRAIT_PDL=0; on by default since session 4), norms fused into the one-row GEMV
-    # (KRAIT_FUSE_NORM=1; opt-in, slower in session 5), every one-row projection of at most 20M
+  ab)  # knobs against the defaults, same machine (~5 min): programmatic dependent launch off
+    # (KRAIT_PDL=0; on by default since session 4), every one-row projection of at most 20M
     # elements through the GEMV (KRAIT_GEMV=wide), the GEMV's PDL trigger after its weight loop
     # (KRAIT_PDL_TRIGGER=late; alone and with wide), residual add + next norm in the epilogue
-    # of the projection before it (KRAIT_NORM_EPILOGUE=1), the fused Mamba decode kernel
-    # (KRAIT_FUSED_MAMBA_DECODE=1)
+    # of the projection before it (KRAIT_NORM_EPILOGUE=1). Measured slower and left out: the
+    # norm in the GEMV's prologue (KRAIT_FUSE_NORM=1: `fuse`), the fused Mamba decode kernel
+    # (KRAIT_FUSED_MAMBA_DECODE=1). The attention knobs: `attn`, a call of its own.
     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "_base" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_PDL=0 bench_latency $m "_nopdl" --batch-sizes 1,8,64 --prompt-lens ""
-      KRAIT_FUSE_NORM=1 bench_latency $m "_fuse" --batch-sizes 1 --prompt-lens ""
       KRAIT_GEMV=wide bench_latency $m "_gemv_wide" --batch-sizes 1 --prompt-lens ""
       KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epi" --batch-sizes 1,8 --prompt-lens ""
       KRAIT_PDL_TRIGGER=late bench_latency $m "_late" --batch-sizes 1 --prompt-lens ""
       KRAIT_PDL_TRIGGER=late KRAIT_GEMV=wide bench_latency $m "_late_wide" --batch-sizes 1 \
         --prompt-lens ""
     done
-    bash "$0" attn
-    (export KRAIT_FUSED_MAMBA_DECODE=1
-     bench_latency mamba2-1.3b "_fused" --batch-sizes 1,64 --prompt-lens ""
-     bench_latency granite-4.0-h-micro "_fused" --batch-sizes 1,64 --prompt-lens "")
     ;;
-  attn)  # split-KV decode attention knobs (session 5, unmeasured): the last split merges
+  attn)  # split-KV decode attention knobs (session 5, unmeasured; ~5 min): the last split merges
     # (KRAIT_DECODE_MERGE=1: one launch, no combine kernel), V loaded beside K
     # (KRAIT_DECODE_EARLY_V=1); each alone and both, against the defaults, twice; and splits of
     # 64 keys at least instead of 256 (KRAIT_DECODE_SPLIT_KEYS=64: more programs at batch 1)
