@@ -127,5 +127,7 @@ case $what in
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do bench_latency $m ""; done
     ;;
 esac
+# the A/B rows of this call in one table (the call's output keeps only its tail)
+case $what in ab|attn|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

@@ -45,3 +45,15 @@ def test_latency_rows_carry_a_roofline(tmp_path):
         assert 0 <= row["device_wait_ms"] < row["step_ms"]  # CPU: nothing to wait for
         assert abs(row["ratio"] - row["step_ms"] / row["roofline_ms"]) < 1e-6
     assert r["prefill"] and r["prefill"][0]["prompt_len"] == 8
+
+
+def test_summarize_bench_reads_the_latency_files(tmp_path):
+    """scripts/summarize_bench.py: one row per (file, decode batch); unreadable files skipped."""
+    from scripts.summarize_bench import rows
+
+    doc = {"model": "qwen3-0.6b", "decode": [{"batch": 1, "step_ms": 1.2, "ratio": 3.7},
+                                             {"batch": 64, "step_ms": 3.3, "ratio": 1.55}]}
+    (tmp_path / "lat_qwen3-0.6b_epi.json").write_text(json.dumps(doc))
+    (tmp_path / "lat_broken.json").write_text("")  # a run cut by its time box
+    assert rows(tmp_path) == [("qwen3-0.6b", "epi", 1, 1.2, 3.7),
+                              ("qwen3-0.6b", "epi", 64, 3.3, 1.55)]

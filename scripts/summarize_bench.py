@@ -1,0 +1,36 @@
+"""One table from the `krait bench latency` JSON files a gpu_check.sh call leaves (lat_*.json):
+model, tag (the knob the file name carries), batch, step ms, roofline ratio — the rows an A/B
+reads, in one place at the end of the call's output.
+
+python3 scripts/summarize_bench.py DIR"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def rows(directory: Path) -> list[tuple[str, str, int, float, float]]:
+    out = []
+    for f in sorted(directory.glob("lat_*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (json.JSONDecodeError, OSError):
+            continue  # a run that timed out or failed leaves an empty or partial file
+        model = d.get("model", "?")
+        tag = f.stem.removeprefix("lat_").removeprefix(model) or "-"
+        for r in d.get("decode", []):
+            out.append((model, tag.lstrip("_"), r["batch"], r["step_ms"], r["ratio"]))
+    return out
+
+
+def main() -> None:
+    directory = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    print(f"{'model':22} {'tag':18} {'batch':>5} {'step ms':>8} {'ratio':>6}")
+    for model, tag, batch, ms, ratio in rows(directory):
+        print(f"{model:22} {tag:18} {batch:>5} {ms:>8.3f} {ratio:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
