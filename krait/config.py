@@ -234,9 +234,23 @@ def engine_option_names() -> list[str]:
 
 
 def _positional_limit(hf_config: Any) -> int | None:
-    """The longest sequence the config declares (None: no positional limit, e.g. Mamba2)."""
+    """The longest sequence the config declares (None: no positional limit, e.g. Mamba2). Rope
+    scaling that stretches positions (linear, dynamic: by its factor; yarn: its original length
+    by the factor) raises it, as vLLM derives it; llama3 configs already state the long length."""
+    limit = None
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = getattr(hf_config, key, None)
         if isinstance(v, int) and v > 0:
-            return v
-    return None
+            limit = v
+            break
+    rope = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None)
+    if limit is None or not isinstance(rope, dict):
+        return limit
+    kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 1:
+        return limit
+    if kind in ("linear", "dynamic"):
+        return int(limit * factor)
+    if kind == "yarn":
+        return int(rope.get("original_max_position_embeddings", limit) * factor)
+    return limit

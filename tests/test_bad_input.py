@@ -146,3 +146,22 @@ def test_max_model_len_past_the_positional_limit(tmp_path, monkeypatch: pytest.M
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     assert out[0].outputs[0].token_ids == want[0]
+
+
+def test_positional_limit_follows_rope_scaling():
+    """Linear / dynamic rope scaling stretches max_position_embeddings by its factor, yarn its
+    original length (as vLLM derives max_model_len); llama3 configs state the long length."""
+    from types import SimpleNamespace
+
+    from krait.config import _positional_limit
+
+    def cfg(rope):
+        return SimpleNamespace(max_position_embeddings=4096, rope_scaling=rope)
+
+    assert _positional_limit(cfg(None)) == 4096
+    assert _positional_limit(cfg({"rope_type": "linear", "factor": 4.0})) == 16384
+    assert _positional_limit(cfg({"type": "dynamic", "factor": 2})) == 8192
+    assert _positional_limit(cfg({"rope_type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 2048})) == 8192
+    assert _positional_limit(cfg({"rope_type": "llama3", "factor": 32.0})) == 4096
+    assert _positional_limit(SimpleNamespace()) is None  # Mamba2: no positional limit
