@@ -8,8 +8,13 @@ import torch
 from krait.layers.deferred import DeferredLinear
 from krait.layers.norm import PendingNorm
 from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.gemv import gemv_gated_norm_triton
-from krait.ops.linear import defer_to_norm, fuse_gated_norm, linear, silu_mul_linear
+from krait.ops.linear import (
+    defer_to_norm,
+    fuse_gated_norm,
+    gated_norm_linear,
+    linear,
+    silu_mul_linear,
+)
 
 
 def _project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -49,10 +54,9 @@ class Linear(torch.nn.Linear):
     ) -> torch.Tensor | DeferredLinear:
         """self(gated_rms_norm(x, gate)) for x, gate [T, in_features]: the norm in the GEMV's
         prologue (KRAIT_FUSE_NORM=1) or, with `defer`, the projection possibly left unrun."""
-        if fuse_gated_norm(x, group_size, self.weight):
-            return gemv_gated_norm_triton(x, gate, norm_weight, eps, self.weight, self.bias)
-        h = gated_rms_norm(x, gate, norm_weight, eps, group_size)
-        return self.forward_deferred(h) if defer else linear(h, self.weight, self.bias)
+        if defer and not fuse_gated_norm(x, group_size, self.weight):
+            return self.forward_deferred(gated_rms_norm(x, gate, norm_weight, eps, group_size))
+        return gated_norm_linear(x, gate, norm_weight, eps, group_size, self.weight, self.bias)
 
 
 class MergedLinear(torch.nn.Module):

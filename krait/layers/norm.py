@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from krait.layers.deferred import DeferredLinear
-from krait.ops.linear import linear, rms_norm_linear
+from krait.ops.gemv import gemv_rms_norm_triton
+from krait.ops.linear import fuse_rms_norm, linear
 from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 
@@ -30,7 +31,7 @@ class PendingNorm:
     """norm(s) for s = x * x_scale + residual (s = x when residual is None: the first layer),
     not computed yet. A layer hands it to its mixer in place of the normalized activations: a
     `Linear` reading it computes norm and projection in one launch where the decode GEMV takes
-    the call (`rms_norm_linear`), anything else asks for `value()`. Once read, `residual` is s,
+    the call (`fuse_rms_norm`), anything else asks for `value()`. Once read, `residual` is s,
     the residual stream the layer carries on."""
 
     def __init__(
@@ -58,12 +59,14 @@ class PendingNorm:
         return self._value
 
     def project(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """linear(value(), weight, bias), the norm fused in when nothing has read it yet."""
-        if self._value is not None or isinstance(self.x, DeferredLinear):
-            return linear(self.value(), weight, bias)
-        y, self._sum = rms_norm_linear(self.x, self.residual_in, self.norm.weight, self.norm.eps,
-                                       weight, bias, self.x_scale)
-        return y
+        """linear(value(), weight, bias), the norm fused in when nothing has read it yet (else
+        the norm runs once, through value(), and later readers reuse it)."""
+        if (self._value is None and not isinstance(self.x, DeferredLinear)
+                and fuse_rms_norm(self.x, weight)):
+            y, self._sum = gemv_rms_norm_triton(self.x, self.residual_in, self.norm.weight,
+                                                self.norm.eps, weight, bias, self.x_scale)
+            return y
+        return linear(self.value(), weight, bias)
 
     @property
     def residual(self) -> torch.Tensor:

@@ -291,9 +291,8 @@ def gemv_add_norm_triton(
     silu_and_mul with `silu_mul`): the projection, the residual add and the next layer's norm
     in one launch (the last output tile to finish normalizes the rows)."""
     k = x.shape[1] // 2 if silu_mul else x.shape[1]
-    y, summed = _launch(x, weight, bias, config, SILU_MUL if silu_mul else PLAIN, k, residual,
-                        norm_weight, eps, x_scale, epi_norm=True)
-    return y, summed
+    return _launch(x, weight, bias, config, SILU_MUL if silu_mul else PLAIN, k, residual,
+                   norm_weight, eps, x_scale, epi_norm=True)
 
 
 def _rowwise(t: Tensor) -> Tensor:

@@ -57,7 +57,7 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     return 2 * n <= k and n * k <= (8 << 20)
 
 
-def _fuse_norm(x: Tensor, weight: Tensor) -> bool:
+def fuse_rms_norm(x: Tensor, weight: Tensor) -> bool:
     """A norm fused into the GEMV's prologue, only with KRAIT_FUSE_NORM=1: one row against a
     weight of at most ROW_GEMV_MAX_ELEMENTS (with KRAIT_GEMV=1 every call of at most MAX_M
     rows). Off by default: on the H200 (session 5) every program re-reading and normalizing
@@ -112,9 +112,9 @@ def rms_norm_linear(
     bias: Tensor | None = None, x_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """(linear(rms_norm(s)), s) with s = x * x_scale + residual, or s = x without a residual
-    (x_scale then unused): one launch for the decode shapes `_fuse_norm` picks, else the norm
+    (x_scale then unused): one launch for the decode shapes `fuse_rms_norm` picks, else the norm
     op then `linear`."""
-    if _fuse_norm(x, weight):
+    if fuse_rms_norm(x, weight):
         return gemv_rms_norm_triton(x, residual, norm_weight, eps, weight, bias, x_scale)
     if residual is None:
         return linear(rms_norm(x, norm_weight, eps), weight, bias), x
@@ -127,12 +127,12 @@ def gated_norm_linear(
     bias: Tensor | None = None,
 ) -> Tensor:
     """linear(gated_rms_norm(x, gate)): one launch for one group (group_size == K) at the
-    decode shapes `_fuse_norm` picks, else the norm op then `linear`."""
+    decode shapes `fuse_rms_norm` picks, else the norm op then `linear`."""
     if fuse_gated_norm(x, group_size, weight):
         return gemv_gated_norm_triton(x, gate, norm_weight, eps, weight, bias)
     return linear(gated_rms_norm(x, gate, norm_weight, eps, group_size), weight, bias)
 
 
 def fuse_gated_norm(x: Tensor, group_size: int, weight: Tensor) -> bool:
-    """The gated norm in the GEMV's prologue: one group only, and `_fuse_norm`'s rule."""
-    return group_size == x.shape[-1] and _fuse_norm(x, weight)
+    """The gated norm in the GEMV's prologue: one group only, and `fuse_rms_norm`'s rule."""
+    return group_size == x.shape[-1] and fuse_rms_norm(x, weight)
