@@ -106,6 +106,39 @@ case $what in
       KRAIT_DECODE_SPLIT_KEYS=64 bench_latency $m "_attn_keys64_$i" --batch-sizes 1,8 --prompt-lens ""
     done; done
     ;;
+  attn1)  # the attention knobs once each at batch 1 and 8 (in graphs a batch-1 row already
+    # has 16 splits of 64 keys, so KRAIT_DECODE_SPLIT_KEYS changes nothing there), the base
+    # run first and last; then the late PDL trigger with the wide GEMV against the base (~5 min)
+    for m in qwen3-0.6b granite-4.0-h-micro; do
+      bench_latency $m "_attn_base1" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_DECODE_MERGE=1 bench_latency $m "_attn_merge" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_earlyv" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_DECODE_MERGE=1 KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_both" \
+        --batch-sizes 1,8 --prompt-lens ""
+      bench_latency $m "_attn_base2" --batch-sizes 1,8 --prompt-lens ""
+    done
+    for i in 1 2; do
+      KRAIT_PDL_TRIGGER=late KRAIT_GEMV=wide bench_latency qwen3-0.6b "_late_wide$i" \
+        --batch-sizes 1 --prompt-lens ""
+      bench_latency qwen3-0.6b "_base$i" --batch-sizes 1 --prompt-lens ""
+    done
+    ;;
+  late)  # the GEMV's late PDL trigger with the wide GEMV rule against the defaults, all three
+    # models at batch 1 (the knobs touch one-row projections only), alternating twice (~4 min)
+    for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
+      KRAIT_PDL_TRIGGER=late KRAIT_GEMV=wide bench_latency $m "_late_wide$i" --batch-sizes 1 \
+        --prompt-lens ""
+      bench_latency $m "_base$i" --batch-sizes 1 --prompt-lens ""
+    done; done
+    ;;
+  newdef)  # session 6's defaults (one-row GEMV up to 8M elements, late PDL trigger) against
+    # session 5's (KRAIT_GEMV=narrow KRAIT_PDL_TRIGGER=early), batch 1, alternating (~3 min)
+    for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_s6" --batch-sizes 1 --prompt-lens ""
+      KRAIT_GEMV=narrow KRAIT_PDL_TRIGGER=early bench_latency $m "_s5" --batch-sizes 1 \
+        --prompt-lens ""
+    done
+    ;;
   fuse)  # the norm fusion (opt-in) against the unfused norms, alternating twice, batch 1
     for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       KRAIT_FUSE_NORM=1 bench_latency $m "_fuse$i" --batch-sizes 1 --prompt-lens ""
@@ -128,6 +161,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

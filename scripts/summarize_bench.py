@@ -1,6 +1,8 @@
 """One table from the `krait bench latency` JSON files a gpu_check.sh call leaves (lat_*.json):
-model, tag (the knob the file name carries), batch, step ms, roofline ratio — the rows an A/B
-reads, in one place at the end of the call's output.
+model, tag (the knob the file name carries), batch, step ms, roofline ratio, and the host's
+time blocked on the device a step (near 0: that run was host-bound, and its step time says
+nothing about the GPU work — session 6 saw one such run at batch 1) — the rows an A/B reads,
+in one place at the end of the call's output.
 
 python3 scripts/summarize_bench.py DIR"""
 
@@ -11,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def rows(directory: Path) -> list[tuple[str, str, int, float, float]]:
+def rows(directory: Path) -> list[tuple[str, str, int, float, float, float]]:
     out = []
     for f in sorted(directory.glob("lat_*.json")):
         try:
@@ -21,15 +23,16 @@ def rows(directory: Path) -> list[tuple[str, str, int, float, float]]:
         model = d.get("model", "?")
         tag = f.stem.removeprefix("lat_").removeprefix(model) or "-"
         for r in d.get("decode", []):
-            out.append((model, tag.lstrip("_"), r["batch"], r["step_ms"], r["ratio"]))
+            out.append((model, tag.lstrip("_"), r["batch"], r["step_ms"], r["ratio"],
+                        r.get("device_wait_ms", float("nan"))))
     return out
 
 
 def main() -> None:
     directory = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
-    print(f"{'model':22} {'tag':18} {'batch':>5} {'step ms':>8} {'ratio':>6}")
-    for model, tag, batch, ms, ratio in rows(directory):
-        print(f"{model:22} {tag:18} {batch:>5} {ms:>8.3f} {ratio:>6.2f}")
+    print(f"{'model':22} {'tag':18} {'batch':>5} {'step ms':>8} {'ratio':>6} {'wait ms':>8}")
+    for model, tag, batch, ms, ratio, wait in rows(directory):
+        print(f"{model:22} {tag:18} {batch:>5} {ms:>8.3f} {ratio:>6.2f} {wait:>8.3f}")
 
 
 if __name__ == "__main__":

@@ -51,9 +51,10 @@ def test_summarize_bench_reads_the_latency_files(tmp_path):
     """scripts/summarize_bench.py: one row per (file, decode batch); unreadable files skipped."""
     from scripts.summarize_bench import rows
 
-    doc = {"model": "qwen3-0.6b", "decode": [{"batch": 1, "step_ms": 1.2, "ratio": 3.7},
-                                             {"batch": 64, "step_ms": 3.3, "ratio": 1.55}]}
+    doc = {"model": "qwen3-0.6b", "decode": [
+        {"batch": 1, "step_ms": 1.2, "ratio": 3.7, "device_wait_ms": 0.4},
+        {"batch": 64, "step_ms": 3.3, "ratio": 1.55, "device_wait_ms": 1.7}]}
     (tmp_path / "lat_qwen3-0.6b_epi.json").write_text(json.dumps(doc))
     (tmp_path / "lat_broken.json").write_text("")  # a run cut by its time box
-    assert rows(tmp_path) == [("qwen3-0.6b", "epi", 1, 1.2, 3.7),
-                              ("qwen3-0.6b", "epi", 64, 3.3, 1.55)]
+    assert rows(tmp_path) == [("qwen3-0.6b", "epi", 1, 1.2, 3.7, 0.4),
+                              ("qwen3-0.6b", "epi", 64, 3.3, 1.55, 1.7)]

@@ -75,9 +75,9 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     TRIGGER_LATE: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):
-    # PDL: the next kernel may launch once every program has triggered. Early (the default),
-    # its programs can occupy SM slots while this grid still has programs to place; late, after
-    # the weight loop (KRAIT_PDL_TRIGGER=late, an A/B knob)
+    # PDL: the next kernel may launch once every program has triggered. Late (the default since
+    # session 6), after the weight loop; early (KRAIT_PDL_TRIGGER=early, an A/B knob), its
+    # programs can occupy SM slots while this grid still has programs to place
     if not TRIGGER_LATE:
         pdl_trigger(PDL)
     pid_n = tl.program_id(0)
@@ -350,7 +350,7 @@ def _launch(
         x.stride(0), weight.stride(0), y.stride(0), a.stride(0), s.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RES=aux is not None and not epi_norm,
         SCALE_X=x_scale != 1.0, EPI_NORM=epi_norm,
-        TRIGGER_LATE=pdl and os.environ.get("KRAIT_PDL_TRIGGER") == "late",
+        TRIGGER_LATE=pdl and os.environ.get("KRAIT_PDL_TRIGGER") != "early",
         NORM_BLOCK=min(1024, triton.next_power_of_2(n)), **pdl_args(pdl), **cfg,
     )
     return y, summed

@@ -39,11 +39,12 @@ def _gemv_allowed(x: Tensor) -> bool:
 
 def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     """A plain projection through the GEMV? KRAIT_GEMV=1: every call with M <= 8; =0: never;
-    unset: one row against a narrow weight (N <= K/2, at most 8M elements), where it beat
-    cuBLAS end to end on the H200 (session 5: a step with every one-row projection of at most
-    20M elements in the GEMV, KRAIT_GEMV=wide, was 3-5% slower than this rule for all three
-    models although the GEMV won each shape alone). With more rows it re-reads W per row tile
-    and loses."""
+    unset: one row against a weight of at most 8M elements. With the GEMV's PDL trigger after
+    its weight loop (the default since session 6) this made qwen3's batch-1 step 8% faster on
+    the H200 (1.11-1.14 vs 1.22-1.25 ms: its qkv and gate_up join o and down). The A/B rules:
+    KRAIT_GEMV=narrow (session 5's default: only N <= K/2, at most 8M), =wide (at most 20M:
+    granite's in_proj and down too, 6% slower there). With more rows the GEMV re-reads W per
+    row tile and loses."""
     if not _gemv_allowed(x):
         return False
     mode = os.environ.get("KRAIT_GEMV")
@@ -54,7 +55,9 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     n, k = weight.shape
     if mode == "wide":
         return weight.numel() <= ROW_GEMV_MAX_ELEMENTS
-    return 2 * n <= k and n * k <= (8 << 20)
+    if mode == "narrow":
+        return 2 * n <= k and n * k <= (8 << 20)
+    return n * k <= (8 << 20)
 
 
 def fuse_rms_norm(x: Tensor, weight: Tensor) -> bool:
@@ -72,7 +75,8 @@ def fuse_rms_norm(x: Tensor, weight: Tensor) -> bool:
 
 def defer_to_norm(x: Tensor, weight: Tensor) -> bool:
     """Leave a projection for the next norm to run with the residual add and the norm in its
-    epilogue (`linear_add_norm`)? Only with KRAIT_NORM_EPILOGUE=1 (unmeasured on the GPU), for
+    epilogue (`linear_add_norm`)? Only with KRAIT_NORM_EPILOGUE=1 (H200, session 6: batch-1
+    steps 5-8% slower; the last tile's serial pass ends every GEMV late), for
     the calls the GEMV takes; x is the projection's input (for silu_mul its gate half's shape
     decides as well: the rows are what counts)."""
     return os.environ.get("KRAIT_NORM_EPILOGUE") == "1" and _use_gemv(x, weight)

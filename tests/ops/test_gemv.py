@@ -118,7 +118,7 @@ def test_linear_dispatch(monkeypatch):
     assert len(calls) == 1
 
 
-def test_default_dispatch_takes_one_row_against_a_narrow_weight(monkeypatch):
+def test_default_dispatch_takes_one_row_against_a_small_weight(monkeypatch):
     from krait.ops.linear import ROW_GEMV_MAX_ELEMENTS
 
     calls = []
@@ -127,19 +127,24 @@ def test_default_dispatch_takes_one_row_against_a_narrow_weight(monkeypatch):
     monkeypatch.delenv("KRAIT_GEMV", raising=False)
     narrow, wide = torch.zeros(24, 64), torch.zeros(64, 24)
     linear(torch.ones(1, 64), narrow)
-    linear(torch.ones(1, 24), wide)  # N > K/2: cuBLAS by default
-    assert len(calls) == 1
+    linear(torch.ones(1, 24), wide)  # N > K/2 too, by default
+    assert len(calls) == 2
     linear(torch.ones(2, 64), narrow)  # two rows: cuBLAS
-    assert len(calls) == 1
-    monkeypatch.setenv("KRAIT_GEMV", "wide")  # every projection-sized weight
+    assert len(calls) == 2
+    # over 8M elements (qwen3's lm_head, mamba2's in_proj): cuBLAS (views: no memory behind)
+    big = torch.zeros(1, 64).expand((8 << 20) // 64 + 1, 64)
+    linear(torch.ones(1, 64), big)
+    assert len(calls) == 2
+    monkeypatch.setenv("KRAIT_GEMV", "narrow")  # session 5's rule: N <= K/2 only
     linear(torch.ones(1, 64), narrow)
     linear(torch.ones(1, 24), wide)
     assert len(calls) == 3
-    # an lm_head-sized weight stays on cuBLAS (a view: no memory behind the shape check)
+    monkeypatch.setenv("KRAIT_GEMV", "wide")  # up to 20M elements
+    linear(torch.ones(1, 64), big)
+    assert len(calls) == 4
     head = torch.zeros(1, 64).expand(ROW_GEMV_MAX_ELEMENTS // 64 + 1, 64)
     linear(torch.ones(1, 64), head)
-    assert len(calls) == 3
-
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("split", [1, 3])
