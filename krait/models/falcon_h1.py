@@ -159,9 +159,9 @@ class FalconH1ForCausalLM(torch.nn.Module):
         return run_layers(self.layers, self.final_layernorm, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        if self.lm_head_multiplier != 1.0:
-            logits = logits * self.lm_head_multiplier
+        logits = self.lm_head(hidden)  # [T, V] in the model dtype: the sampler upcasts
+        if self.lm_head_multiplier != 1.0:  # scaled in float32
+            logits = logits.float() * self.lm_head_multiplier
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

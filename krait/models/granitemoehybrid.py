@@ -149,7 +149,7 @@ class GraniteMoeHybridForCausalLM(torch.nn.Module):
         return run_layers(self.layers, self.norm, x, positions, meta, self.residual_multiplier)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.lm_head(hidden) / self.logits_scaling).float()
+        return self.lm_head(hidden) / self.logits_scaling  # [T, V], model dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, self.stacked, strip_prefix="model.", rename=self._rename)

@@ -113,7 +113,7 @@ class LlamaForCausalLM(torch.nn.Module):
         return run_layers(self.layers, self.norm, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)  # [T, V] in the model dtype: the sampler upcasts
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, self.stacked, strip_prefix="model.")

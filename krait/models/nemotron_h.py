@@ -223,7 +223,7 @@ class NemotronHForCausalLM(torch.nn.Module):
         return run_layers(self.layers, self.norm_f, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)  # [T, V] in the model dtype: the sampler upcasts
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # multi-token-prediction heads (`mtp.*`) are not used

@@ -98,7 +98,8 @@ class ModelRunner:
                 st, ids, lens, self.block_size, self.device, tables=self.tables
             )
             hidden = self.forward(batch)
-            self.model.compute_logits(hidden[batch.logits_indices])
+            # float32: the copy the sampler makes of non-greedy rows' logits counts too
+            self.model.compute_logits(hidden[batch.logits_indices]).float()
         finally:
             for rid in ids:
                 st.remove(rid)
@@ -219,7 +220,7 @@ class ModelRunner:
             for q0 in range(first, last, chunk):
                 qs = np.arange(q0, min(q0 + chunk, last))
                 toks = torch.from_numpy(batch.query_start_loc_np[r] + qs - first).to(self.device)
-                lp = self.model.compute_logits(hidden[toks]).log_softmax(dim=-1)  # [n, V]
+                lp = self.model.compute_logits(hidden[toks]).float().log_softmax(dim=-1)  # [n, V]
                 target = torch.from_numpy(st.token_ids[i, qs + 1].astype(np.int64)).to(self.device)
                 own = lp.gather(1, target[:, None])  # [n, 1]
                 ranks = (lp >= own).sum(dim=-1).tolist()

@@ -277,6 +277,29 @@ def test_logprobs_zero_means_sampled_token_only():
     assert math.isfinite(out.logprobs.logprobs.sum().item())
 
 
+def test_model_dtype_logits_sample_as_their_float32_upcast():
+    """Models hand the sampler logits in their own dtype (no [B, V] float32 copy for greedy
+    batches): every path must draw what it draws from the exact float32 upcast."""
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 50) * 4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins
+    rows = [
+        row(temperature=0.0),
+        row(temperature=0.8, seed=3),
+        row(temperature=1.0, top_k=5, top_p=0.9, seed=4),
+        row(temperature=0.7, min_p=0.1, seed=5, logprobs=2),
+        row(temperature=0.0, repetition_penalty=1.3, output=[int(logits[4].float().argmax())]),
+        row(temperature=1.0, frequency_penalty=0.5, output=[1, 1], seed=6),
+    ]
+    low, high = sample(logits, rows), sample(logits.float(), rows)
+    assert torch.equal(low.sampled_token_ids, high.sampled_token_ids)
+    assert low.sampled_token_ids[0] == 7
+    assert torch.equal(low.logprobs.token_ids, high.logprobs.token_ids)
+    torch.testing.assert_close(low.logprobs.logprobs, high.logprobs.logprobs, rtol=0, atol=0)
+    greedy = [row(temperature=0.0) for _ in range(6)]  # the bare-argmax fast path
+    assert torch.equal(sample(logits, greedy).sampled_token_ids, logits.float().argmax(-1))
+
+
 @pytest.mark.gpu
 def test_seeded_sampling_on_cuda():
     dev = torch.device("cuda")
