@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$LOG/gpu.txt"
 
 run_kernels() {
-  timeout ${KERNEL_TIMEOUT:-900} python3 -m pytest -q -x -m gpu tests/ops tests/runner -p no:cacheprovider 2>&1 | tail -40 | tee "$LOG/kernels.log"
+  timeout ${KERNEL_TIMEOUT:-900} python3 -m pytest -q -x -m gpu tests/ops tests/runner tests/test_bench.py -p no:cacheprovider 2>&1 | tail -40 | tee "$LOG/kernels.log"
   pack
 }
 run_parity() {

@@ -1,8 +1,9 @@
 """One table from the `krait bench latency` JSON files a gpu_check.sh call leaves (lat_*.json):
 model, tag (the knob the file name carries), batch, step ms, roofline ratio, and the host's
 time blocked on the device a step (near 0: that run was host-bound, and its step time says
-nothing about the GPU work — session 6 saw one such run at batch 1) — the rows an A/B reads,
-in one place at the end of the call's output.
+nothing about the GPU work — session 6 saw one such run at batch 1), and the step's graph
+replayed back to back (the GPU's own time, host-independent) — the rows an A/B reads, in one
+place at the end of the call's output.
 
 python3 scripts/summarize_bench.py DIR"""
 
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 
-def rows(directory: Path) -> list[tuple[str, str, int, float, float, float]]:
+def rows(directory: Path) -> list[tuple]:
     out = []
     for f in sorted(directory.glob("lat_*.json")):
         try:
@@ -24,15 +25,17 @@ def rows(directory: Path) -> list[tuple[str, str, int, float, float, float]]:
         tag = f.stem.removeprefix("lat_").removeprefix(model) or "-"
         for r in d.get("decode", []):
             out.append((model, tag.lstrip("_"), r["batch"], r["step_ms"], r["ratio"],
-                        r.get("device_wait_ms", float("nan"))))
+                        r.get("device_wait_ms", float("nan")),
+                        r.get("graph_ms") or float("nan")))
     return out
 
 
 def main() -> None:
     directory = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
-    print(f"{'model':22} {'tag':18} {'batch':>5} {'step ms':>8} {'ratio':>6} {'wait ms':>8}")
-    for model, tag, batch, ms, ratio, wait in rows(directory):
-        print(f"{model:22} {tag:18} {batch:>5} {ms:>8.3f} {ratio:>6.2f} {wait:>8.3f}")
+    print(f"{'model':22} {'tag':18} {'batch':>5} {'step ms':>8} {'ratio':>6} {'wait ms':>8} {'graph ms':>8}")
+    for model, tag, batch, ms, ratio, wait, graph in rows(directory):
+        print(f"{model:22} {tag:18} {batch:>5} {ms:>8.3f} {ratio:>6.2f} {wait:>8.3f} "
+              f"{graph:>8.3f}")
 
 
 if __name__ == "__main__":

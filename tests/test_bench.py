@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.utils import make_tiny_llama
 
 
@@ -43,6 +45,7 @@ def test_latency_rows_carry_a_roofline(tmp_path):
     for row in r["decode"]:
         assert row["step_ms"] > 0 and row["roofline_ms"] > 0
         assert 0 <= row["device_wait_ms"] < row["step_ms"]  # CPU: nothing to wait for
+        assert row["graph_ms"] is None  # no CUDA graphs on the CPU
         assert abs(row["ratio"] - row["step_ms"] / row["roofline_ms"]) < 1e-6
     assert r["prefill"] and r["prefill"][0]["prompt_len"] == 8
 
@@ -52,9 +55,28 @@ def test_summarize_bench_reads_the_latency_files(tmp_path):
     from scripts.summarize_bench import rows
 
     doc = {"model": "qwen3-0.6b", "decode": [
-        {"batch": 1, "step_ms": 1.2, "ratio": 3.7, "device_wait_ms": 0.4},
-        {"batch": 64, "step_ms": 3.3, "ratio": 1.55, "device_wait_ms": 1.7}]}
+        {"batch": 1, "step_ms": 1.2, "ratio": 3.7, "device_wait_ms": 0.4, "graph_ms": 1.1},
+        {"batch": 64, "step_ms": 3.3, "ratio": 1.55, "device_wait_ms": 1.7, "graph_ms": 3.2}]}
     (tmp_path / "lat_qwen3-0.6b_epi.json").write_text(json.dumps(doc))
     (tmp_path / "lat_broken.json").write_text("")  # a run cut by its time box
-    assert rows(tmp_path) == [("qwen3-0.6b", "epi", 1, 1.2, 3.7, 0.4),
-                              ("qwen3-0.6b", "epi", 64, 3.3, 1.55, 1.7)]
+    assert rows(tmp_path) == [("qwen3-0.6b", "epi", 1, 1.2, 3.7, 0.4, 1.1),
+                              ("qwen3-0.6b", "epi", 64, 3.3, 1.55, 1.7, 3.2)]
+
+
+@pytest.mark.gpu
+def test_latency_graph_ms_on_cuda(tmp_path):
+    """On the GPU each decode row also carries its graph's back-to-back replay time (the GPU's
+    own step time), and the engine goes on serving after the replays."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    d = make_tiny_llama(tmp_path / "m")
+    out = subprocess.run(
+        [sys.executable, "-m", "krait", "bench", "latency", "--model", str(d), "--batch-sizes",
+         "1,4", "--context-len", "16", "--prompt-lens", "", "--num-steps", "8"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )
+    r = json.loads(out.stdout)
+    for row in r["decode"]:
+        assert 0 < row["graph_ms"] < 10 * row["step_ms"]

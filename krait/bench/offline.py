@@ -111,15 +111,19 @@ def bench_latency(args) -> dict:
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "decode": [], "prefill": []}
     rows = [f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'ratio':>6} {'tok/s':>9} "
-            f"{'wait ms':>8}"]
+            f"{'wait ms':>8} {'graph ms':>9}"]
     for b in batch_sizes:
-        ms, wait = _decode_step_ms(engine, b, args.context_len, args.num_steps, vocab, dev)
+        ms, wait, graph_ms = _decode_step_ms(engine, b, args.context_len, args.num_steps, vocab,
+                                             dev)
         roof = roofline_seconds(ceil, decode_bytes(mb, b, args.context_len + args.num_steps)) * 1e3
-        # wait: host time blocked on the device a step; ~0 means the host is the bottleneck
+        # wait: host time blocked on the device a step; ~0 means the host is the bottleneck.
+        # graph_ms: the GPU's own time a step (the graph replayed back to back)
         out["decode"].append({"batch": b, "step_ms": ms, "roofline_ms": roof, "ratio": ms / roof,
-                              "tok_per_s": b / ms * 1e3, "device_wait_ms": wait})
+                              "tok_per_s": b / ms * 1e3, "device_wait_ms": wait,
+                              "graph_ms": graph_ms})
+        graph_col = f"{graph_ms:>9.3f}" if graph_ms is not None else f"{'-':>9}"
         rows.append(f"{b:>6} {ms:>9.3f} {roof:>12.3f} {ms / roof:>6.2f} {b / ms * 1e3:>9.0f} "
-                    f"{wait:>8.3f}")
+                    f"{wait:>8.3f} {graph_col}")
     rows.append(f"{'prompt':>6} {'prefill ms':>10} {'roofline ms':>12} {'ratio':>6} "
                 f"{'wait ms':>8}")
     for p in prompt_lens:
@@ -132,8 +136,11 @@ def bench_latency(args) -> dict:
     return out, rows
 
 
-def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> tuple[float, float]:
-    """(median step ms, host ms blocked on the device a step) of `batch` rows at `context`."""
+def _decode_step_ms(
+    engine, batch, context, steps, vocab, dev
+) -> tuple[float, float, float | None]:
+    """(median step ms, host ms blocked on the device a step, device ms of the step's graph
+    replayed back to back — None without CUDA graphs) of `batch` rows at `context`."""
     params = SamplingParams(
         temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only"
     )
@@ -158,10 +165,14 @@ def _decode_step_ms(engine, batch, context, steps, vocab, dev) -> tuple[float, f
         times.append((time.perf_counter() - t) * 1e3 / group)
         waits.append((engine.device_wait_s - w) * 1e3 / group)
     running = sum(1 for r in sched.running if r.request_id.startswith(f"lat{batch}_"))
+    graphs = engine.runner.cuda_graphs
+    # the same step's graph with no host work between replays: what the GPU takes (its writes
+    # repeat into these rows' caches and state, which are dropped next)
+    graph_ms = graphs.replay_ms(batch) if graphs is not None and dev.type == "cuda" else None
     engine.abort_request(ids)
     if running != batch:
         raise RuntimeError(f"decode batch {batch}: only {running} rows ran (preempted or finished)")
-    return statistics.median(times), statistics.median(waits)
+    return statistics.median(times), statistics.median(waits), graph_ms
 
 
 def _prefill_ms(engine, prompt_len, vocab, dev) -> tuple[float, float]:

@@ -79,6 +79,28 @@ class CudaGraphRunner:
         return min(fitting) if fitting else None
 
     @torch.inference_mode()
+    def replay_ms(self, num_reqs: int, repeats: int = 50) -> float | None:
+        """Device ms of one replay of the graph that serves `num_reqs` rows, replayed back to
+        back with its last inputs: the step's GPU time with no host in the way (benchmarks
+        only: each replay repeats that step's writes to the KV cache, the state slots and the
+        token table, so the rows it served must be dropped after). None without recorded
+        graphs."""
+        size = self.size_for(num_reqs)
+        if size is None or not self.record or size not in self.graphs:
+            return None
+        graph = self.graphs[size].graph
+        torch.cuda.synchronize()
+        for _ in range(3):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+
+    @torch.inference_mode()
     def capture_all(self) -> None:
         # Python's cyclic GC must not run inside a capture: collecting an earlier engine's
         # graphs there frees their memory pool, a cudaFree that invalidates the capture (seen
