@@ -25,7 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="read each step's tokens back before scheduling the next")
-    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="fp8: keys and values in float8 e4m3 (half the KV bytes of bf16)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--mamba-ssm-cache-dtype", default="float32")
 

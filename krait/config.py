@@ -86,6 +86,16 @@ class ModelConfig:
     tokenizer: str | None = None
 
 
+# "auto": the model dtype; "fp8" (= "fp8_e4m3"): keys and values stored as float8 e4m3 without
+# scales (vLLM's default scale 1.0), saturating at +-448: half the KV bytes of bf16
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the paged KV cache for CacheConfig.kv_cache_dtype."""
+    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -181,8 +191,15 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet")
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype); got {kv_cache_dtype!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
+            )
+        if kv_cache_dtype != "auto" and dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU with fp8 conversions (compute "
+                f"capability 8.9 or newer); this one is {torch.cuda.get_device_capability(dev)}"
+            )
         if mamba_ssm_cache_dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(
                 "mamba_ssm_cache_dtype must be float32, bfloat16, float16 or auto; "

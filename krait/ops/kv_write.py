@@ -1,10 +1,51 @@
-"""Scatter this step's keys and values into the paged KV cache."""
+"""Scatter this step's keys and values into the paged KV cache (in the model dtype, or fp8)."""
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
+
+# e4m3's largest finite value: fp8 caches saturate there (vLLM's fp8 cache without scales)
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, within +-448) rounded to the nearest e4m3 value, ties to even, still in
+    float32: the conversion after it is exact. (The hardware's conversion rounds the same way;
+    Triton 3.8's interpreter loses the exponent carry when rounding up, 1.97 -> 1.0.)"""
+    bits = x.to(tl.int32, bitcast=True)
+    # normal numbers: keep 3 of float32's 23 mantissa bits
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+    # below 2^-6 e4m3 is subnormal: multiples of 2^-9 (rounded in magnitude, sign kept: -0.0)
+    y = tl.abs(x) * 512.0
+    fl = tl.floor(y)
+    frac = y - fl
+    odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    sub = (fl + up.to(tl.float32)) * (1.0 / 512.0)
+    sub = tl.where(bits < 0, -sub, sub)
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x converted to the cache's element type; an fp8 cache saturates at +-FP8_MAX and rounds
+    to nearest, ties to even."""
+    dt = cache_ptr.dtype.element_ty
+    if dt == tl.float8e4nv:
+        x = _round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+    return x.to(dt)
+
+
+def to_cache_ref(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Torch reference of `to_cache`."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -26,10 +67,8 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
     kc = k_cache_ptr + block * stride_kc_b + offset * stride_kc_o
     vc = v_cache_ptr + block * stride_vc_b + offset * stride_vc_o
-    tl.store(kc + heads[:, None] * stride_kc_h + d[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc + heads[:, None] * stride_vc_h + d[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc + heads[:, None] * stride_kc_h + d[None, :], to_cache(k, k_cache_ptr), mask=mask)
+    tl.store(vc + heads[:, None] * stride_vc_h + d[None, :], to_cache(v, v_cache_ptr), mask=mask)
 
 
 def write_kv_triton(
@@ -65,14 +104,15 @@ def write_kv_ref(
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_ref(key[keep], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_ref(value[keep], v_cache.dtype)
 
 
 def write_kv(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Writes key/value [T, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] in place.
+    """Writes key/value [T, Hkv, D] into k_cache/v_cache [num_blocks, block_size, Hkv, D] in place
+    (converted to the cache dtype: an fp8 cache saturates at +-448).
 
     slot_mapping int64 [T]: slot = block * block_size + offset; a slot of -1 skips the token.
     """

@@ -43,12 +43,13 @@ def _attend_tile(
     blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
     off = k_pos % block_size
     k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
+    # an fp8 cache is widened to q's dtype for the dots (a no-op for a model-dtype cache)
     k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
-                mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+                mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
     v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
     if EARLY_V:
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D]
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -61,7 +62,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     if not EARLY_V:
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

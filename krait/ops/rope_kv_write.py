@@ -11,7 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.kv_write import write_kv_ref
+from krait.ops.kv_write import to_cache, write_kv_ref
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rms_norm import rms_norm_ref
 from krait.ops.rotary import apply_rotary_ref, norm_rope_heads
@@ -51,10 +51,12 @@ def _rope_kv_write_kernel(
         offset = slot % block_size
         kc = k_cache_ptr + block * stride_kc_b + offset * stride_kc_o
         vc = v_cache_ptr + block * stride_vc_b + offset * stride_vc_o
-        tl.store(kc + heads[:, None] * stride_kc_h + d[None, :],
-                 k.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(vc + heads[:, None] * stride_vc_h + d[None, :],
-                 v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        # k rounded to the activation dtype first, as the unfused path hands it to write_kv
+        k = k.to(q_out_ptr.dtype.element_ty)
+        tl.store(kc + heads[:, None] * stride_kc_h + d[None, :], to_cache(k, k_cache_ptr),
+                 mask=kv_mask)
+        tl.store(vc + heads[:, None] * stride_vc_h + d[None, :], to_cache(v, v_cache_ptr),
+                 mask=kv_mask)
 
 
 def rope_kv_write_triton(

@@ -81,15 +81,20 @@ def test_pdl_kernels_compile():
     assert r["pdl"]
 
 
-@pytest.mark.parametrize("merge,early_v", [(False, False), (True, True)])
-def test_pdl_attention_and_rope_compile(merge, early_v):
-    types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32,
-                 out_ptr=BF, count_ptr=I32, qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32,
-                 qk_scale="fp32")
-    r = compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
+def _compile_decode_split(cache: str, merge: bool, early_v: bool) -> dict:
+    """The split-KV decode kernel at qwen3's shapes over a cache of type `cache`."""
+    types = dict(q_ptr=BF, k_cache_ptr=cache, v_cache_ptr=cache, part_acc_ptr=F32,
+                 part_ml_ptr=F32, out_ptr=BF, count_ptr=I32, qsl_ptr=I32, seq_lens_ptr=I32,
+                 block_table_ptr=I32, qk_scale="fp32")
+    return compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
         GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=8, BLOCK_M=16, BLOCK_N=64,
         BLOCK_D=128, EARLY_V=early_v, MERGE=merge, PDL=True),
         odd=("block_size", "sliding_window", "head_dim"))
+
+
+@pytest.mark.parametrize("merge,early_v", [(False, False), (True, True)])
+def test_pdl_attention_and_rope_compile(merge, early_v):
+    r = _compile_decode_split(BF, merge, early_v)
     assert r["pdl"] and r["local"] == 0, r
     if merge:  # the merge is an epilogue of the same kernel
         return
@@ -134,3 +139,26 @@ def test_prefill_attention_compiles_without_spills():
         GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_D=128,
         PDL=True), num_warps=8, odd=("sliding_window",))
     assert r["local"] == 0 and r["pdl"], r
+
+
+def test_fp8_kv_cache_kernels_compile():
+    """An fp8 (e4m3) cache: the writes round and saturate, the attention kernels widen it."""
+    F8 = "*fp8e4nv"
+    types = dict(key_ptr=BF, value_ptr=BF, k_cache_ptr=F8, v_cache_ptr=F8, slot_ptr="*i64")
+    r = compile_sm90("krait.ops.kv_write", "_write_kv_kernel", types,
+                     dict(BLOCK_H=8, BLOCK_D=128), odd=("num_heads", "head_dim", "block_size"))
+    assert r["local"] == 0, r
+    types = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, q_out_ptr=BF, pos_ptr="*i64", cs_ptr=F32,
+                 qw_ptr=BF, kw_ptr=BF, eps="fp32", k_cache_ptr=F8, v_cache_ptr=F8,
+                 slot_ptr="*i64")
+    r = compile_sm90("krait.ops.rope_kv_write", "_rope_kv_write_kernel", types, dict(
+        NORM=True, IS_NEOX=True, BLOCK_H=16, BLOCK_D=128, PDL=True))
+    assert r["local"] == 0, r
+    r = _compile_decode_split(F8, merge=False, early_v=False)
+    assert r["local"] == 0, r
+    types = dict(q_ptr=BF, k_cache_ptr=F8, v_cache_ptr=F8, out_ptr=BF, qsl_ptr=I32,
+                 seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
+    r = compile_sm90("krait.ops.paged_attention", "_paged_attention_kernel", types, dict(
+        GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_D=128,
+        PDL=True), num_warps=8, odd=("sliding_window",))
+    assert r["local"] == 0, r

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from krait.config import EngineConfig
+from krait.config import EngineConfig, resolve_kv_cache_dtype
 from krait.layers.attention import Attention
 from krait.runner.attention_metadata import AttentionMetadata, StepMetadata
 from krait.runner.input_batch import InputBatch
@@ -25,7 +25,7 @@ class DefaultModelState:
         self.max_model_len = config.model.max_model_len
         self.block_size = config.cache.block_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.kv_dtype = config.model.dtype
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
         self.request_states = None  # RequestStates, bound by the runner once caches exist
 
     # -- cache sizing and allocation -----------------------------------------------------
