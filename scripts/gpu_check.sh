@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|fuse|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fuse|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -139,6 +139,14 @@ case $what in
         --prompt-lens ""
     done
     ;;
+  fp8)  # the fp8 KV cache (session 6, unmeasured) against the model-dtype cache: decode at
+    # batch 1/64/256 (the KV read dominates at 256), then qwen3's throughput with it (~5 min)
+    for m in qwen3-0.6b granite-4.0-h-micro; do
+      bench_latency $m "_kvauto" --batch-sizes 1,64,256 --prompt-lens ""
+      bench_latency $m "_kvfp8" --batch-sizes 1,64,256 --prompt-lens "" --kv-cache-dtype fp8
+    done
+    MODELS=qwen3-0.6b OUT_LENS=256 TP_EXTRA="--kv-cache-dtype fp8" bash "$0" throughput
+    ;;
   fuse)  # the norm fusion (opt-in) against the unfused norms, alternating twice, batch 1
     for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       KRAIT_FUSE_NORM=1 bench_latency $m "_fuse$i" --batch-sizes 1 --prompt-lens ""
@@ -161,6 +169,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack
