@@ -30,6 +30,11 @@ def test_throughput_with_hf_baseline(tmp_path):
     passes = r["hf"]["output_tok_per_s_each_pass"]  # a warm-up, then two timed passes
     assert len(passes) == 2 and r["hf"]["output_tok_per_s"] == max(passes)
     assert abs(r["speedup_vs_hf"] - r["output_tok_per_s"] / r["hf"]["output_tok_per_s"]) < 1e-6
+    # the workload's roofline (CPU: nominal ceilings) and the ratio it would reach against HF
+    assert r["roofline_tok_per_s"] > 0
+    assert abs(r["fraction_of_roofline"] - r["output_tok_per_s"] / r["roofline_tok_per_s"]) < 1e-9
+    assert abs(r["roofline_speedup_vs_hf"]
+               - r["roofline_tok_per_s"] / r["hf"]["output_tok_per_s"]) < 1e-6
     # krait on exactly HF's workload (its 2 prompts, 5 tokens each) for a same-workload ratio
     same = r["krait_on_hf_workload"]
     assert same["num_prompts"] == 2 and same["output_len"] == 5 and same["output_tok_per_s"] > 0
@@ -80,3 +85,19 @@ def test_latency_graph_ms_on_cuda(tmp_path):
     r = json.loads(out.stdout)
     for row in r["decode"]:
         assert 0 < row["graph_ms"] < 10 * row["step_ms"]
+
+
+def test_workload_roofline_adds_prefills_and_decode_steps():
+    """An offline workload's roofline: per wave of rows, each prompt's prefill (the larger of
+    its bytes and FLOPs terms), then one decode step per further token at its context."""
+    from krait.bench.roofline import Ceilings, ModelBytes, workload_seconds
+
+    mb = ModelBytes(dense_weight_bytes=1000, expert_bytes_per_layer=[], kv_bytes_per_token=10,
+                    state_bytes_per_seq=5, active_params=100, attn_flops_per_token_pair=0)
+    c = Ceilings(copy_bytes_per_s=1000.0, matmul_flops_per_s=1e6)
+    # 3 prompts of 4 tokens, 3 tokens each, waves of 2 then 1 row
+    prefill = max((1000 + 4 * 10 + 5) / 1000, 2 * 100 * 4 / 1e6)  # bytes-bound: 1.045 s
+    def step(rows, ctx):  # weights, each row's KV read at ctx + the new token, state in and out
+        return (1000 + rows * 10 * (ctx + 1) + rows * 2 * 5) / 1000
+    want = 2 * prefill + step(2, 5) + step(2, 6) + prefill + step(1, 5) + step(1, 6)
+    assert abs(workload_seconds(c, mb, 3, 4, 3, max_batch=2) - want) < 1e-9

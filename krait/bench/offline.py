@@ -20,6 +20,7 @@ from krait.bench.roofline import (
     model_bytes,
     prefill_cost,
     roofline_seconds,
+    workload_seconds,
 )
 from krait.config import EngineConfig
 from krait.engine.engine import LLMEngine
@@ -208,8 +209,19 @@ def bench_throughput(args) -> dict:
            "output_tok_per_s": n_out / elapsed,
            "total_tok_per_s": (n_out + args.num_prompts * args.input_len) / elapsed,
            "steps": len(step_kinds), "steps_with_prefill": sum(step_kinds)}
+    # the workload at this machine's roofline: what no engine could beat (the same model
+    # bytes and ceilings as `bench latency`)
+    ceil = measure_ceilings(dev)
+    mb = model_bytes(engine.runner.model, engine.runner.model_state)
+    max_batch = min(args.num_prompts, engine.config.scheduler.max_num_seqs)
+    roof_s = workload_seconds(ceil, mb, args.num_prompts, args.input_len, args.output_len,
+                              max_batch)
+    out["roofline_tok_per_s"] = args.num_prompts * args.output_len / roof_s
+    out["fraction_of_roofline"] = out["output_tok_per_s"] / out["roofline_tok_per_s"]
     rows = [f"krait: {n_out} tokens in {elapsed:.2f} s = {n_out / elapsed:.1f} output tok/s "
-            f"({len(step_kinds)} steps, {sum(step_kinds)} with prompt tokens)"]
+            f"({len(step_kinds)} steps, {sum(step_kinds)} with prompt tokens); this workload's "
+            f"roofline {out['roofline_tok_per_s']:.0f} tok/s "
+            f"({out['fraction_of_roofline']:.0%} of it)"]
     print(rows.pop(0), file=sys.stderr, flush=True)  # before a baseline that may run long
     if args.hf_baseline:
         # krait on exactly HF's workload too (its prompts and output length): a same-workload
@@ -234,10 +246,13 @@ def bench_throughput(args) -> dict:
         out["speedup_vs_hf"] = out["output_tok_per_s"] / hf["output_tok_per_s"]
         same = out["krait_on_hf_workload"]["output_tok_per_s"]
         out["speedup_same_workload"] = same / hf["output_tok_per_s"]
+        # the headline ratio an engine at the roofline would reach against this baseline
+        out["roofline_speedup_vs_hf"] = out["roofline_tok_per_s"] / hf["output_tok_per_s"]
         rows.append(f"HF transformers: {hf['output_tok_per_s']:.1f} output tok/s, the best of "
                     f"{len(hf['output_tok_per_s_each_pass'])} passes "
                     f"(batch {args.hf_batch_size}, {hf['output_len']} new tokens); "
-                    f"krait / HF = {out['speedup_vs_hf']:.1f}x")
+                    f"krait / HF = {out['speedup_vs_hf']:.1f}x (at the roofline: "
+                    f"{out['roofline_speedup_vs_hf']:.1f}x)")
         rows.append(f"same workload ({len(hf_prompts)} prompts, {hf_out_len} new tokens): krait "
                     f"{same:.1f} output tok/s = {out['speedup_same_workload']:.1f}x HF")
     return out, rows

@@ -117,3 +117,19 @@ def prefill_cost(mb: ModelBytes, prompt_len: int) -> tuple[float, float]:
 
 def roofline_seconds(c: Ceilings, bytes_: float, flops: float = 0.0) -> float:
     return max(bytes_ / c.copy_bytes_per_s, flops / c.matmul_flops_per_s)
+
+
+def workload_seconds(c: Ceilings, mb: ModelBytes, num_prompts: int, input_len: int,
+                     output_len: int, max_batch: int) -> float:
+    """The least time any engine could take for an offline workload on this machine: prompts
+    in waves of at most `max_batch` rows, each wave's prefills at their roofline (one prompt
+    at a time: weights once per prompt, its FLOPs), then its `output_len - 1` decode steps
+    (the first token comes from the prefill) each at the bytes it moves at its context."""
+    total = 0.0
+    for start in range(0, num_prompts, max(max_batch, 1)):
+        rows = min(max_batch, num_prompts - start)
+        by, fl = prefill_cost(mb, input_len)
+        total += rows * roofline_seconds(c, by, fl)
+        for i in range(1, output_len):
+            total += roofline_seconds(c, decode_bytes(mb, rows, input_len + i))
+    return total
