@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fuse|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|prefetch|fuse|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -147,6 +147,18 @@ case $what in
     done
     MODELS=qwen3-0.6b OUT_LENS=256 TP_EXTRA="--kv-cache-dtype fp8" bash "$0" throughput
     ;;
+  prefetch)  # each decode split's first K/V tile loaded before the PDL wait (session 6,
+    # unmeasured): GPU parity with it on (graphs + PDL: the ordering it relies on), then the
+    # latency A/B at batch 1 and 8, alternating twice (~5 min)
+    if [ -d .parity ]; then
+      KRAIT_DECODE_PREFETCH=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
+        | grep -v Warn | tail -25 | tee "$LOG/parity_prefetch.log"
+    fi
+    for i in 1 2; do for m in qwen3-0.6b granite-4.0-h-micro; do
+      KRAIT_DECODE_PREFETCH=1 bench_latency $m "_prefetch$i" --batch-sizes 1,8 --prompt-lens ""
+      bench_latency $m "_noprefetch$i" --batch-sizes 1,8 --prompt-lens ""
+    done; done
+    ;;
   fuse)  # the norm fusion (opt-in) against the unfused norms, alternating twice, batch 1
     for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       KRAIT_FUSE_NORM=1 bench_latency $m "_fuse$i" --batch-sizes 1 --prompt-lens ""
@@ -169,6 +181,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fp8|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|prefetch|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

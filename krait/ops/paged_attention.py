@@ -28,6 +28,46 @@ _COUNTERS: dict[torch.device, Tensor] = {}  # per-(row, kv head) arrival counter
 
 
 @triton.jit
+def _kv_tile_offsets(start_n, hi, kv_head, bt_row, block_size,
+                     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                     BLOCK_N: tl.constexpr):
+    """Key positions [start_n, start_n + BLOCK_N), which of them are < hi, and their K and V
+    row offsets in the paged caches (through the block table)."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < hi
+    blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+    off = k_pos % block_size
+    k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
+    v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
+    return k_pos, k_ok, k_off, v_off
+
+
+@triton.jit
+def _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window,
+            MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q [BLOCK_M, D] . k [D, BLOCK_N] in log2 units, causal (and window) masked."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
+    """Folds one tile's scores s [BLOCK_M, BLOCK_N] and values v [BLOCK_N, D] into the running
+    (max, sum, unnormalised output)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, start_n, hi, q_pos, kv_head, qk_scale, sliding_window,
     k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
@@ -38,33 +78,21 @@ def _attend_tile(
     """One online-softmax step over keys [start_n, start_n + BLOCK_N). EARLY_V issues the V
     tile's load beside K's, before the first dot waits on K (two memory round trips become
     one; the V tile then occupies registers through the softmax)."""
-    k_pos = start_n + tl.arange(0, BLOCK_N)
-    k_ok = k_pos < hi
-    blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
-    off = k_pos % block_size
-    k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
+    k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
+        start_n, hi, kv_head, bt_row, block_size,
+        stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
     # an fp8 cache is widened to q's dtype for the dots (a no-op for a model-dtype cache)
     k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
                 mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
-    v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
     if EARLY_V:
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D]
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if MASKED:
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        if USE_WINDOW:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    s = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, MASKED, USE_WINDOW,
+                DOT_PRECISION)
     if not EARLY_V:
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
 
 @triton.jit
@@ -149,14 +177,19 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EARLY_V: tl.constexpr, MERGE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
     With MERGE, the last split of a (row, kv head) to finish merges them all and writes the
-    output (part 2 in the same launch: per-(row, kv head) arrival counters, back to zero after)."""
+    output (part 2 in the same launch: per-(row, kv head) arrival counters, back to zero after).
+    With PREFETCH (and PDL), the split's first K/V tile is loaded before waiting on the kernel
+    before: every key but the row's newest was written by earlier steps, and the step's metadata
+    (query starts, lengths, block table) by its input preparation, which completed before the
+    step's first non-PDL kernel; the newest key is loaded after the wait."""
     pdl_trigger(PDL)
-    pdl_wait(PDL)
+    if not PREFETCH:
+        pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,8 +204,8 @@ def _decode_split_kernel(
         d_ok = d < head_dim
         q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
         q_off = q_start.to(tl.int64) * stride_qt + head * stride_qh
-        q = tl.load(q_ptr + q_off[:, None] + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        q_ptrs = q_ptr + q_off[:, None] + d[None, :]
+        q_mask = row_ok[:, None] & d_ok[None, :]
         lo_all = 0
         if USE_WINDOW:
             lo_all = tl.maximum(seq_len - sliding_window, 0)
@@ -183,7 +216,35 @@ def _decode_split_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = block_table_ptr + row * stride_bt
-        for start_n in range(s_lo, s_hi, BLOCK_N):
+        rest = s_lo  # the first key the tile loop below starts at
+        if PREFETCH:
+            cdt = q_ptr.dtype.element_ty
+            k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
+                s_lo, s_hi, kv_head, bt_row, block_size, stride_kc_b, stride_kc_o, stride_kc_h,
+                stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
+            newest = k_pos == seq_len - 1
+            old = k_ok & (k_pos != seq_len - 1)
+            k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+                        mask=old[None, :] & d_ok[:, None], other=0.0).to(cdt)  # [D, BLOCK_N]
+            v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                        mask=old[:, None] & d_ok[None, :], other=0.0).to(cdt)  # [BLOCK_N, D]
+            pdl_wait(PDL)
+            if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
+                fresh = newest & k_ok
+                k_new = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+                                mask=fresh[None, :] & d_ok[:, None], other=0.0).to(cdt)
+                v_new = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                                mask=fresh[:, None] & d_ok[None, :], other=0.0).to(cdt)
+                k = tl.where(fresh[None, :], k_new, k)
+                v = tl.where(fresh[:, None], v_new, v)
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+            sc = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, True, USE_WINDOW,
+                         DOT_PRECISION)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_PRECISION)
+            rest = s_lo + BLOCK_N
+        else:
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+        for start_n in range(rest, s_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start_n, s_hi, q_pos, kv_head, qk_scale, sliding_window,
                 k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
@@ -293,7 +354,7 @@ def paged_attention_triton(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
     sliding_window: int | None = None, num_splits: int | None = None,
-    merge: bool | None = None, early_v: bool | None = None,
+    merge: bool | None = None, early_v: bool | None = None, prefetch: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) split each
     row's keys over `num_splits` programs (flash-decoding; chosen from the batch shape when None)
@@ -318,7 +379,7 @@ def paged_attention_triton(
             num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len, q.device)
     if max_query_len == 1 and num_splits > 1:
         _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                      sliding_window, num_splits, interpret, merge, early_v)
+                      sliding_window, num_splits, interpret, merge, early_v, prefetch)
         return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
@@ -340,9 +401,11 @@ def paged_attention_triton(
 
 def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
                   sliding_window, num_splits, interpret, merge: bool | None = None,
-                  early_v: bool | None = None) -> None:
+                  early_v: bool | None = None, prefetch: bool | None = None) -> None:
     """Flash-decoding launches. merge: the splits merged by the last one to finish, one launch
-    (None: KRAIT_DECODE_MERGE=1); early_v: V loaded beside K (None: KRAIT_DECODE_EARLY_V=1).
+    (None: KRAIT_DECODE_MERGE=1); early_v: V loaded beside K (None: KRAIT_DECODE_EARLY_V=1);
+    prefetch: each split's first K/V tile loaded before the PDL wait (None:
+    KRAIT_DECODE_PREFETCH=1; session 6, unmeasured on the GPU).
     Both off by default: on the H200 (session 6) merging was 6-10% slower at batch 1, V beside
     K within noise."""
     num_rows = seq_lens.shape[0]
@@ -359,6 +422,8 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     pdl = use_pdl(q)
     merge = merge if merge is not None else os.environ.get("KRAIT_DECODE_MERGE") == "1"
     early_v = early_v if early_v is not None else os.environ.get("KRAIT_DECODE_EARLY_V") == "1"
+    if prefetch is None:
+        prefetch = os.environ.get("KRAIT_DECODE_PREFETCH") == "1"
     counters = arrival_counters(_COUNTERS, q.device, num_rows * num_kv_heads) if merge else part_ml
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_acc, part_ml, out, counters,
@@ -372,7 +437,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, EARLY_V=early_v, MERGE=merge,
-        **opts, **pdl_args(pdl),
+        PREFETCH=prefetch, **opts, **pdl_args(pdl),
     )
     if merge:
         return

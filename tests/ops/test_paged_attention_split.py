@@ -37,6 +37,19 @@ def test_split_decode_matches_reference(hq, hkv, window, splits):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_prefetched_first_tile_matches_reference(window, splits):
+    """KRAIT_DECODE_PREFETCH: each split's first tile loaded before the PDL wait, its newest
+    key after (rows whose newest key falls in a split's first tile: 1, 64, 517 at 4 splits)."""
+    seq_lens = [1, 130, 0, 517, 64]
+    q, kc, vc, qsl, sl, bt = _decode_batch(seq_lens, 8, 2, seed=10 + splits)
+    args = (q, kc, vc, qsl, sl, bt, 1, max(seq_lens), 0.2, window)
+    want = paged_attention_ref(*args)
+    got = paged_attention_triton(*args, num_splits=max(splits, 2), prefetch=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_split_choice_fills_the_gpu_but_stays_bounded():
     cpu = torch.device("cpu")  # 4 "SMs" on CPU: 8 programs wanted
     assert decode_num_splits(1, 2, 4096, cpu) == 4
@@ -66,5 +79,6 @@ def test_split_decode_real_size_gpu(rows, ctx):
     q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
     args = (q, kc, vc, qsl, sl, bt, 1, ctx, d**-0.5, None)
     want = paged_attention_ref(*args).float()
-    got = paged_attention_triton(*args).float()
-    assert (got - want).norm() / want.norm() < 1e-2
+    for prefetch in (False, True):
+        got = paged_attention_triton(*args, prefetch=prefetch).float()
+        assert (got - want).norm() / want.norm() < 1e-2, prefetch
