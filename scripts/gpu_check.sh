@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|prefetch|fuse|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|prefetch|fuse2|fuse|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -159,6 +159,14 @@ case $what in
       bench_latency $m "_noprefetch$i" --batch-sizes 1,8 --prompt-lens ""
     done; done
     ;;
+  fuse2)  # the two norm fusions again now that the GEMV triggers PDL late (both were measured
+    # with the early trigger, which was what made the GEMV lose inside the step), b=1, twice
+    for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_base$i" --batch-sizes 1 --prompt-lens ""
+      KRAIT_FUSE_NORM=1 bench_latency $m "_prologue$i" --batch-sizes 1 --prompt-lens ""
+      KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epilogue$i" --batch-sizes 1 --prompt-lens ""
+    done; done
+    ;;
   fuse)  # the norm fusion (opt-in) against the unfused norms, alternating twice, batch 1
     for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       KRAIT_FUSE_NORM=1 bench_latency $m "_fuse$i" --batch-sizes 1 --prompt-lens ""
@@ -181,6 +189,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fp8|prefetch|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|prefetch|fuse2|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack
