@@ -316,3 +316,19 @@ def test_seeded_sampling_on_cuda():
     out = sample(logits, [row(temperature=0.0, logprobs=2) for _ in range(8)])
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
     assert out.logprobs.ranks.eq(1).all()
+
+
+@pytest.mark.gpu
+def test_model_dtype_logits_on_cuda():
+    """bf16 logits on the GPU (what every model hands the sampler there) draw as their float32
+    upcast: greedy through the Triton argmax, seeded random rows, logprobs."""
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    logits = (torch.randn(8, 5000, device=dev) * 3).bfloat16()
+    rows = [row(temperature=0.0) if i % 2 else row(temperature=0.8, seed=i, logprobs=2)
+            for i in range(8)]
+    low, high = sample(logits, rows), sample(logits.float(), rows)
+    assert torch.equal(low.sampled_token_ids, high.sampled_token_ids)
+    assert torch.equal(low.logprobs.logprobs, high.logprobs.logprobs)
+    greedy = [row(temperature=0.0) for _ in range(8)]
+    assert torch.equal(sample(logits, greedy).sampled_token_ids, logits.float().argmax(-1))
