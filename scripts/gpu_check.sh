@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|prefetch|fuse2|fuse|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|prefetch|fuse|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -76,21 +76,16 @@ case $what in
       --prefill ${PROFILE_PREFILL:-2048} 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
     ;;
-  ab)  # knobs against the defaults, same machine (~5 min): programmatic dependent launch off
-    # (KRAIT_PDL=0; on by default since session 4), every one-row projection of at most 20M
-    # elements through the GEMV (KRAIT_GEMV=wide), the GEMV's PDL trigger after its weight loop
-    # (KRAIT_PDL_TRIGGER=late; alone and with wide), residual add + next norm in the epilogue
-    # of the projection before it (KRAIT_NORM_EPILOGUE=1). Measured slower and left out: the
-    # norm in the GEMV's prologue (KRAIT_FUSE_NORM=1: `fuse`), the fused Mamba decode kernel
-    # (KRAIT_FUSED_MAMBA_DECODE=1). The attention knobs: `attn`, a call of its own.
+  ab)  # the dispatch knobs against the defaults, same machine (~4 min): programmatic dependent
+    # launch off (KRAIT_PDL=0), the GEMV's PDL trigger at its start (KRAIT_PDL_TRIGGER=early),
+    # session 5's narrow GEMV rule (KRAIT_GEMV=narrow), the wide one (KRAIT_GEMV=wide). The norm
+    # fusions: `fuse`; the attention knobs: `attn`, `prefetch`; the fp8 cache: `fp8`.
     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "_base" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_PDL=0 bench_latency $m "_nopdl" --batch-sizes 1,8,64 --prompt-lens ""
-      KRAIT_GEMV=wide bench_latency $m "_gemv_wide" --batch-sizes 1 --prompt-lens ""
-      KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epi" --batch-sizes 1,8 --prompt-lens ""
-      KRAIT_PDL_TRIGGER=late bench_latency $m "_late" --batch-sizes 1 --prompt-lens ""
-      KRAIT_PDL_TRIGGER=late KRAIT_GEMV=wide bench_latency $m "_late_wide" --batch-sizes 1 \
-        --prompt-lens ""
+      KRAIT_PDL_TRIGGER=early bench_latency $m "_early" --batch-sizes 1 --prompt-lens ""
+      KRAIT_GEMV=narrow bench_latency $m "_narrow" --batch-sizes 1 --prompt-lens ""
+      KRAIT_GEMV=wide bench_latency $m "_wide" --batch-sizes 1 --prompt-lens ""
     done
     ;;
   attn)  # split-KV decode attention knobs (session 5, unmeasured; ~5 min): the last split merges
@@ -159,18 +154,14 @@ case $what in
       bench_latency $m "_noprefetch$i" --batch-sizes 1,8 --prompt-lens ""
     done; done
     ;;
-  fuse2)  # the two norm fusions again now that the GEMV triggers PDL late (both were measured
-    # with the early trigger, which was what made the GEMV lose inside the step), b=1, twice
+  fuse)  # both norm fusions against the defaults, b=1, alternating twice (~6 min): the norm in
+    # the GEMV's prologue (KRAIT_FUSE_NORM=1) and in the previous GEMV's epilogue
+    # (KRAIT_NORM_EPILOGUE=1); sessions 5-6 measured both slower, but with the early PDL trigger,
+    # the one that also made the wide GEMV lose
     for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "_base$i" --batch-sizes 1 --prompt-lens ""
       KRAIT_FUSE_NORM=1 bench_latency $m "_prologue$i" --batch-sizes 1 --prompt-lens ""
       KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epilogue$i" --batch-sizes 1 --prompt-lens ""
-    done; done
-    ;;
-  fuse)  # the norm fusion (opt-in) against the unfused norms, alternating twice, batch 1
-    for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-      KRAIT_FUSE_NORM=1 bench_latency $m "_fuse$i" --batch-sizes 1 --prompt-lens ""
-      bench_latency $m "_nofuse$i" --batch-sizes 1 --prompt-lens ""
     done; done
     ;;
   gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep
@@ -189,6 +180,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fp8|prefetch|fuse2|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|prefetch|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

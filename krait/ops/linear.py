@@ -28,6 +28,9 @@ from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
 # cuBLAS at every projection shape up to 17M elements in isolation on the H200 (docs/benchmarks.md,
 # run 10) and lost at granite's gate_up (32M); lm_heads (100M+) stay on cuBLAS
 ROW_GEMV_MAX_ELEMENTS = 20 << 20
+# the default rule's bound (session 6: with the late PDL trigger, every one-row projection up to
+# this size through the GEMV; granite's 17M in_proj and down lost there)
+ROW_GEMV_DEFAULT_MAX_ELEMENTS = 8 << 20
 
 
 def _gemv_allowed(x: Tensor) -> bool:
@@ -56,8 +59,8 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     if mode == "wide":
         return weight.numel() <= ROW_GEMV_MAX_ELEMENTS
     if mode == "narrow":
-        return 2 * n <= k and n * k <= (8 << 20)
-    return n * k <= (8 << 20)
+        return 2 * n <= k and n * k <= ROW_GEMV_DEFAULT_MAX_ELEMENTS
+    return n * k <= ROW_GEMV_DEFAULT_MAX_ELEMENTS
 
 
 def fuse_rms_norm(x: Tensor, weight: Tensor) -> bool:

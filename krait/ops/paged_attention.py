@@ -43,6 +43,21 @@ def _kv_tile_offsets(start_n, hi, kv_head, bt_row, block_size,
 
 
 @triton.jit
+def _load_k(k_cache_ptr, k_off, d, d_ok, ok, dt):
+    """The K tile [BLOCK_D, BLOCK_N] of the keys where `ok`, in dtype dt (an fp8 cache widens
+    to q's dtype for the dots; a no-op for a model-dtype cache); 0 elsewhere."""
+    return tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
+                   mask=ok[None, :] & d_ok[:, None], other=0.0).to(dt)
+
+
+@triton.jit
+def _load_v(v_cache_ptr, v_off, d, d_ok, ok, dt):
+    """The V tile [BLOCK_N, BLOCK_D] of the keys where `ok`, in dtype dt; 0 elsewhere."""
+    return tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
+                   mask=ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+
+
+@triton.jit
 def _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window,
             MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """q [BLOCK_M, D] . k [D, BLOCK_N] in log2 units, causal (and window) masked."""
@@ -81,17 +96,13 @@ def _attend_tile(
     k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
         start_n, hi, kv_head, bt_row, block_size,
         stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
-    # an fp8 cache is widened to q's dtype for the dots (a no-op for a model-dtype cache)
-    k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
-                mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+    k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok, q.dtype)
     if EARLY_V:
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D]
+        v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok, q.dtype)
     s = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, MASKED, USE_WINDOW,
                 DOT_PRECISION)
     if not EARLY_V:
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                    mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D]
+        v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok, q.dtype)
     return _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
 
@@ -222,21 +233,13 @@ def _decode_split_kernel(
             k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
                 s_lo, s_hi, kv_head, bt_row, block_size, stride_kc_b, stride_kc_o, stride_kc_h,
                 stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
-            newest = k_pos == seq_len - 1
-            old = k_ok & (k_pos != seq_len - 1)
-            k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
-                        mask=old[None, :] & d_ok[:, None], other=0.0).to(cdt)  # [D, BLOCK_N]
-            v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                        mask=old[:, None] & d_ok[None, :], other=0.0).to(cdt)  # [BLOCK_N, D]
+            fresh = k_ok & (k_pos == seq_len - 1)  # written by the kernel before
+            k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok & ~fresh, cdt)  # [D, BLOCK_N]
+            v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok & ~fresh, cdt)  # [BLOCK_N, D]
             pdl_wait(PDL)
             if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
-                fresh = newest & k_ok
-                k_new = tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
-                                mask=fresh[None, :] & d_ok[:, None], other=0.0).to(cdt)
-                v_new = tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                                mask=fresh[:, None] & d_ok[None, :], other=0.0).to(cdt)
-                k = tl.where(fresh[None, :], k_new, k)
-                v = tl.where(fresh[:, None], v_new, v)
+                k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
+                v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
             q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
             sc = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, True, USE_WINDOW,
                          DOT_PRECISION)
