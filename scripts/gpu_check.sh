@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|prefetch|fuse|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fp8b|prefetch|fuse|knobs1|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$LOG/gpu.txt"
 
 run_kernels() {
-  timeout ${KERNEL_TIMEOUT:-900} python3 -m pytest -q -x -m gpu tests/ops tests/runner tests/test_bench.py -p no:cacheprovider 2>&1 | tail -40 | tee "$LOG/kernels.log"
+  timeout ${KERNEL_TIMEOUT:-900} python3 -m pytest -q --maxfail=5 -m gpu tests/ops tests/runner tests/test_bench.py -p no:cacheprovider 2>&1 | tail -60 | tee "$LOG/kernels.log"
   pack
 }
 run_parity() {
@@ -164,6 +164,33 @@ case $what in
       KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epilogue$i" --batch-sizes 1 --prompt-lens ""
     done; done
     ;;
+  knobs1)  # session 7's one-pass A/B (~7 min): GPU parity with the decode prefetch on, then
+    # the prefetch at batch 1 and 8, and both norm fusions at batch 1, each against the defaults
+    if [ -d .parity ]; then
+      KRAIT_DECODE_PREFETCH=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
+        | grep -v Warn | tail -25 | tee "$LOG/parity_prefetch.log"
+    fi
+    for m in qwen3-0.6b granite-4.0-h-micro; do
+      bench_latency $m "_noprefetch" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_DECODE_PREFETCH=1 bench_latency $m "_prefetch" --batch-sizes 1,8 --prompt-lens ""
+    done
+    for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_base" --batch-sizes 1 --prompt-lens ""
+      KRAIT_FUSE_NORM=1 bench_latency $m "_prologue" --batch-sizes 1 --prompt-lens ""
+      KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epilogue" --batch-sizes 1 --prompt-lens ""
+    done
+    ;;
+  fp8b)  # the fp8 cache widened in registers (session 7; ~3 min): its GPU tests, decode at
+    # batch 1/64/256 against the bf16 cache (qwen3), qwen3's throughput with it (krait only)
+    timeout 200 python3 -m pytest -q -m gpu tests/ops/test_fp8_kv_cache.py -p no:cacheprovider \
+      2>&1 | tail -15 | tee "$LOG/kernels_fp8.log"
+    bench_latency qwen3-0.6b "_kvauto" --batch-sizes 1,64,256 --prompt-lens ""
+    bench_latency qwen3-0.6b "_kvfp8" --batch-sizes 1,64,256 --prompt-lens "" --kv-cache-dtype fp8
+    timeout 150 python3 -m krait bench throughput --config qwen3-0.6b --num-prompts 256 \
+      --input-len 256 --output-len 256 --kv-cache-dtype fp8 > "$LOG/tp_qwen3_fp8.json" \
+      2> "$LOG/tp_qwen3_fp8.err"
+    grep -v Warn "$LOG/tp_qwen3_fp8.err" | tail -3
+    ;;
   gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep
     timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"; pack
     ;;
@@ -180,6 +207,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fp8|prefetch|fuse|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|fp8b|prefetch|fuse|knobs1|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

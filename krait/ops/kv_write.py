@@ -1,5 +1,7 @@
 """Scatter this step's keys and values into the paged KV cache (in the model dtype, or fp8)."""
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,14 +22,15 @@ def _round_to_e4m3(x):
     # normal numbers: keep 3 of float32's 23 mantissa bits
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
-    # below 2^-6 e4m3 is subnormal: multiples of 2^-9 (rounded in magnitude, sign kept: -0.0)
+    # below 2^-6 e4m3 is subnormal: multiples of 2^-9 (rounded in magnitude)
     y = tl.abs(x) * 512.0
     fl = tl.floor(y)
     frac = y - fl
     odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
     up = (frac > 0.5) | ((frac == 0.5) & odd)
     sub = (fl + up.to(tl.float32)) * (1.0 / 512.0)
-    sub = tl.where(bits < 0, -sub, sub)
+    # the sign as a bit, so -tiny rounds to -0.0 like torch (the GPU compiles -sub to 0 - sub)
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, sub, normal)
 
 
@@ -38,6 +41,51 @@ def to_cache(x, cache_ptr):
     dt = cache_ptr.dtype.element_ty
     if dt == tl.float8e4nv:
         x = _round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+    return x.to(dt)
+
+
+# e4m3 bytes -> bf16, four at a time: each byte to the high byte of a 16-bit lane, the
+# exponent and mantissa moved down into bf16's fields, the sign kept, times 2^120 (0x7B80)
+_E4M3X4_TO_BF16X4 = tl.constexpr("""{
+    .reg .b32 t0, t1, c, z;
+    mov.b32 c, 0x7B807B80;
+    mov.b32 z, 0x80008000;
+    prmt.b32 t0, $2, 0, 0x1404;
+    prmt.b32 t1, $2, 0, 0x3424;
+    and.b32 $0, t0, 0x80008000;
+    and.b32 $1, t1, 0x80008000;
+    shr.b32 t0, t0, 4;
+    shr.b32 t1, t1, 4;
+    and.b32 t0, t0, 0x07F007F0;
+    and.b32 t1, t1, 0x07F007F0;
+    or.b32 t0, t0, $0;
+    or.b32 t1, t1, $1;
+    fma.rn.bf16x2 $0, t0, c, z;
+    fma.rn.bf16x2 $1, t1, c, z;
+}""")
+_COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def from_cache(x, mask, dt):
+    """A tile loaded from the cache (0 outside `mask`) in dtype dt: a no-op for a model-dtype
+    cache; an fp8 (e4m3) tile widens exactly (every finite value) by its bits: exponent and
+    mantissa moved into bf16's fields, times 2^120. Compiled, the widening is PTX in the
+    registers the load filled, then masked: Triton moves a plain `.to` (or any chain of
+    elementwise ops on the load alone) behind the tile's move into the dot-operand layout,
+    which for a transposed 8-bit operand means byte loads from shared memory (the decode
+    attention 1.5x slower at batch 64). The interpreter decodes the fields in float32."""
+    if x.dtype == tl.float8e4nv:
+        bits = x.to(tl.uint8, bitcast=True)
+        if _COMPILED:
+            wide = tl.inline_asm_elementwise(_E4M3X4_TO_BF16X4, "=r,=r,r", [bits],
+                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+            return tl.where(mask, wide, 0.0).to(dt)
+        b = bits.to(tl.int32)
+        exp, man = (b >> 3) & 15, b & 7
+        normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+        mag = tl.where(exp == 0, man.to(tl.float32) * (1.0 / 512.0), normal)
+        return tl.where(b >= 128, -mag, mag).to(dt)
     return x.to(dt)
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.arrival import arrival_counters
+from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-(row, kv head) arrival counters of MERGE
@@ -45,16 +46,18 @@ def _kv_tile_offsets(start_n, hi, kv_head, bt_row, block_size,
 @triton.jit
 def _load_k(k_cache_ptr, k_off, d, d_ok, ok, dt):
     """The K tile [BLOCK_D, BLOCK_N] of the keys where `ok`, in dtype dt (an fp8 cache widens
-    to q's dtype for the dots; a no-op for a model-dtype cache); 0 elsewhere."""
-    return tl.load(k_cache_ptr + k_off[None, :] + d[:, None],
-                   mask=ok[None, :] & d_ok[:, None], other=0.0).to(dt)
+    to q's dtype for the dots); 0 elsewhere."""
+    mask = ok[None, :] & d_ok[:, None]
+    return from_cache(tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=mask, other=0.0),
+                      mask, dt)
 
 
 @triton.jit
 def _load_v(v_cache_ptr, v_off, d, d_ok, ok, dt):
     """The V tile [BLOCK_N, BLOCK_D] of the keys where `ok`, in dtype dt; 0 elsewhere."""
-    return tl.load(v_cache_ptr + v_off[:, None] + d[None, :],
-                   mask=ok[:, None] & d_ok[None, :], other=0.0).to(dt)
+    mask = ok[:, None] & d_ok[None, :]
+    return from_cache(tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=mask, other=0.0),
+                      mask, dt)
 
 
 @triton.jit
@@ -407,10 +410,10 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                   early_v: bool | None = None, prefetch: bool | None = None) -> None:
     """Flash-decoding launches. merge: the splits merged by the last one to finish, one launch
     (None: KRAIT_DECODE_MERGE=1); early_v: V loaded beside K (None: KRAIT_DECODE_EARLY_V=1);
-    prefetch: each split's first K/V tile loaded before the PDL wait (None:
-    KRAIT_DECODE_PREFETCH=1; session 6, unmeasured on the GPU).
-    Both off by default: on the H200 (session 6) merging was 6-10% slower at batch 1, V beside
-    K within noise."""
+    prefetch: each split's first K/V tile loaded before the PDL wait (None: on unless
+    KRAIT_DECODE_PREFETCH=0; H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8).
+    merge and early_v are off by default: on the H200 (session 6) merging was 6-10% slower at
+    batch 1, V beside K within noise."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -426,7 +429,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     merge = merge if merge is not None else os.environ.get("KRAIT_DECODE_MERGE") == "1"
     early_v = early_v if early_v is not None else os.environ.get("KRAIT_DECODE_EARLY_V") == "1"
     if prefetch is None:
-        prefetch = os.environ.get("KRAIT_DECODE_PREFETCH") == "1"
+        prefetch = os.environ.get("KRAIT_DECODE_PREFETCH", "1") != "0"
     counters = arrival_counters(_COUNTERS, q.device, num_rows * num_kv_heads) if merge else part_ml
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_acc, part_ml, out, counters,

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from krait.ops.kv_write import FP8_MAX, to_cache_ref, write_kv_ref, write_kv_triton
+from krait.ops.kv_write import FP8_MAX, from_cache, to_cache_ref, write_kv_ref, write_kv_triton
 from krait.ops.paged_attention import paged_attention_ref, paged_attention_triton
 from krait.ops.rope_kv_write import rope_kv_write_ref, rope_kv_write_triton
 from tests.ops.test_kv_write import make_case as kv_case
@@ -30,7 +32,8 @@ def test_to_cache_ref_saturates_and_rounds_to_nearest():
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_write_kv_fp8_triton_matches_reference(block_size):
     key, value, k_cache, v_cache, slots = kv_case(24, 3, 40, block_size, 96 // block_size + 1)
-    key[0, 0, :4] = torch.tensor([900.0, -900.0, 448.0, 1e-3])  # saturation and a tiny value
+    # saturation, tiny values (-1e-3 rounds to -0.0, as torch does)
+    key[0, 0, :5] = torch.tensor([900.0, -900.0, 448.0, 1e-3, -1e-3])
     k_ref, v_ref = k_cache.to(FP8), v_cache.to(FP8)
     k_tri, v_tri = k_ref.clone(), v_ref.clone()
     write_kv_ref(key, value, k_ref, v_ref, slots)
@@ -106,3 +109,33 @@ def test_fp8_cache_real_size_gpu(rows, ctx):
     write_kv_triton(key, value, k8, v8, slots)
     assert torch.equal(k8.view(torch.uint8), k_ref.view(torch.uint8))
     assert torch.equal(v8.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+@triton.jit
+def _from_cache_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, from_cache(x, mask, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_from_cache(device: str) -> None:
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN
+    fp8 = codes.to(device).view(FP8)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out = torch.empty(fp8.numel(), dtype=dtype, device=device)
+        _from_cache_kernel[(1,)](fp8, out, fp8.numel(), BLOCK=256)
+        want = fp8.to(dtype)
+        assert torch.equal(out.float(), want.float()), dtype
+        assert torch.equal(out.float().signbit(), want.float().signbit()), dtype  # -0.0 kept
+
+
+def test_from_cache_widens_every_e4m3_value_exactly():
+    """The interpreter's arithmetic widening (the compiled one is PTX: the GPU test below)."""
+    _check_from_cache("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_from_cache_widens_every_e4m3_value_exactly_gpu():
+    _check_from_cache("cuda")

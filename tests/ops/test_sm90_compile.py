@@ -161,7 +161,8 @@ def test_fp8_kv_cache_kernels_compile():
         NORM=True, IS_NEOX=True, BLOCK_H=16, BLOCK_D=128, PDL=True))
     assert r["local"] == 0, r
     r = _compile_decode_split(F8, merge=False, early_v=False)
-    assert r["local"] == 0, r
+    # the tiles widen in registers: no byte-wise gather of a transposed fp8 V from shared memory
+    assert r["local"] == 0 and r["shared_byte_loads"] == 0, r
     types = dict(q_ptr=BF, k_cache_ptr=F8, v_cache_ptr=F8, out_ptr=BF, qsl_ptr=I32,
                  seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
     r = compile_sm90("krait.ops.paged_attention", "_paged_attention_kernel", types, dict(
