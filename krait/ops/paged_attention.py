@@ -342,6 +342,15 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
     return max(1, min(16, triton.next_power_of_2(min(want, by_len))))
 
 
+def _decode_block_n() -> int:
+    """Keys per tile of the split-KV decode kernel: 64 (H200, bf16 cache); KRAIT_DECODE_BLOCK_N
+    is an A/B knob (an fp8 tile of 64 keys moves half the bytes for the same per-tile work)."""
+    block_n = int(os.environ.get("KRAIT_DECODE_BLOCK_N", "64"))
+    if block_n not in (16, 32, 64, 128):
+        raise ValueError(f"KRAIT_DECODE_BLOCK_N must be 16, 32, 64 or 128, not {block_n}")
+    return block_n
+
+
 def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str, int]:
     """Tile sizes and launch options. BLOCK_M = query tokens per program x group, >= 16 for tl.dot."""
     block_m = min(max(16, triton.next_power_of_2(max_query_len * group)), 128)
@@ -442,7 +451,8 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=128 if interpret else 64, BLOCK_D=block_d, EARLY_V=early_v, MERGE=merge,
+        BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d, EARLY_V=early_v,
+        MERGE=merge,
         PREFETCH=prefetch, **opts, **pdl_args(pdl),
     )
     if merge:
