@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fp8b|prefetch|fuse|knobs1|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|prefetch|fuse|knobs1|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -72,7 +72,7 @@ case $what in
   profile)  # wall vs GPU kernel time of decode steps and one prefill, top kernels
     # (and the host's own time per decode step with the functions it goes to: cProfile)
     OUT=$LOG timeout ${PROFILE_TIMEOUT:-400} python3 scripts/profile_decode.py \
-      ${PROFILE_SPECS:-qwen3-0.6b:1:1024 granite-4.0-h-micro:64:1024 mamba2-1.3b:64:1024 mamba2-1.3b:1:1024} \
+      ${PROFILE_SPECS:-qwen3-0.6b:1:1024 granite-4.0-h-micro:1:1024 granite-4.0-h-micro:64:1024 mamba2-1.3b:1:1024} \
       --prefill ${PROFILE_PREFILL:-2048} 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/profile.log"
     ;;
@@ -191,6 +191,14 @@ case $what in
       2> "$LOG/tp_qwen3_fp8.err"
     grep -v Warn "$LOG/tp_qwen3_fp8.err" | tail -3
     ;;
+  blockn)  # keys per decode tile (KRAIT_DECODE_BLOCK_N, 64 unless set) for the bf16 and the
+    # fp8 cache, qwen3 at batch 1/64/256, alternating (~4 min): an fp8 tile of 64 keys moves
+    # half a bf16 tile's bytes for the same per-tile work
+    for kv in auto fp8; do for bn in 64 128; do
+      KRAIT_DECODE_BLOCK_N=$bn bench_latency qwen3-0.6b "_${kv}_n$bn" --batch-sizes 1,64,256 \
+        --prompt-lens "" --kv-cache-dtype $kv
+    done; done
+    ;;
   gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep
     timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"; pack
     ;;
@@ -207,6 +215,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fp8|fp8b|prefetch|fuse|knobs1|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|fp8b|blockn|prefetch|fuse|knobs1|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

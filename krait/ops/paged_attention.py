@@ -343,8 +343,9 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
 
 
 def _decode_block_n() -> int:
-    """Keys per tile of the split-KV decode kernel: 64 (H200, bf16 cache); KRAIT_DECODE_BLOCK_N
-    is an A/B knob (an fp8 tile of 64 keys moves half the bytes for the same per-tile work)."""
+    """Keys per tile of decode programs (the split-KV kernel, and the varlen kernel's small query
+    tiles): 64 (H200, bf16 cache); KRAIT_DECODE_BLOCK_N is an A/B knob (an fp8 tile of 64 keys
+    moves half the bytes for the same per-tile work)."""
     block_n = int(os.environ.get("KRAIT_DECODE_BLOCK_N", "64"))
     if block_n not in (16, 32, 64, 128):
         raise ValueError(f"KRAIT_DECODE_BLOCK_N must be 16, 32, 64 or 128, not {block_n}")
@@ -361,7 +362,7 @@ def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str,
     # 128-row prefill tiles like 128-key tiles and 8 warps.
     if block_m >= 128:
         return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=block_m, BLOCK_N=_decode_block_n(), num_warps=4, num_stages=2)
 
 
 def paged_attention_triton(
