@@ -4,6 +4,8 @@ The other parity tests run the torch references on CPU; these route every op thr
 the GPU runs (`KRAIT_TRITON_CPU=1` under `TRITON_INTERPRET=1`), so an integration mistake in a
 kernel launch (strides, dtypes, slot indices, chunk boundaries) shows up without a GPU."""
 
+import os
+
 import pytest
 
 from krait import LLM, SamplingParams
@@ -14,9 +16,19 @@ NUM_TOKENS = 12
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv",
-                                  "mamba2+gemv", "qwen3+epi", "granitemoehybrid+epi"])
+                                  "mamba2+gemv", "qwen3+epi", "granitemoehybrid+epi",
+                                  "qwen3+rope"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
+    fused = []
+    if arch == "qwen3+rope":  # q/k norm, rotary and the KV write in the split decode kernel
+        arch = "qwen3"
+        monkeypatch.setenv("KRAIT_FUSE_ROPE_ATTN", "1")
+        monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # short rows split too
+        import krait.ops.rope_attention as ra
+
+        real = ra._rope_args
+        monkeypatch.setattr(ra, "_rope_args", lambda *a: (fused.append(1), real(*a))[1])
     if "+" in arch:  # decode projections through krait/ops/gemv.py with the norms fused in:
         # +gemv in the GEMV's prologue, +epi in the epilogue of the projection before the norm
         # (opt-in knobs, and the interpreted GEMV is slow: two prompts, one of them chunked)
@@ -41,6 +53,8 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         assert got.token_ids == tokens
         for entry, tok, lp in zip(got.logprobs, got.token_ids, lps):
             assert abs(entry[tok].logprob - lp) < 1e-3
+    if "KRAIT_FUSE_ROPE_ATTN" in os.environ:
+        assert fused  # the decode steps took the fused kernel
 
 
 def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):

@@ -81,15 +81,24 @@ def test_pdl_kernels_compile():
     assert r["pdl"]
 
 
-def _compile_decode_split(cache: str, merge: bool, early_v: bool, prefetch: bool = False) -> dict:
+def _compile_decode_split(cache: str, merge: bool, early_v: bool, prefetch: bool = False,
+                          rope: bool = False) -> dict:
     """The split-KV decode kernel at qwen3's shapes over a cache of type `cache`."""
     types = dict(q_ptr=BF, k_cache_ptr=cache, v_cache_ptr=cache, part_acc_ptr=F32,
                  part_ml_ptr=F32, out_ptr=BF, count_ptr=I32, qsl_ptr=I32, seq_lens_ptr=I32,
-                 block_table_ptr=I32, qk_scale="fp32")
+                 block_table_ptr=I32, qk_scale="fp32", k_new_ptr=BF, v_new_ptr=BF,
+                 pos_ptr="*i64", cs_ptr=F32, qw_ptr=BF, kw_ptr=BF, slot_ptr="*i64", eps="fp32")
     return compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
         GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=8, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_D=128, EARLY_V=early_v, MERGE=merge, PDL=True, PREFETCH=prefetch),
-        odd=("block_size", "sliding_window", "head_dim"))
+        BLOCK_D=128, EARLY_V=early_v, MERGE=merge, PDL=True, PREFETCH=prefetch, ROPE=rope,
+        NORM=rope, IS_NEOX=True), odd=("block_size", "sliding_window", "head_dim"))
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_rope_decode_split_compiles(prefetch):
+    """KRAIT_FUSE_ROPE_ATTN=1: q/k norm, rotary and the newest key's write in the split kernel."""
+    r = _compile_decode_split(BF, merge=False, early_v=False, prefetch=prefetch, rope=True)
+    assert r["pdl"] and r["local"] == 0, r
 
 
 def test_prefetching_decode_split_compiles():

@@ -132,12 +132,13 @@ def test_capture_pauses_python_gc(monkeypatch):
     assert seen == [False, False, False] and gc.isenabled()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+epi"])
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+epi", "qwen3+rope"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
     of several sizes as requests finish (CudaGraphRunner(record=False) runs the body eagerly).
-    +epi: every decode projection in the GEMV, the norms in its epilogue (padded rows too)."""
+    +epi: every decode projection in the GEMV, the norms in its epilogue (padded rows too);
+    +rope: rotary and the KV write inside the split decode kernel (KRAIT_FUSE_ROPE_ATTN=1)."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
 
@@ -146,6 +147,10 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
         arch = arch.removesuffix("+epi")
         monkeypatch.setenv("KRAIT_GEMV", "1")
         monkeypatch.setenv("KRAIT_NORM_EPILOGUE", "1")
+    if arch.endswith("+rope"):
+        arch = arch.removesuffix("+rope")
+        monkeypatch.setenv("KRAIT_FUSE_ROPE_ATTN", "1")
+        monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # the captured batches split
     d = (make_tiny_llama(tmp_path / arch, arch=arch) if arch == "qwen3"
          else make_tiny_hybrid(tmp_path / arch, arch))
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9] * 11, list(range(3, 20)))]
