@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|prefetch|fuse|knobs1|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -211,6 +211,19 @@ case $what in
       KRAIT_FUSE_ROPE_ATTN=1 bench_latency $m "_ropeattn$i" --batch-sizes 1,8 --prompt-lens ""
     done; done
     ;;
+  stats)  # the norm split between the GEMVs around it (KRAIT_NORM_STATS=1, session 7,
+    # unmeasured; ~6 min): GPU parity with it on, then batch 1 and 8 against the defaults,
+    # alternating twice. It removes the norm kernels that follow a GEMV'd projection (qwen3:
+    # both norms of a layer; mamba2: the pre-norm) without a prepass or a last-tile pass
+    if [ -d .parity ]; then
+      KRAIT_NORM_STATS=1 KRAIT_GEMV=1 timeout 300 python3 scripts/gpu_parity.py check .parity \
+        2>&1 | grep -v Warn | tail -25 | tee "$LOG/parity_stats.log"
+    fi
+    for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_base$i" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_NORM_STATS=1 bench_latency $m "_stats$i" --batch-sizes 1,8 --prompt-lens ""
+    done; done
+    ;;
   gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep
     timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"; pack
     ;;
@@ -227,6 +240,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|prefetch|fuse|knobs1|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

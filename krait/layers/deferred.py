@@ -1,13 +1,15 @@
-"""A projection left for the norm after it (KRAIT_NORM_EPILOGUE=1): a layer's last projection
-(o_proj, down, Mamba2's out_proj) returns a `DeferredLinear` instead of its output, and the next
-layer's `PendingNorm` runs it with the residual add and the norm in the GEMV's epilogue: one
-launch for projection, add and norm (`krait.ops.linear.linear_add_norm`)."""
+"""A projection left for the norm after it (KRAIT_NORM_EPILOGUE=1 or KRAIT_NORM_STATS=1): a
+layer's last projection (o_proj, down, Mamba2's out_proj) returns a `DeferredLinear` instead of
+its output, and the next layer's `PendingNorm` runs it with the residual add and the norm in
+the GEMV's epilogue (`krait.ops.linear.linear_add_norm`: one launch for projection, add and
+norm), or with the add and the sums of squares the next projection normalizes from
+(`linear_add_stats`)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from krait.ops.linear import linear, linear_add_norm, silu_mul_linear
+from krait.ops.linear import linear, linear_add_norm, linear_add_stats, silu_mul_linear
 
 
 class DeferredLinear:
@@ -28,3 +30,7 @@ class DeferredLinear:
         """(rms_norm(s), s) for s = value() * x_scale + residual, in one launch where it can."""
         return linear_add_norm(self.x, self.weight, self.bias, residual, norm_weight, eps,
                                x_scale, self.silu_mul)
+
+    def add_stats(self, residual: Tensor, x_scale: float) -> tuple[Tensor, Tensor | None]:
+        """(s, stats) for s = value() * x_scale + residual: `linear_add_stats`."""
+        return linear_add_stats(self.x, self.weight, self.bias, residual, x_scale, self.silu_mul)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from krait.layers.deferred import DeferredLinear
-from krait.ops.gemv import gemv_rms_norm_triton
-from krait.ops.linear import fuse_rms_norm, linear
+from krait.ops.gemv import gemv_rms_norm_triton, gemv_stats_norm_triton
+from krait.ops.linear import fuse_rms_norm, fuse_stats_norm, linear
 from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 
@@ -41,10 +41,14 @@ class PendingNorm:
         self.norm, self.x, self.residual_in, self.x_scale = norm, x, residual, x_scale
         self._value: torch.Tensor | None = None
         self._sum: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None  # s's sums of squares by tile (NORM_STATS)
 
     def value(self) -> torch.Tensor:
         """The normalized activations [T, hidden] (computed once). A deferred projection as x
         runs here, with the residual add and this norm in its epilogue where it can."""
+        if self._value is None and self._sum is not None and isinstance(self.x, DeferredLinear):
+            self._value = self.norm(self._sum)  # s made by `project` (KRAIT_NORM_STATS)
+            return self._value
         if self._value is None and isinstance(self.x, DeferredLinear):
             if self.residual_in is not None:
                 self._value, self._sum = self.x.add_norm(
@@ -60,7 +64,16 @@ class PendingNorm:
 
     def project(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """linear(value(), weight, bias), the norm fused in when nothing has read it yet (else
-        the norm runs once, through value(), and later readers reuse it)."""
+        the norm runs once, through value(), and later readers reuse it). With
+        KRAIT_NORM_STATS=1 a deferred projection as x adds the residual and writes its sums of
+        squares, and this projection normalizes from them as it loads s."""
+        if (self._value is None and isinstance(self.x, DeferredLinear)
+                and self.residual_in is not None and fuse_stats_norm(self.residual_in, weight)):
+            if self._sum is None:
+                self._sum, self._stats = self.x.add_stats(self.residual_in, self.x_scale)
+            if self._stats is not None:
+                return gemv_stats_norm_triton(self._sum, self._stats, self.norm.weight,
+                                              self.norm.eps, weight, bias)
         if (self._value is None and not isinstance(self.x, DeferredLinear)
                 and fuse_rms_norm(self.x, weight)):
             y, self._sum = gemv_rms_norm_triton(self.x, self.residual_in, self.norm.weight,

@@ -40,7 +40,10 @@ _NORM_COUNTERS: dict[torch.device, Tensor] = {}  # the add-norm epilogue's, one 
 
 
 # prologue of the GEMV's input: what the x row is turned into before it meets W
-PLAIN, SILU_MUL, RMS_NORM, GATED_NORM = 0, 1, 2, 3
+PLAIN, SILU_MUL, RMS_NORM, GATED_NORM, STATS_NORM = 0, 1, 2, 3, 4
+# epilogue: y as is, the residual add + the next norm (the last tile normalizes the rows), or
+# the residual add + each tile's sum of squares (the next GEMV normalizes: STATS_NORM)
+EPI_NONE, EPI_ADD_NORM, EPI_ADD_STATS = 0, 1, 2
 
 
 @triton.jit
@@ -48,9 +51,10 @@ def _prologue_h(x_rows, a_rows, k, ld_ok, K, x_scale,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SCALE_X: tl.constexpr):
     """The float32 value a norm prologue normalizes, at columns k ([M, N, BLOCK_K]): RMS_NORM
     the residual sum s = x * x_scale + a (each rounded to x's dtype, as the unfused add is),
-    GATED_NORM y * silu(z) with y = x, z = a (not rounded, as in MambaRMSNormGated)."""
+    GATED_NORM y * silu(z) with y = x, z = a (not rounded, as in MambaRMSNormGated),
+    STATS_NORM x (the sum an EPI_ADD_STATS GEMV wrote)."""
     x = tl.load(x_rows + k, mask=ld_ok, other=0.0)
-    if PROLOGUE == 2:
+    if PROLOGUE != 3:
         if HAS_RES:
             xs = x
             if SCALE_X:
@@ -68,7 +72,7 @@ def _prologue_h(x_rows, a_rows, k, ld_ok, K, x_scale,
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, a_ptr, nw_ptr, s_ptr, ncount_ptr,
-    M, N, K, k_per_split, eps, x_scale,
+    M, N, K, k_per_split, eps, x_scale, n_stats,
     stride_xm, stride_wn, stride_ym, stride_am, stride_sm,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
     HAS_RES: tl.constexpr, SCALE_X: tl.constexpr, EPI_NORM: tl.constexpr,
@@ -104,7 +108,17 @@ def _gemv_kernel(
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
-    if PROLOGUE >= 2:
+    if PROLOGUE == 4:
+        # the rows' sums of squares from the GEMV before (a = its [M, n_stats] per-tile sums):
+        # no pass over the row before the weight loop
+        t = tl.arange(0, NORM_BLOCK)
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for t0 in range(0, n_stats, NORM_BLOCK):
+            tt = (t0 + t)[None, :]
+            sq += tl.sum(tl.load(a_ptr + offs_m[:, None] * stride_am + tt,
+                                 mask=m_ok[:, None] & (tt < n_stats), other=0.0), axis=1)
+        rstd = tl.rsqrt(sq / K + eps)[:, None, None]  # [M, 1, 1]
+    if (PROLOGUE == 2) or (PROLOGUE == 3):
         # a norm prologue: every program first reduces its rows over the whole of K (K is at
         # most a few thousand: these reads hit L2), in a [BLOCK_M, BLOCK_K] layout (not
         # broadcast over N); program (0, 0) writes the residual sum out of place (the other
@@ -151,10 +165,13 @@ def _gemv_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if EPI_NORM:
+        if EPI_NORM == 1:
             _add_norm_epilogue(acc, offs_m, offs_n, m_ok, mn_ok, N, y_ptr, a_ptr, s_ptr, nw_ptr,
                                ncount_ptr, eps, x_scale, stride_ym, stride_am, stride_sm,
                                SCALE_X, BLOCK_M, NORM_BLOCK)
+        elif EPI_NORM == 2:
+            _add_stats_epilogue(acc, offs_m, offs_n, m_ok, mn_ok, pid_n, y_ptr, a_ptr, s_ptr,
+                                x_scale, stride_ym, stride_am, stride_sm, SCALE_X)
         else:
             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mn_ok)
     else:
@@ -169,12 +186,41 @@ def _gemv_kernel(
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            if EPI_NORM:
+            if EPI_NORM == 1:
                 _add_norm_epilogue(total, offs_m, offs_n, m_ok, mn_ok, N, y_ptr, a_ptr, s_ptr,
                                    nw_ptr, ncount_ptr, eps, x_scale, stride_ym, stride_am,
                                    stride_sm, SCALE_X, BLOCK_M, NORM_BLOCK)
+            elif EPI_NORM == 2:
+                _add_stats_epilogue(total, offs_m, offs_n, m_ok, mn_ok, pid_n, y_ptr, a_ptr,
+                                    s_ptr, x_scale, stride_ym, stride_am, stride_sm, SCALE_X)
             else:
                 tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mn_ok)
+
+
+@triton.jit
+def _residual_sum(val, offs_m, offs_n, mn_ok, r_ptr, s_ptr, x_scale, stride_rm, stride_sm,
+                  SCALE_X: tl.constexpr):
+    """s = val * x_scale + residual for the tile (each rounded to the model dtype, as the unfused
+    add is), written out of place; returned [M, BLOCK_N] in the model dtype."""
+    dt = s_ptr.dtype.element_ty
+    y = val.to(dt)
+    if SCALE_X:
+        y = (y.to(tl.float32) * x_scale).to(dt)
+    r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_ok, other=0.0)
+    s = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_n[None, :], s, mask=mn_ok)
+    return s
+
+
+@triton.jit
+def _add_stats_epilogue(val, offs_m, offs_n, m_ok, mn_ok, pid_n, st_ptr, r_ptr, s_ptr, x_scale,
+                        stride_stm, stride_rm, stride_sm, SCALE_X: tl.constexpr):
+    """The residual add of `_residual_sum`, and the tile's sum of s^2 per row into column pid_n
+    of st [M, tiles] (float32): the next GEMV (STATS_NORM) normalizes from those sums."""
+    s = _residual_sum(val, offs_m, offs_n, mn_ok, r_ptr, s_ptr, x_scale, stride_rm, stride_sm,
+                      SCALE_X).to(tl.float32)
+    sq = tl.sum(tl.where(mn_ok, s * s, 0.0), axis=1)  # [M]
+    tl.store(st_ptr + offs_m * stride_stm + pid_n, sq, mask=m_ok)
 
 
 @triton.jit
@@ -188,12 +234,8 @@ def _add_norm_epilogue(
     the last tile to arrive (one counter a launch, back to zero after) reads the whole rows of s
     and writes their RMSNorm to y: residual add and norm without a kernel of their own."""
     dt = s_ptr.dtype.element_ty
-    y = val.to(dt)
-    if SCALE_X:
-        y = (y.to(tl.float32) * x_scale).to(dt)
-    r = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_ok, other=0.0)
-    s = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
-    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_n[None, :], s, mask=mn_ok)
+    _residual_sum(val, offs_m, offs_n, mn_ok, r_ptr, s_ptr, x_scale, stride_rm, stride_sm,
+                  SCALE_X)
     arrived = tl.atomic_add(ncount_ptr, 1)  # acq_rel: orders the store above
     if arrived == tl.num_programs(0) - 1:
         cols = tl.arange(0, NORM_BLOCK)
@@ -292,7 +334,33 @@ def gemv_add_norm_triton(
     in one launch (the last output tile to finish normalizes the rows)."""
     k = x.shape[1] // 2 if silu_mul else x.shape[1]
     return _launch(x, weight, bias, config, SILU_MUL if silu_mul else PLAIN, k, residual,
-                   norm_weight, eps, x_scale, epi_norm=True)
+                   norm_weight, eps, x_scale, epi=EPI_ADD_NORM)
+
+
+def gemv_add_stats_triton(
+    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, x_scale: float = 1.0,
+    silu_mul: bool = False, config: dict[str, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(s, stats) for s = y * x_scale + residual, y = linear(x) (x = [gate | up] through
+    silu_and_mul with `silu_mul`), and stats [M, tiles] float32: each output tile's sum of s^2
+    per row. The next layer's norm then runs in the next GEMV (`gemv_stats_norm_triton`),
+    without a pass of its own and without a last tile normalizing the rows."""
+    k = x.shape[1] // 2 if silu_mul else x.shape[1]
+    stats, s = _launch(x, weight, bias, config, SILU_MUL if silu_mul else PLAIN, k, residual,
+                       x_scale=x_scale, epi=EPI_ADD_STATS)
+    return s, stats
+
+
+def gemv_stats_norm_triton(
+    s: Tensor, stats: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+    bias: Tensor | None = None, config: dict[str, int] | None = None,
+) -> Tensor:
+    """linear(rms_norm(s)) for s [M, K] whose sums of squares come in stats [M, T] (partial
+    sums, any split: `gemv_add_stats_triton`'s): the norm applied as the GEMV loads s."""
+    if stats.dim() != 2 or stats.shape[0] != s.shape[0] or stats.dtype != torch.float32:
+        raise ValueError(f"gemv_stats_norm_triton: stats must be float32 [{s.shape[0]}, T], "
+                         f"got {stats.dtype} {tuple(stats.shape)}")
+    return _launch(s, weight, bias, config, STATS_NORM, s.shape[1], stats, norm_weight, eps)[0]
 
 
 def _rowwise(t: Tensor) -> Tensor:
@@ -302,10 +370,12 @@ def _rowwise(t: Tensor) -> Tensor:
 def _launch(
     x: Tensor, weight: Tensor, bias: Tensor | None, config: dict[str, int] | None,
     prologue: int, k: int, aux: Tensor | None = None, norm_weight: Tensor | None = None,
-    eps: float = 0.0, x_scale: float = 1.0, epi_norm: bool = False,
+    eps: float = 0.0, x_scale: float = 1.0, epi: int = EPI_NONE,
 ) -> tuple[Tensor, Tensor | None]:
     """One GEMV launch: (y [M, N], the residual sum: [M, K] of an RMS_NORM prologue with aux,
-    [M, N] of the add-norm epilogue (aux the residual; y then holds the normalized sum))."""
+    [M, N] of the add epilogues (aux the residual; y then holds the normalized sum, or for
+    EPI_ADD_STATS the float32 [M, tiles] sums of squares)). A STATS_NORM prologue's aux is
+    those sums."""
     m, n = x.shape[0], weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"gemv_triton: weight is [N, {weight.shape[1]}], input gives K={k}")
@@ -316,24 +386,27 @@ def _launch(
     # PDL reads the weight before waiting for earlier kernels: only a parameter, never a copy
     pdl = use_pdl(x) and weight.stride(-1) == 1
     weight = _rowwise(weight)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    cfg = dict(config or default_config(m, n, k, _num_sms(x.device)))
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    if epi == EPI_ADD_STATS:
+        y = torch.empty(m, tiles, dtype=torch.float32, device=x.device)  # [M, tiles]
+    else:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     summed = None
     if prologue == RMS_NORM and aux is not None:
         summed = torch.empty(m, k, dtype=x.dtype, device=x.device)  # [M, K]
-    if epi_norm:
+    if epi != EPI_NONE:
         if aux is None or aux.shape != (m, n):
-            raise ValueError(f"gemv add-norm epilogue: residual must be [{m}, {n}]")
+            raise ValueError(f"gemv add epilogue: residual must be [{m}, {n}]")
         summed = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
-        if summed is not None and not epi_norm:
+        if summed is not None and epi == EPI_NONE:
             summed.copy_(fused_add_rms_norm(x, aux, norm_weight, eps, x_scale)[1])
         return y, summed
-    cfg = dict(config or default_config(m, n, k, _num_sms(x.device)))
     cfg.setdefault("SPLIT_K", 1)
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     split = cfg["SPLIT_K"]
-    tiles = triton.cdiv(n, cfg["BLOCK_N"])
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
@@ -342,15 +415,19 @@ def _launch(
         part = counters = y
     a = aux if aux is not None else x
     s = summed if summed is not None else x
-    ncount = arrival_counters(_NORM_COUNTERS, x.device, 1) if epi_norm else y
+    ncount = arrival_counters(_NORM_COUNTERS, x.device, 1) if epi == EPI_ADD_NORM else y
+    n_stats = aux.shape[1] if prologue == STATS_NORM else 0
+    norm_block = n_stats if prologue == STATS_NORM else n
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, y, part, counters, a,
         norm_weight if norm_weight is not None else weight, s, ncount,
-        m, n, k, k_per_split, float(eps), float(x_scale),
+        m, n, k, k_per_split, float(eps), float(x_scale), n_stats,
         x.stride(0), weight.stride(0), y.stride(0), a.stride(0), s.stride(0),
-        HAS_BIAS=bias is not None, PROLOGUE=prologue, HAS_RES=aux is not None and not epi_norm,
-        SCALE_X=x_scale != 1.0, EPI_NORM=epi_norm,
+        HAS_BIAS=bias is not None, PROLOGUE=prologue,
+        HAS_RES=aux is not None and epi == EPI_NONE and prologue != STATS_NORM,
+        SCALE_X=x_scale != 1.0, EPI_NORM=epi,
         TRIGGER_LATE=pdl and os.environ.get("KRAIT_PDL_TRIGGER") != "early",
-        NORM_BLOCK=min(1024, triton.next_power_of_2(n)), **pdl_args(pdl), **cfg,
+        NORM_BLOCK=min(1024, triton.next_power_of_2(max(norm_block, 1))), **pdl_args(pdl),
+        **cfg,
     )
     return y, summed

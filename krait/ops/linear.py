@@ -17,6 +17,7 @@ from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.ops.gemv import (
     MAX_M,
     gemv_add_norm_triton,
+    gemv_add_stats_triton,
     gemv_gated_norm_triton,
     gemv_rms_norm_triton,
     gemv_triton,
@@ -76,13 +77,54 @@ def fuse_rms_norm(x: Tensor, weight: Tensor) -> bool:
     return x.shape[0] == 1 and weight.numel() <= ROW_GEMV_MAX_ELEMENTS
 
 
+def norm_stats_enabled() -> bool:
+    """KRAIT_NORM_STATS=1 (opt-in, session 7, unmeasured): a layer's last projection adds the
+    residual and writes each output tile's sum of squares (`linear_add_stats`), the next
+    layer's first projection normalizes from those sums as it loads its input: the norm
+    without a kernel, a pass before the weight loop or a last tile's pass over the rows."""
+    return os.environ.get("KRAIT_NORM_STATS") == "1"
+
+
 def defer_to_norm(x: Tensor, weight: Tensor) -> bool:
     """Leave a projection for the next norm to run with the residual add and the norm in its
-    epilogue (`linear_add_norm`)? Only with KRAIT_NORM_EPILOGUE=1 (H200, session 6: batch-1
-    steps 5-8% slower; the last tile's serial pass ends every GEMV late), for
-    the calls the GEMV takes; x is the projection's input (for silu_mul its gate half's shape
-    decides as well: the rows are what counts)."""
-    return os.environ.get("KRAIT_NORM_EPILOGUE") == "1" and _use_gemv(x, weight)
+    epilogue (`linear_add_norm`; `linear_add_stats`)? Only with KRAIT_NORM_EPILOGUE=1 (H200,
+    session 6: batch-1 steps 5-8% slower; the last tile's serial pass ends every GEMV late) or
+    KRAIT_NORM_STATS=1, for the calls the GEMV takes; x is the projection's input (for silu_mul
+    its gate half's shape decides as well: the rows are what counts)."""
+    if os.environ.get("KRAIT_NORM_EPILOGUE") != "1" and not norm_stats_enabled():
+        return False
+    return _use_gemv(x, weight)
+
+
+def fuse_stats_norm(s: Tensor, weight: Tensor) -> bool:
+    """The next projection normalizes from the sums (`gemv_stats_norm_triton`)? With
+    KRAIT_NORM_STATS=1, one row against a weight of at most ROW_GEMV_MAX_ELEMENTS (every call
+    of at most MAX_M rows with KRAIT_GEMV=1)."""
+    if not norm_stats_enabled() or not _gemv_allowed(s):
+        return False
+    if os.environ.get("KRAIT_GEMV") == "1":
+        return True
+    return s.shape[0] == 1 and weight.numel() <= ROW_GEMV_MAX_ELEMENTS
+
+
+def linear_add_stats(
+    x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, x_scale: float = 1.0,
+    silu_mul: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """(s, stats) for s = linear(x) * x_scale + residual (x through silu_and_mul first with
+    `silu_mul`): stats [M, tiles] float32 are s's sums of squares by output tile where the GEMV
+    takes the call, None where it does not (then s comes from the unfused add)."""
+    if _use_gemv(x, weight):
+        return gemv_add_stats_triton(x, weight, bias, residual, x_scale, silu_mul)
+    y = silu_mul_linear(x, weight, bias) if silu_mul else linear(x, weight, bias)
+    return add_residual(y, residual, x_scale), None
+
+
+def add_residual(y: Tensor, residual: Tensor, x_scale: float = 1.0) -> Tensor:
+    """y * x_scale + residual, each rounded to y's dtype as the fused add-norm ops do."""
+    if x_scale != 1.0:
+        y = (y.float() * x_scale).to(y.dtype)
+    return (y.float() + residual.float()).to(y.dtype)
 
 
 def linear_add_norm(

@@ -17,7 +17,7 @@ NUM_TOKENS = 12
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv",
                                   "mamba2+gemv", "qwen3+epi", "granitemoehybrid+epi",
-                                  "qwen3+rope"])
+                                  "qwen3+stats", "mamba2+stats", "qwen3+rope"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
     fused = []
@@ -30,12 +30,20 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         real = ra._rope_args
         monkeypatch.setattr(ra, "_rope_args", lambda *a: (fused.append(1), real(*a))[1])
     if "+" in arch:  # decode projections through krait/ops/gemv.py with the norms fused in:
-        # +gemv in the GEMV's prologue, +epi in the epilogue of the projection before the norm
+        # +gemv in the GEMV's prologue, +epi in the epilogue of the projection before the norm,
+        # +stats split between the two (sums of squares from the first, scaling in the second)
         # (opt-in knobs, and the interpreted GEMV is slow: two prompts, one of them chunked)
         prompts, num_tokens = PROMPTS[:2], 8
         arch, fusion = arch.split("+")
         monkeypatch.setenv("KRAIT_GEMV", "1")
-        monkeypatch.setenv("KRAIT_FUSE_NORM" if fusion == "gemv" else "KRAIT_NORM_EPILOGUE", "1")
+        monkeypatch.setenv({"gemv": "KRAIT_FUSE_NORM", "epi": "KRAIT_NORM_EPILOGUE",
+                            "stats": "KRAIT_NORM_STATS"}[fusion], "1")
+        if fusion == "stats":
+            import krait.layers.norm as norm_mod
+
+            real_stats = norm_mod.gemv_stats_norm_triton
+            monkeypatch.setattr(norm_mod, "gemv_stats_norm_triton",
+                                lambda *a: (fused.append(1), real_stats(*a))[1])
     if arch == "qwen3":
         d = make_tiny_llama(tmp_path / arch, arch="qwen3")
     else:
@@ -53,8 +61,8 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         assert got.token_ids == tokens
         for entry, tok, lp in zip(got.logprobs, got.token_ids, lps):
             assert abs(entry[tok].logprob - lp) < 1e-3
-    if "KRAIT_FUSE_ROPE_ATTN" in os.environ:
-        assert fused  # the decode steps took the fused kernel
+    if "KRAIT_FUSE_ROPE_ATTN" in os.environ or "KRAIT_NORM_STATS" in os.environ:
+        assert fused  # the decode steps took the fused kernels
 
 
 def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):

@@ -13,8 +13,10 @@ from krait.ops.gemv import (
     MAX_M,
     default_config,
     gemv_add_norm_triton,
+    gemv_add_stats_triton,
     gemv_gated_norm_triton,
     gemv_rms_norm_triton,
+    gemv_stats_norm_triton,
     gemv_triton,
 )
 from krait.ops.linear import (
@@ -220,18 +222,23 @@ def test_norm_linear_dispatch_fuses_one_row_on_request_only(monkeypatch):
                                atol=1e-4, rtol=1e-4)
 
 
+def _add_norm_case(silu: bool, seed: int, m: int = 3, n: int = 40, k: int = 300):
+    """A projection whose output joins a residual stream and its next norm: x ([M, 2K] with
+    silu), w, b, residual, norm weight, and the unfused result (normalized, summed)."""
+    x, _, _ = _inputs(m, 1, 2 * k if silu else k, seed=seed)
+    _, w, b = _inputs(m, n, k, seed=seed + 1, bias=True)
+    r, _, _ = _inputs(m, 1, n, seed=seed + 2)
+    nw = 1 + 0.1 * _inputs(1, 1, n, seed=seed + 3)[0][0]
+    y = F.linear(silu_and_mul_ref(x) if silu else x, w, b)
+    return (x, w, b, r, nw, *fused_add_rms_norm_ref(y, r, nw, 1e-6, 0.5))
+
+
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("silu", [False, True])
 def test_gemv_add_norm_epilogue(split, silu):
     """Projection, residual add and the next norm in one launch: the residual sum as the
     unfused add, the normalized rows from the last tile; counters back at zero."""
-    m, n, k = 3, 40, 300
-    x, _, _ = _inputs(m, 1, 2 * k if silu else k, seed=41)
-    _, w, b = _inputs(m, n, k, seed=42, bias=True)
-    r, _, _ = _inputs(m, 1, n, seed=43)
-    nw = 1 + 0.1 * _inputs(1, 1, n, seed=44)[0][0]
-    y = F.linear(silu_and_mul_ref(x) if silu else x, w, b)
-    want_h, want_sum = fused_add_rms_norm_ref(y, r, nw, 1e-6, 0.5)
+    x, w, b, r, nw, want_h, want_sum = _add_norm_case(silu, seed=41)
     cfg = dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
     for _ in range(2):
         h, summed = gemv_add_norm_triton(x, w, b, r, nw, 1e-6, 0.5, silu, config=cfg)
@@ -306,3 +313,62 @@ def test_gemv_add_norm_epilogue_real_sizes_gpu(n, k, silu):
     want_h, want_sum = fused_add_rms_norm_triton(y, r, nw, 1e-6, 0.5)
     assert ((summed.float() - want_sum.float()).norm() / want_sum.float().norm()) < 1e-2
     assert ((h.float() - want_h.float()).norm() / want_h.float().norm()) < 1e-2
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_add_stats_then_stats_norm(split, silu):
+    """The norm split across two GEMVs (KRAIT_NORM_STATS): the first adds the residual and
+    writes each tile's sums of squares, the next normalizes from them as it loads its input;
+    together they equal projection, fused_add_rms_norm and projection."""
+    m = 3
+    x, w, b, r, nw, want_h, want_sum = _add_norm_case(silu, seed=51)
+    _, w2, b2 = _inputs(m, 24, w.shape[0], seed=55, bias=True)
+    cfg = dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    for _ in range(2):
+        summed, stats = gemv_add_stats_triton(x, w, b, r, 0.5, silu, config=cfg)
+        torch.testing.assert_close(summed, want_sum, atol=1e-5, rtol=1e-5)
+        assert stats.shape == (m, 5) and stats.dtype == torch.float32  # [M, tiles of 8]
+        torch.testing.assert_close(stats.sum(1), (summed * summed).sum(1), rtol=1e-5, atol=1e-5)
+        for cfg2 in (dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=16, SPLIT_K=1),
+                     dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=16, SPLIT_K=2)):
+            got = gemv_stats_norm_triton(summed, stats, nw, 1e-6, w2, b2, config=cfg2)
+            torch.testing.assert_close(got, F.linear(want_h, w2, b2), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_add_stats_triton(x, w, b, r[:, :8], silu_mul=silu)
+    with pytest.raises(ValueError, match="stats"):
+        gemv_stats_norm_triton(summed, stats.double(), nw, 1e-6, w2)
+
+
+def test_gemv_stats_norm_rounds_as_the_norm_kernel_bf16():
+    x, w, _ = _inputs(1, 64, 256, torch.bfloat16, seed=56)
+    _, w2, _ = _inputs(1, 16, 64, torch.bfloat16, seed=57)
+    r, _, _ = _inputs(1, 1, 64, torch.bfloat16, seed=58)
+    nw = torch.ones(64, dtype=torch.bfloat16)
+    summed, stats = gemv_add_stats_triton(x, w, None, r)
+    h, want_sum = fused_add_rms_norm_triton(gemv_triton(x, w), r, nw, 1e-6)
+    assert torch.equal(summed, want_sum)  # the residual stream is bit-identical
+    got = gemv_stats_norm_triton(summed, stats, nw, 1e-6, w2)
+    ref = F.linear(h.float(), w2.float())
+    assert ((got.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,n2,silu", [(1024, 3072, 4096, True), (2048, 4096, 8512, False),
+                                         (1024, 2048, 6144, False)])
+def test_gemv_stats_norm_pair_real_sizes_gpu(n, k, n2, silu):
+    """qwen3's down -> qkv, mamba2's out_proj -> in_proj, qwen3's o -> gate_up in bf16: the
+    split norm against the GEMV, the add-norm op and the GEMV one after the other."""
+    x, w, _ = (t.cuda() if t is not None else None
+               for t in _inputs(1, n, 2 * k if silu else k, torch.bfloat16, seed=61))
+    w = w[:, :k].contiguous() if silu else w
+    _, w2, _ = _inputs(1, n2, n, torch.bfloat16, seed=62)
+    r, _, _ = _inputs(1, 1, n, torch.bfloat16, seed=63)
+    w2, r = w2.cuda(), r.cuda()
+    nw = (1 + 0.1 * torch.randn(n)).to(torch.bfloat16).cuda()
+    summed, stats = gemv_add_stats_triton(x, w, None, r, 0.5, silu)
+    h, want_sum = fused_add_rms_norm_triton(gemv_triton(x, w, silu_mul=silu), r, nw, 1e-6, 0.5)
+    assert torch.equal(summed, want_sum)
+    got = gemv_stats_norm_triton(summed, stats, nw, 1e-6, w2)
+    ref = F.linear(h.float(), w2.float())
+    assert ((got.float() - ref).norm() / ref.norm()) < 1e-2

@@ -30,7 +30,7 @@ def test_fused_mamba_decode_compiles_lean():
 
 GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32,
                   a_ptr=BF, nw_ptr=BF, s_ptr=BF, ncount_ptr=I32, eps="fp32", x_scale="fp32")
-GEMV_PLAIN = dict(HAS_BIAS=False, HAS_RES=False, SCALE_X=False, EPI_NORM=False, BLOCK_M=1,
+GEMV_PLAIN = dict(HAS_BIAS=False, HAS_RES=False, SCALE_X=False, EPI_NORM=0, BLOCK_M=1,
                   BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, NORM_BLOCK=1024)
 
 
@@ -58,6 +58,22 @@ def test_gemv_norm_prologues_compile(prologue, has_res):
 
 
 @pytest.mark.parametrize("split,silu", [(1, False), (2, True)])
+def test_gemv_stats_norm_pair_compiles(split, silu):
+    """KRAIT_NORM_STATS=1: the residual add with per-tile sums of squares in one GEMV's
+    epilogue, the norm from those sums in the next one's prologue."""
+    import krait.ops.gemv as gemv
+
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", dict(GEMV_TYPES, y_ptr=F32), dict(
+        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.SILU_MUL if silu else gemv.PLAIN,
+        SCALE_X=True, EPI_NORM=gemv.EPI_ADD_STATS, PDL=True, TRIGGER_LATE=True), num_warps=8)
+    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", dict(GEMV_TYPES, a_ptr=F32), dict(
+        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.STATS_NORM, PDL=True, TRIGGER_LATE=True,
+        NORM_BLOCK=128), num_warps=8)
+    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
+
+
+@pytest.mark.parametrize("split,silu", [(1, False), (2, True)])
 def test_gemv_add_norm_epilogue_compiles(split, silu):
     """KRAIT_NORM_EPILOGUE=1: residual add and the next norm after the tile (the last tile to
     finish normalizes the rows)."""
@@ -65,7 +81,7 @@ def test_gemv_add_norm_epilogue_compiles(split, silu):
 
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
         GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.SILU_MUL if silu else gemv.PLAIN,
-        SCALE_X=True, EPI_NORM=True, PDL=True), num_warps=8)
+        SCALE_X=True, EPI_NORM=1, PDL=True), num_warps=8)
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
 
 

@@ -132,21 +132,23 @@ def test_capture_pauses_python_gc(monkeypatch):
     assert seen == [False, False, False] and gc.isenabled()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+epi", "qwen3+rope"])
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+epi", "qwen3+stats",
+                                  "qwen3+rope"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
     of several sizes as requests finish (CudaGraphRunner(record=False) runs the body eagerly).
     +epi: every decode projection in the GEMV, the norms in its epilogue (padded rows too);
-    +rope: rotary and the KV write inside the split decode kernel (KRAIT_FUSE_ROPE_ATTN=1)."""
+    +stats: the norm split between the projections around it (KRAIT_NORM_STATS=1); +rope:
+    rotary and the KV write inside the split decode kernel (KRAIT_FUSE_ROPE_ATTN=1)."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
 
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # device tables and the Triton kernels
-    if arch.endswith("+epi"):
-        arch = arch.removesuffix("+epi")
+    if arch.endswith(("+epi", "+stats")):
+        arch, fusion = arch.split("+")
         monkeypatch.setenv("KRAIT_GEMV", "1")
-        monkeypatch.setenv("KRAIT_NORM_EPILOGUE", "1")
+        monkeypatch.setenv("KRAIT_NORM_EPILOGUE" if fusion == "epi" else "KRAIT_NORM_STATS", "1")
     if arch.endswith("+rope"):
         arch = arch.removesuffix("+rope")
         monkeypatch.setenv("KRAIT_FUSE_ROPE_ATTN", "1")
