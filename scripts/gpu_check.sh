@@ -198,6 +198,12 @@ case $what in
       KRAIT_DECODE_BLOCK_N=$bn bench_latency qwen3-0.6b "_${kv}_n$bn" --batch-sizes 1,64,256 \
         --prompt-lens "" --kv-cache-dtype $kv
     done; done
+    # batch 64 runs 512 one-split programs at 3 a SM (153 registers): 1.3 waves. Four waves'
+    # worth of programs splits its rows in two (the split kernel, 96 registers)
+    for w in 2 4; do
+      KRAIT_DECODE_SPLIT_WAVES=$w bench_latency qwen3-0.6b "_waves$w" --batch-sizes 32,64,128 \
+        --prompt-lens ""
+    done
     ;;
   ropeattn)  # rotary + KV write inside the split decode kernel (KRAIT_FUSE_ROPE_ATTN=1, session
     # 7, unmeasured; ~5 min): GPU parity with it on, then batch 1 and 8 against the defaults,
