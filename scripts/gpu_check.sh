@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -230,6 +230,13 @@ case $what in
       KRAIT_NORM_STATS=1 bench_latency $m "_stats$i" --batch-sizes 1,8 --prompt-lens ""
     done; done
     ;;
+  others)  # the shipped configs without a target, never run on the GPU before (~5 min):
+    # decode at batch 1 and 64 and one 2048-token prefill each (the MoE's fused kernel, the
+    # 8-9B hybrids)
+    for m in granite-4.0-h-tiny nemotron-h-8b llama-3.2-1b bamba-9b; do
+      bench_latency $m "" --batch-sizes 1,64 --prompt-lens 2048 --num-steps 10
+    done
+    ;;
   gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep
     timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"; pack
     ;;
@@ -246,6 +253,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack
