@@ -15,6 +15,9 @@ over one group): each program first reduces the row over all of K, then streams 
 The norm and the projection take one launch instead of two. An epilogue may instead add the
 output to the residual stream (the sum written out of place) and, in the last tile to finish,
 RMS-normalize the whole rows: the next layer's norm without a kernel or a repeated reduction.
+Or the norm splits between two launches (EPI_ADD_STATS, then STATS_NORM): the epilogue adds
+the residual and writes each tile's sum of squares, and the next GEMV normalizes its input
+from those sums as it loads it — no pass over the row before the weight loop, no last tile.
 
 Measured on the H200 (`scripts/bench_gemv.py`, docs/benchmarks.md) it wins at one row against a
 narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us); which calls come here, and with which fusion,
