@@ -9,17 +9,29 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from krait.ops.linear import linear, linear_add_norm, linear_add_stats, silu_mul_linear
+from krait.ops.gemv import GatedStats
+from krait.ops.linear import (
+    gated_stats_linear,
+    linear,
+    linear_add_norm,
+    linear_add_stats,
+    silu_mul_linear,
+)
 
 
 class DeferredLinear:
-    """linear(x, weight, bias) (x through silu_and_mul first with `silu_mul`), not run yet."""
+    """linear(x, weight, bias) (x through silu_and_mul first with `silu_mul`, or through
+    Mamba2's gated norm from the state update's sums with `gated`), not run yet."""
 
-    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, silu_mul: bool) -> None:
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, silu_mul: bool,
+                 gated: GatedStats | None = None) -> None:
         self.x, self.weight, self.bias, self.silu_mul = x, weight, bias, silu_mul
+        self.gated = gated
 
     def value(self) -> Tensor:
         """The projection's output [T, N], on its own."""
+        if self.gated is not None:
+            return gated_stats_linear(self.x, self.gated, self.weight, self.bias)
         if self.silu_mul:
             return silu_mul_linear(self.x, self.weight, self.bias)
         return linear(self.x, self.weight, self.bias)
@@ -29,8 +41,9 @@ class DeferredLinear:
     ) -> tuple[Tensor, Tensor]:
         """(rms_norm(s), s) for s = value() * x_scale + residual, in one launch where it can."""
         return linear_add_norm(self.x, self.weight, self.bias, residual, norm_weight, eps,
-                               x_scale, self.silu_mul)
+                               x_scale, self.silu_mul, self.gated)
 
     def add_stats(self, residual: Tensor, x_scale: float) -> tuple[Tensor, Tensor | None]:
         """(s, stats) for s = value() * x_scale + residual: `linear_add_stats`."""
-        return linear_add_stats(self.x, self.weight, self.bias, residual, x_scale, self.silu_mul)
+        return linear_add_stats(self.x, self.weight, self.bias, residual, x_scale, self.silu_mul,
+                                self.gated)

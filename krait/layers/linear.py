@@ -8,10 +8,12 @@ import torch
 from krait.layers.deferred import DeferredLinear
 from krait.layers.norm import PendingNorm
 from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.gemv import GatedStats
 from krait.ops.linear import (
     defer_to_norm,
     fuse_gated_norm,
     gated_norm_linear,
+    gated_stats_linear,
     linear,
     silu_mul_linear,
 )
@@ -57,6 +59,17 @@ class Linear(torch.nn.Linear):
         if defer and not fuse_gated_norm(x, group_size, self.weight):
             return self.forward_deferred(gated_rms_norm(x, gate, norm_weight, eps, group_size))
         return gated_norm_linear(x, gate, norm_weight, eps, group_size, self.weight, self.bias)
+
+
+    def forward_gated_stats(
+        self, x: torch.Tensor, gated: GatedStats, defer: bool = False
+    ) -> torch.Tensor | DeferredLinear:
+        """self(gated_rms_norm(x, gate)) for Mamba2's decode y with the state update's sums of
+        squares (KRAIT_NORM_STATS=1): normalized as the GEMV loads it; with `defer` possibly
+        left unrun for the next norm (which then adds its own sums in the same launch)."""
+        if defer and defer_to_norm(x, self.weight):
+            return DeferredLinear(x, self.weight, self.bias, silu_mul=False, gated=gated)
+        return gated_stats_linear(x, gated, self.weight, self.bias)
 
 
 class MergedLinear(torch.nn.Module):

@@ -13,9 +13,14 @@ from krait.layers.norm import PendingNorm
 from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.gemv import GatedStats
+from krait.ops.linear import norm_stats_enabled
 from krait.ops.mamba_decode import fusable, mamba_decode
 from krait.ops.mamba_ssd import mamba_chunk_scan
-from krait.ops.selective_state_update import selective_state_update
+from krait.ops.selective_state_update import (
+    selective_state_update,
+    selective_state_update_triton,
+)
 
 
 @dataclass
@@ -126,8 +131,20 @@ class Mamba2Mixer(torch.nn.Module):
         group = d.norm_group_size or d.intermediate // d.n_groups
         if meta.num_decode_tokens and use_triton(self.D) and self._fuse_decode(group):
             return self.out_proj(self._forward_fused_decode(x, meta, group))
+        if self._gate_stats(meta, group):
+            gate, xbc, dt = self._project(x)
+            y, stats = self._decode_ssm(xbc, dt, meta, gate)
+            gated = GatedStats(gate, stats, self.norm_weight, d.eps)
+            return self.out_proj.forward_gated_stats(y.reshape(gate.shape), gated, defer)
         y, gate = self.scan(x, meta)
         return self.out_proj.forward_gated_norm(y, gate, self.norm_weight, d.eps, group, defer)
+
+    def _gate_stats(self, meta: MambaMetadata, group: int) -> bool:
+        """An all-decode step with one norm group and KRAIT_NORM_STATS=1 on the Triton path:
+        the state update writes the gated norm's sums of squares and out_proj normalizes from
+        them (no gated-norm kernel)."""
+        return (meta.num_prefills == 0 and meta.num_decode_tokens > 0
+                and group == self.d.intermediate and norm_stats_enabled() and use_triton(self.D))
 
     def _fuse_decode(self, group: int) -> bool:
         """Decode rows through krait/ops/mamba_decode.py only with KRAIT_FUSED_MAMBA_DECODE=1:
@@ -171,8 +188,10 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         return self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
 
-    def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """Conv update and state update of the decode rows: y [num_decode_tokens, heads, P]."""
+    def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata,
+                    gate: torch.Tensor | None = None):
+        """Conv update and state update of the decode rows: y [num_decode_tokens, heads, P];
+        with the gate, (y, the gated norm's partial sums of squares [rows, T] float32)."""
         d = self.d
         nd = meta.num_decode_tokens
         idx = meta.decode_state_indices[:nd]
@@ -181,6 +200,11 @@ class Mamba2Mixer(torch.nn.Module):
             d.activation,
         )
         xs, B, C = self._split_xbc(xbc_d)
+        if gate is not None:
+            return selective_state_update_triton(
+                self.ssm_state, xs, dt[:nd], self.neg_A(), B, C, self.D, self.dt_bias, idx, True,
+                d.time_step_limit, gate=gate[:nd],
+            )
         return selective_state_update(
             self.ssm_state, xs, dt[:nd], self.neg_A(), B, C, self.D, self.dt_bias, idx, True,
             d.time_step_limit,

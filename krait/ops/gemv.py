@@ -27,6 +27,7 @@ is krait/ops/linear.py's choice.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -43,7 +44,7 @@ _NORM_COUNTERS: dict[torch.device, Tensor] = {}  # the add-norm epilogue's, one 
 
 
 # prologue of the GEMV's input: what the x row is turned into before it meets W
-PLAIN, SILU_MUL, RMS_NORM, GATED_NORM, STATS_NORM = 0, 1, 2, 3, 4
+PLAIN, SILU_MUL, RMS_NORM, GATED_NORM, STATS_NORM, GATED_STATS_NORM = 0, 1, 2, 3, 4, 5
 # epilogue: y as is, the residual add + the next norm (the last tile normalizes the rows), or
 # the residual add + each tile's sum of squares (the next GEMV normalizes: STATS_NORM)
 EPI_NONE, EPI_ADD_NORM, EPI_ADD_STATS = 0, 1, 2
@@ -54,10 +55,10 @@ def _prologue_h(x_rows, a_rows, k, ld_ok, K, x_scale,
                 PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, SCALE_X: tl.constexpr):
     """The float32 value a norm prologue normalizes, at columns k ([M, N, BLOCK_K]): RMS_NORM
     the residual sum s = x * x_scale + a (each rounded to x's dtype, as the unfused add is),
-    GATED_NORM y * silu(z) with y = x, z = a (not rounded, as in MambaRMSNormGated),
-    STATS_NORM x (the sum an EPI_ADD_STATS GEMV wrote)."""
+    GATED_NORM and GATED_STATS_NORM y * silu(z) with y = x, z = a (not rounded, as in
+    MambaRMSNormGated), STATS_NORM x (the sum an EPI_ADD_STATS GEMV wrote)."""
     x = tl.load(x_rows + k, mask=ld_ok, other=0.0)
-    if PROLOGUE != 3:
+    if (PROLOGUE != 3) and (PROLOGUE != 5):
         if HAS_RES:
             xs = x
             if SCALE_X:
@@ -75,8 +76,9 @@ def _prologue_h(x_rows, a_rows, k, ld_ok, K, x_scale,
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, a_ptr, nw_ptr, s_ptr, ncount_ptr,
+    st_ptr, z_ptr,
     M, N, K, k_per_split, eps, x_scale, n_stats,
-    stride_xm, stride_wn, stride_ym, stride_am, stride_sm,
+    stride_xm, stride_wn, stride_ym, stride_am, stride_sm, stride_stm, stride_zm,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
     HAS_RES: tl.constexpr, SCALE_X: tl.constexpr, EPI_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -101,6 +103,8 @@ def _gemv_kernel(
     bcast_n = 0 * offs_n[None, :, None]
     x_rows = x_ptr + offs_m[:, None, None] * stride_xm + bcast_n  # [M, N, 1]
     a_rows = a_ptr + offs_m[:, None, None] * stride_am + bcast_n  # residual or gate: [M, N, 1]
+    if PROLOGUE == 5:  # the gate comes apart from a (an epilogue may read its residual there)
+        a_rows = z_ptr + offs_m[:, None, None] * stride_zm + bcast_n
     w_ok = n_ok[None, :, None]
     x_ok = m_ok[:, None, None] & w_ok
     k_lo = pid_k * k_per_split
@@ -111,14 +115,14 @@ def _gemv_kernel(
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
-    if PROLOGUE == 4:
-        # the rows' sums of squares from the GEMV before (a = its [M, n_stats] per-tile sums):
-        # no pass over the row before the weight loop
+    if (PROLOGUE == 4) or (PROLOGUE == 5):
+        # the rows' sums of squares from the kernel before (st: [M, n_stats] partial sums, of
+        # an EPI_ADD_STATS GEMV or the state update): no pass over the row before the loop
         t = tl.arange(0, NORM_BLOCK)
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for t0 in range(0, n_stats, NORM_BLOCK):
             tt = (t0 + t)[None, :]
-            sq += tl.sum(tl.load(a_ptr + offs_m[:, None] * stride_am + tt,
+            sq += tl.sum(tl.load(st_ptr + offs_m[:, None] * stride_stm + tt,
                                  mask=m_ok[:, None] & (tt < n_stats), other=0.0), axis=1)
         rstd = tl.rsqrt(sq / K + eps)[:, None, None]  # [M, 1, 1]
     if (PROLOGUE == 2) or (PROLOGUE == 3):
@@ -335,23 +339,48 @@ def gemv_add_norm_triton(
     """(rms_norm(s), s) for s = y * x_scale + residual, y = linear(x) (x = [gate | up] through
     silu_and_mul with `silu_mul`): the projection, the residual add and the next layer's norm
     in one launch (the last output tile to finish normalizes the rows)."""
-    k = x.shape[1] // 2 if silu_mul else x.shape[1]
-    return _launch(x, weight, bias, config, SILU_MUL if silu_mul else PLAIN, k, residual,
+    return _launch(x, weight, bias, config, *_input_prologue(x, silu_mul, None), residual,
                    norm_weight, eps, x_scale, epi=EPI_ADD_NORM)
 
 
 def gemv_add_stats_triton(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, x_scale: float = 1.0,
     silu_mul: bool = False, config: dict[str, int] | None = None,
+    gated: GatedStats | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(s, stats) for s = y * x_scale + residual, y = linear(x) (x = [gate | up] through
     silu_and_mul with `silu_mul`), and stats [M, tiles] float32: each output tile's sum of s^2
     per row. The next layer's norm then runs in the next GEMV (`gemv_stats_norm_triton`),
-    without a pass of its own and without a last tile normalizing the rows."""
-    k = x.shape[1] // 2 if silu_mul else x.shape[1]
-    stats, s = _launch(x, weight, bias, config, SILU_MUL if silu_mul else PLAIN, k, residual,
-                       x_scale=x_scale, epi=EPI_ADD_STATS)
+    without a pass of its own and without a last tile normalizing the rows. With `gated`, x is
+    Mamba2's y, gated and normalized as it is loaded (`gemv_gated_stats_norm_triton`)."""
+    nw, eps = (gated.norm_weight, gated.eps) if gated is not None else (None, 0.0)
+    stats, s = _launch(x, weight, bias, config, *_input_prologue(x, silu_mul, gated), residual,
+                       nw, eps, x_scale=x_scale, epi=EPI_ADD_STATS, **_gated_args(gated))
     return s, stats
+
+
+class GatedStats(NamedTuple):
+    """A GEMV input that is Mamba2's y before its gated norm: the gate [M, K], the state
+    update's partial sums of (y * silu(gate))^2 [M, T] float32, the norm weight and eps."""
+
+    gate: Tensor
+    stats: Tensor
+    norm_weight: Tensor
+    eps: float
+
+
+def _input_prologue(x: Tensor, silu_mul: bool, gated: GatedStats | None) -> tuple[int, int]:
+    """(prologue, K) of a projection's input x: plain, [gate | up], or gated-normalized y."""
+    if gated is not None:
+        return GATED_STATS_NORM, x.shape[1]
+    return (SILU_MUL, x.shape[1] // 2) if silu_mul else (PLAIN, x.shape[1])
+
+
+def _gated_args(gated: GatedStats | None) -> dict:
+    if gated is None:
+        return {}
+    _check_stats(gated.gate, gated.stats)
+    return dict(stats=gated.stats, gate=gated.gate)
 
 
 def gemv_stats_norm_triton(
@@ -360,10 +389,27 @@ def gemv_stats_norm_triton(
 ) -> Tensor:
     """linear(rms_norm(s)) for s [M, K] whose sums of squares come in stats [M, T] (partial
     sums, any split: `gemv_add_stats_triton`'s): the norm applied as the GEMV loads s."""
-    if stats.dim() != 2 or stats.shape[0] != s.shape[0] or stats.dtype != torch.float32:
-        raise ValueError(f"gemv_stats_norm_triton: stats must be float32 [{s.shape[0]}, T], "
+    _check_stats(s, stats)
+    return _launch(s, weight, bias, config, STATS_NORM, s.shape[1], None, norm_weight, eps,
+                   stats=stats)[0]
+
+
+def gemv_gated_stats_norm_triton(
+    y: Tensor, gate: Tensor, stats: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+    bias: Tensor | None = None, config: dict[str, int] | None = None,
+) -> Tensor:
+    """linear(gated_rms_norm(y, gate)) for y, gate [M, K] (one group) whose sums of
+    (y * silu(gate))^2 come in stats [M, T] (the state update's partial sums): Mamba2's gated
+    norm applied as the GEMV loads y and the gate."""
+    _check_stats(y, stats)
+    return _launch(y, weight, bias, config, GATED_STATS_NORM, y.shape[1], None, norm_weight,
+                   eps, stats=stats, gate=gate)[0]
+
+
+def _check_stats(x: Tensor, stats: Tensor) -> None:
+    if stats.dim() != 2 or stats.shape[0] != x.shape[0] or stats.dtype != torch.float32:
+        raise ValueError(f"gemv: stats must be float32 [{x.shape[0]}, T], "
                          f"got {stats.dtype} {tuple(stats.shape)}")
-    return _launch(s, weight, bias, config, STATS_NORM, s.shape[1], stats, norm_weight, eps)[0]
 
 
 def _rowwise(t: Tensor) -> Tensor:
@@ -373,12 +419,13 @@ def _rowwise(t: Tensor) -> Tensor:
 def _launch(
     x: Tensor, weight: Tensor, bias: Tensor | None, config: dict[str, int] | None,
     prologue: int, k: int, aux: Tensor | None = None, norm_weight: Tensor | None = None,
-    eps: float = 0.0, x_scale: float = 1.0, epi: int = EPI_NONE,
+    eps: float = 0.0, x_scale: float = 1.0, epi: int = EPI_NONE, stats: Tensor | None = None,
+    gate: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One GEMV launch: (y [M, N], the residual sum: [M, K] of an RMS_NORM prologue with aux,
     [M, N] of the add epilogues (aux the residual; y then holds the normalized sum, or for
-    EPI_ADD_STATS the float32 [M, tiles] sums of squares)). A STATS_NORM prologue's aux is
-    those sums."""
+    EPI_ADD_STATS the float32 [M, tiles] sums of squares)). The stats prologues read `stats`
+    [M, T] (and GATED_STATS_NORM the `gate` [M, K])."""
     m, n = x.shape[0], weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"gemv_triton: weight is [N, {weight.shape[1]}], input gives K={k}")
@@ -386,6 +433,7 @@ def _launch(
         raise ValueError(f"gemv_triton serves at most {MAX_M} rows, got {m}")
     x = _rowwise(x)
     aux = _rowwise(aux) if aux is not None else None
+    gate = _rowwise(gate) if gate is not None else None
     # PDL reads the weight before waiting for earlier kernels: only a parameter, never a copy
     pdl = use_pdl(x) and weight.stride(-1) == 1
     weight = _rowwise(weight)
@@ -419,15 +467,17 @@ def _launch(
     a = aux if aux is not None else x
     s = summed if summed is not None else x
     ncount = arrival_counters(_NORM_COUNTERS, x.device, 1) if epi == EPI_ADD_NORM else y
-    n_stats = aux.shape[1] if prologue == STATS_NORM else 0
-    norm_block = n_stats if prologue == STATS_NORM else n
+    st = stats if stats is not None else y
+    z = gate if gate is not None else x
+    n_stats = stats.shape[1] if stats is not None else 0
+    norm_block = n_stats if stats is not None else n
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, y, part, counters, a,
-        norm_weight if norm_weight is not None else weight, s, ncount,
+        norm_weight if norm_weight is not None else weight, s, ncount, st, z,
         m, n, k, k_per_split, float(eps), float(x_scale), n_stats,
-        x.stride(0), weight.stride(0), y.stride(0), a.stride(0), s.stride(0),
-        HAS_BIAS=bias is not None, PROLOGUE=prologue,
-        HAS_RES=aux is not None and epi == EPI_NONE and prologue != STATS_NORM,
+        x.stride(0), weight.stride(0), y.stride(0), a.stride(0), s.stride(0), st.stride(0),
+        z.stride(0), HAS_BIAS=bias is not None, PROLOGUE=prologue,
+        HAS_RES=aux is not None and epi == EPI_NONE,
         SCALE_X=x_scale != 1.0, EPI_NORM=epi,
         TRIGGER_LATE=pdl and os.environ.get("KRAIT_PDL_TRIGGER") != "early",
         NORM_BLOCK=min(1024, triton.next_power_of_2(max(norm_block, 1))), **pdl_args(pdl),

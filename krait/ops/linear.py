@@ -16,9 +16,11 @@ from krait.ops.activation import silu_and_mul
 from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.ops.gemv import (
     MAX_M,
+    GatedStats,
     gemv_add_norm_triton,
     gemv_add_stats_triton,
     gemv_gated_norm_triton,
+    gemv_gated_stats_norm_triton,
     gemv_rms_norm_triton,
     gemv_triton,
 )
@@ -109,15 +111,30 @@ def fuse_stats_norm(s: Tensor, weight: Tensor) -> bool:
 
 def linear_add_stats(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, x_scale: float = 1.0,
-    silu_mul: bool = False,
+    silu_mul: bool = False, gated: GatedStats | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(s, stats) for s = linear(x) * x_scale + residual (x through silu_and_mul first with
-    `silu_mul`): stats [M, tiles] float32 are s's sums of squares by output tile where the GEMV
-    takes the call, None where it does not (then s comes from the unfused add)."""
+    `silu_mul`, gated and normalized with `gated`): stats [M, tiles] float32 are s's sums of
+    squares by output tile where the GEMV takes the call, None where it does not (then s comes
+    from the unfused add)."""
     if _use_gemv(x, weight):
-        return gemv_add_stats_triton(x, weight, bias, residual, x_scale, silu_mul)
-    y = silu_mul_linear(x, weight, bias) if silu_mul else linear(x, weight, bias)
+        return gemv_add_stats_triton(x, weight, bias, residual, x_scale, silu_mul, gated=gated)
+    if gated is not None:
+        y = gated_stats_linear(x, gated, weight, bias)
+    else:
+        y = silu_mul_linear(x, weight, bias) if silu_mul else linear(x, weight, bias)
     return add_residual(y, residual, x_scale), None
+
+
+def gated_stats_linear(x: Tensor, gated: GatedStats, weight: Tensor,
+                       bias: Tensor | None = None) -> Tensor:
+    """linear(gated_rms_norm(x, gate)) over one group, the sums of squares given (`gated`):
+    the GEMV normalizing as it loads x where `fuse_stats_norm` allows, else the norm op."""
+    if fuse_stats_norm(x, weight):
+        return gemv_gated_stats_norm_triton(x, gated.gate, gated.stats, gated.norm_weight,
+                                            gated.eps, weight, bias)
+    normed = gated_rms_norm(x, gated.gate, gated.norm_weight, gated.eps, x.shape[-1])
+    return linear(normed, weight, bias)
 
 
 def add_residual(y: Tensor, residual: Tensor, x_scale: float = 1.0) -> Tensor:
@@ -129,11 +146,15 @@ def add_residual(y: Tensor, residual: Tensor, x_scale: float = 1.0) -> Tensor:
 
 def linear_add_norm(
     x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, norm_weight: Tensor,
-    eps: float, x_scale: float = 1.0, silu_mul: bool = False,
+    eps: float, x_scale: float = 1.0, silu_mul: bool = False, gated: GatedStats | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(s), s) for s = linear(x) * x_scale + residual (x through silu_and_mul first
     with `silu_mul`): one launch for the decode shapes `_use_gemv` picks, else the projection
-    then fused_add_rms_norm."""
+    then fused_add_rms_norm. With `gated` (x is Mamba2's y before its gated norm) two: the
+    projection normalizing x as it loads it, then fused_add_rms_norm."""
+    if gated is not None:
+        y = gated_stats_linear(x, gated, weight, bias)
+        return fused_add_rms_norm(y, residual, norm_weight, eps, x_scale)
     if _use_gemv(x, weight):
         return gemv_add_norm_triton(x, weight, bias, residual, norm_weight, eps, x_scale,
                                     silu_mul)

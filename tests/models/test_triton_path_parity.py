@@ -20,7 +20,7 @@ NUM_TOKENS = 12
                                   "qwen3+stats", "mamba2+stats", "qwen3+rope"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
-    fused = []
+    fused, overrides = [], {}
     if arch == "qwen3+rope":  # q/k norm, rotary and the KV write in the split decode kernel
         arch = "qwen3"
         monkeypatch.setenv("KRAIT_FUSE_ROPE_ATTN", "1")
@@ -39,15 +39,21 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         monkeypatch.setenv({"gemv": "KRAIT_FUSE_NORM", "epi": "KRAIT_NORM_EPILOGUE",
                             "stats": "KRAIT_NORM_STATS"}[fusion], "1")
         if fusion == "stats":
+            import krait.layers.mamba2 as mamba_mod
             import krait.layers.norm as norm_mod
 
             real_stats = norm_mod.gemv_stats_norm_triton
             monkeypatch.setattr(norm_mod, "gemv_stats_norm_triton",
                                 lambda *a: (fused.append(1), real_stats(*a))[1])
+            if arch == "mamba2":  # the gated norm's sums from the state update too (one group)
+                overrides = dict(n_groups=1)
+                real_ssu = mamba_mod.selective_state_update_triton
+                monkeypatch.setattr(mamba_mod, "selective_state_update_triton",
+                                    lambda *a, **k: (fused.append(2), real_ssu(*a, **k))[1])
     if arch == "qwen3":
         d = make_tiny_llama(tmp_path / arch, arch="qwen3")
     else:
-        d = make_tiny_hybrid(tmp_path / arch, arch)
+        d = make_tiny_hybrid(tmp_path / arch, arch, **overrides)
     want, want_lp, _ = hf_greedy(d, prompts, num_tokens)
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     llm = LLM(d, device="cpu", dtype="float32", max_num_batched_tokens=7)  # chunked prefill too
@@ -63,6 +69,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
             assert abs(entry[tok].logprob - lp) < 1e-3
     if "KRAIT_FUSE_ROPE_ATTN" in os.environ or "KRAIT_NORM_STATS" in os.environ:
         assert fused  # the decode steps took the fused kernels
+        assert arch != "mamba2" or 2 in fused
 
 
 def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):

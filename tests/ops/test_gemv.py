@@ -11,10 +11,12 @@ from krait.ops.activation import silu_and_mul_ref
 from krait.ops.gated_rms_norm import gated_rms_norm_ref
 from krait.ops.gemv import (
     MAX_M,
+    GatedStats,
     default_config,
     gemv_add_norm_triton,
     gemv_add_stats_triton,
     gemv_gated_norm_triton,
+    gemv_gated_stats_norm_triton,
     gemv_rms_norm_triton,
     gemv_stats_norm_triton,
     gemv_triton,
@@ -371,4 +373,42 @@ def test_gemv_stats_norm_pair_real_sizes_gpu(n, k, n2, silu):
     assert torch.equal(summed, want_sum)
     got = gemv_stats_norm_triton(summed, stats, nw, 1e-6, w2)
     ref = F.linear(h.float(), w2.float())
+    assert ((got.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemv_gated_stats_norm(split):
+    """Mamba2's gated norm from the state update's partial sums, as out_proj loads y and the
+    gate: alone, and with the residual add and per-tile sums for the next norm."""
+    m, k, n = 2, 320, 24
+    y, w, b = _inputs(m, n, k, seed=71, bias=True)
+    z = _inputs(m, 1, 400, seed=72)[0][:, 40:360].contiguous()
+    nw = 1 + 0.1 * _inputs(1, 1, k, seed=73)[0][0]
+    gz = y * F.silu(z)
+    stats = (gz * gz).reshape(m, 8, 40).sum(2)  # [M, 8] partial sums, any split of K
+    cfg = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    want = F.linear(gated_rms_norm_ref(y, z, nw, 1e-5, k), w, b)
+    got = gemv_gated_stats_norm_triton(y, z, stats, nw, 1e-5, w, b, config=cfg)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    r, _, _ = _inputs(m, 1, n, seed=74)
+    gated = GatedStats(z, stats, nw, 1e-5)
+    summed, tile_sums = gemv_add_stats_triton(y, w, b, r, 0.5, config=cfg, gated=gated)
+    want_sum = fused_add_rms_norm_ref(want, r, torch.ones(n), 1e-6, 0.5)[1]
+    torch.testing.assert_close(summed, want_sum, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tile_sums.sum(1), (summed * summed).sum(1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="stats"):
+        gemv_gated_stats_norm_triton(y, z, stats[:1], nw, 1e-5, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(2048, 4096), (2048, 3072)])
+def test_gemv_gated_stats_norm_real_sizes_gpu(n, k):
+    """mamba2's and granite's out_proj in bf16: the gated norm from given partial sums."""
+    y, w, _ = (t.cuda() if t is not None else None for t in _inputs(1, n, k, torch.bfloat16))
+    z, _, _ = _inputs(1, 1, k, torch.bfloat16, seed=81)
+    z, nw = z.cuda(), (1 + 0.1 * torch.randn(k)).to(torch.bfloat16).cuda()
+    gz = y.float() * F.silu(z.float())
+    stats = (gz * gz).reshape(1, 64, -1).sum(2)  # [1, 64] float32
+    got = gemv_gated_stats_norm_triton(y, z, stats, nw, 1e-5, w)
+    ref = F.linear(gated_rms_norm_ref(y, z, nw, 1e-5, k).float(), w.float())
     assert ((got.float() - ref).norm() / ref.norm()) < 1e-2

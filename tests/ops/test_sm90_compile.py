@@ -29,6 +29,7 @@ def test_fused_mamba_decode_compiles_lean():
 
 
 GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32,
+                  st_ptr=F32, z_ptr=BF,
                   a_ptr=BF, nw_ptr=BF, s_ptr=BF, ncount_ptr=I32, eps="fp32", x_scale="fp32")
 GEMV_PLAIN = dict(HAS_BIAS=False, HAS_RES=False, SCALE_X=False, EPI_NORM=0, BLOCK_M=1,
                   BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, NORM_BLOCK=1024)
@@ -67,9 +68,14 @@ def test_gemv_stats_norm_pair_compiles(split, silu):
         GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.SILU_MUL if silu else gemv.PLAIN,
         SCALE_X=True, EPI_NORM=gemv.EPI_ADD_STATS, PDL=True, TRIGGER_LATE=True), num_warps=8)
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", dict(GEMV_TYPES, a_ptr=F32), dict(
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
         GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.STATS_NORM, PDL=True, TRIGGER_LATE=True,
         NORM_BLOCK=128), num_warps=8)
+    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
+    # Mamba2's out_proj: the gated norm from the state update's sums, the next norm's sums out
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", dict(GEMV_TYPES, y_ptr=F32), dict(
+        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.GATED_STATS_NORM, PDL=True, TRIGGER_LATE=True,
+        EPI_NORM=gemv.EPI_ADD_STATS, NORM_BLOCK=128), num_warps=8)
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
 
 
@@ -139,10 +145,13 @@ def test_pdl_attention_and_rope_compile(merge, early_v):
 
 def test_pdl_mamba_decode_kernels_compile():
     types = dict(state_ptr=F32, x_ptr=BF, dt_ptr=BF, A_ptr=F32, B_ptr=BF, C_ptr=BF, D_ptr=F32,
-                 dt_bias_ptr=F32, y_ptr=BF, slots_ptr=I32, dt_min="fp32", dt_max="fp32")
-    r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel", types, dict(
-        DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True))
-    assert r["pdl"] and r["local"] == 0, r
+                 dt_bias_ptr=F32, y_ptr=BF, slots_ptr=I32, dt_min="fp32", dt_max="fp32",
+                 z_ptr=BF, stats_ptr=F32)
+    for gate_stats in (False, True):  # KRAIT_NORM_STATS: the gated norm's partial sums too
+        r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel", types, dict(
+            DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True,
+            GATE_STATS=gate_stats))
+        assert r["pdl"] and r["local"] == 0, r
     types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, states_ptr=BF, out_ptr=BF, slots_ptr=I32)
     r = compile_sm90("krait.ops.causal_conv1d", "_conv_update_kernel", types, dict(
         WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_K=4, BLOCK_D=256, PDL=True))
