@@ -24,12 +24,22 @@ NUM_TOKENS = 24
 PROMPTS = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([1, 5, 17, 33, 60])]
 
 
+# one Mamba norm group, as the shipped mamba2/granite/bamba configs have (the tiny defaults have
+# two): the single-group decode paths (the gated norm from the state update's sums)
+ONE_GROUP = {"mamba2-g1": ("mamba2", {"n_groups": 1}),
+             "granitemoehybrid-g1": ("granitemoehybrid", {"mamba_n_groups": 1})}
+
+
 def make(root: Path) -> None:
-    for arch in DENSE + HYBRID:
-        d = (make_tiny_llama if arch in DENSE else make_tiny_hybrid)(root / arch, arch=arch)
+    fixtures = {a: (a, {}) for a in DENSE + HYBRID} | ONE_GROUP
+    for name, (arch, overrides) in fixtures.items():
+        if arch in DENSE:
+            d = make_tiny_llama(root / name, arch=arch)
+        else:
+            d = make_tiny_hybrid(root / name, arch=arch, **overrides)
         tokens, lps, _ = hf_greedy(d, PROMPTS, NUM_TOKENS)
-        (root / arch / "reference.json").write_text(json.dumps({"tokens": tokens, "logprobs": lps}))
-        print(f"{arch}: fixture written")
+        (root / name / "reference.json").write_text(json.dumps({"tokens": tokens, "logprobs": lps}))
+        print(f"{name}: fixture written")
 
 
 def check_arch(d: Path) -> bool:
