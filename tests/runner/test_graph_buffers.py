@@ -133,13 +133,14 @@ def test_capture_pauses_python_gc(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+epi", "qwen3+stats",
-                                  "qwen3+rope"])
+                                  "granitemoehybrid+stats", "qwen3+rope"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
     of several sizes as requests finish (CudaGraphRunner(record=False) runs the body eagerly).
     +epi: every decode projection in the GEMV, the norms in its epilogue (padded rows too);
-    +stats: the norm split between the projections around it (KRAIT_NORM_STATS=1); +rope:
+    +stats: the norm split between the projections around it (KRAIT_NORM_STATS=1; granite
+    with one Mamba norm group: the gated norm's sums from the state update too); +rope:
     rotary and the KV write inside the split decode kernel (KRAIT_FUSE_ROPE_ATTN=1)."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
@@ -153,8 +154,9 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
         arch = arch.removesuffix("+rope")
         monkeypatch.setenv("KRAIT_FUSE_ROPE_ATTN", "1")
         monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # the captured batches split
+    one_group = dict(mamba_n_groups=1) if "KRAIT_NORM_STATS" in os.environ else {}
     d = (make_tiny_llama(tmp_path / arch, arch=arch) if arch == "qwen3"
-         else make_tiny_hybrid(tmp_path / arch, arch))
+         else make_tiny_hybrid(tmp_path / arch, arch, **one_group))
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9] * 11, list(range(3, 20)))]
     mixed = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
              SamplingParams(temperature=0.9, seed=3, max_tokens=5, ignore_eos=True, logprobs=1),
