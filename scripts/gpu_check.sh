@@ -204,6 +204,12 @@ case $what in
       KRAIT_DECODE_SPLIT_WAVES=$w bench_latency qwen3-0.6b "_waves$w" --batch-sizes 32,64,128 \
         --prompt-lens ""
     done
+    # decode rows on CUDA cores (KRAIT_DECODE_CUDA_CORE=1, session 7, unmeasured): no MMA
+    # padding of a group-2 row to 16, no shared-memory staging (the fp8 tiles' second trip)
+    for kv in auto fp8; do
+      KRAIT_DECODE_CUDA_CORE=1 bench_latency qwen3-0.6b "_${kv}_cc" --batch-sizes 64,128,256 \
+        --prompt-lens "" --kv-cache-dtype $kv
+    done
     ;;
   ropeattn)  # rotary + KV write inside the split decode kernel (KRAIT_FUSE_ROPE_ATTN=1, session
     # 7, unmeasured; ~5 min): GPU parity with it on, then batch 1 and 8 against the defaults,

@@ -22,26 +22,13 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.arrival import arrival_counters
+from krait.ops.decode_attention_cc import decode_attention_cc, decode_cuda_core_enabled
+from krait.ops.kv_tiles import kv_tile_offsets
 from krait.ops.kv_write import from_cache, to_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rotary import norm_rope_heads
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-(row, kv head) arrival counters of MERGE
-
-
-@triton.jit
-def _kv_tile_offsets(start_n, hi, kv_head, bt_row, block_size,
-                     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                     BLOCK_N: tl.constexpr):
-    """Key positions [start_n, start_n + BLOCK_N), which of them are < hi, and their K and V
-    row offsets in the paged caches (through the block table)."""
-    k_pos = start_n + tl.arange(0, BLOCK_N)
-    k_ok = k_pos < hi
-    blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
-    off = k_pos % block_size
-    k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
-    v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
-    return k_pos, k_ok, k_off, v_off
 
 
 @triton.jit
@@ -97,7 +84,7 @@ def _attend_tile(
     """One online-softmax step over keys [start_n, start_n + BLOCK_N). EARLY_V issues the V
     tile's load beside K's, before the first dot waits on K (two memory round trips become
     one; the V tile then occupies registers through the softmax)."""
-    k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
+    k_pos, k_ok, k_off, v_off = kv_tile_offsets(
         start_n, hi, kv_head, bt_row, block_size,
         stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
     k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok, q.dtype)
@@ -297,7 +284,7 @@ def _decode_split_kernel(
                     NORM, IS_NEOX, BLOCK_D)
         if PREFETCH:
             cdt = q_ptr.dtype.element_ty
-            k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
+            k_pos, k_ok, k_off, v_off = kv_tile_offsets(
                 s_lo, s_hi, kv_head, bt_row, block_size, stride_kc_b, stride_kc_o, stride_kc_h,
                 stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
             fresh = k_ok & (k_pos == seq_len - 1)  # written by the kernel before
@@ -478,6 +465,10 @@ def paged_attention_triton(
         return out
     if rope is not None:
         raise ValueError("rope: only decode batches on the split-KV kernel (num_splits > 1)")
+    if max_query_len == 1 and decode_cuda_core_enabled():
+        decode_attention_cc(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+                            scale, sliding_window)
+        return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
     pdl = use_pdl(q)

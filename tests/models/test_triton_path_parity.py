@@ -18,10 +18,18 @@ NUM_TOKENS = 12
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv",
                                   "mamba2+gemv", "qwen3+epi", "granitemoehybrid+epi",
                                   "qwen3+stats", "mamba2+stats", "granitemoehybrid+stats",
-                                  "qwen3+rope"])
+                                  "qwen3+rope", "qwen3+cc"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
     fused, overrides = [], {}
+    if arch == "qwen3+cc":  # decode rows on CUDA cores (KRAIT_DECODE_CUDA_CORE)
+        arch = "qwen3"
+        monkeypatch.setenv("KRAIT_DECODE_CUDA_CORE", "1")
+        import krait.ops.paged_attention as pa
+
+        real_cc = pa.decode_attention_cc
+        monkeypatch.setattr(pa, "decode_attention_cc",
+                            lambda *a: (fused.append(3), real_cc(*a))[1])
     if arch == "qwen3+rope":  # q/k norm, rotary and the KV write in the split decode kernel
         arch = "qwen3"
         monkeypatch.setenv("KRAIT_FUSE_ROPE_ATTN", "1")
@@ -68,7 +76,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         assert got.token_ids == tokens
         for entry, tok, lp in zip(got.logprobs, got.token_ids, lps):
             assert abs(entry[tok].logprob - lp) < 1e-3
-    if "KRAIT_FUSE_ROPE_ATTN" in os.environ or "KRAIT_NORM_STATS" in os.environ:
+    if {"KRAIT_FUSE_ROPE_ATTN", "KRAIT_NORM_STATS", "KRAIT_DECODE_CUDA_CORE"} & set(os.environ):
         assert fused  # the decode steps took the fused kernels
         assert arch == "qwen3" or 2 in fused
 

@@ -203,3 +203,16 @@ def test_fp8_kv_cache_kernels_compile():
         GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128, BLOCK_D=128,
         PDL=True), num_warps=8, odd=("sliding_window",))
     assert r["local"] == 0, r
+
+
+@pytest.mark.parametrize("cache", [BF, "*fp8e4nv"])
+def test_cuda_core_decode_compiles_in_registers(cache):
+    """KRAIT_DECODE_CUDA_CORE=1 at qwen3's group: no spills, no shared-memory staging of the
+    (widened) tiles."""
+    types = dict(q_ptr=BF, k_cache_ptr=cache, v_cache_ptr=cache, out_ptr=BF, qsl_ptr=I32,
+                 seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
+    r = compile_sm90("krait.ops.decode_attention_cc", "_decode_cc_kernel", types, dict(
+        GROUP=2, G_PAD=2, USE_WINDOW=False, BLOCK_N=32, BLOCK_D=128, PDL=True),
+        num_warps=4, odd=("sliding_window",))
+    assert r["local"] == 0 and r["shared_byte_loads"] == 0 and r["vector_loads"] > 0, r
+    assert r["regs"] <= 168 and r["pdl"], r
