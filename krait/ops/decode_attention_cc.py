@@ -11,14 +11,13 @@ weighted sum of V as products reduced over D and over the keys.
 
 from __future__ import annotations
 
-import math
 import os
 
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops.kv_tiles import kv_tile_offsets
+from krait.ops.kv_tiles import kv_tile_offsets, paged_attention_args
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
@@ -101,12 +100,8 @@ def decode_attention_cc(
     opts = {} if interpret else dict(num_warps=4)
     pdl = use_pdl(q)
     _decode_cc_kernel[(num_rows, num_kv_heads)](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-        scale * math.log2(math.e), head_dim, k_cache.shape[1], sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
+        *paged_attention_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+                              scale, sliding_window),
         GROUP=group, G_PAD=triton.next_power_of_2(group),
         USE_WINDOW=sliding_window is not None,
         BLOCK_N=max(8, 64 // triton.next_power_of_2(group)),  # [G, N, D] products: 8K elements

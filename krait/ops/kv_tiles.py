@@ -1,7 +1,27 @@
-"""Where a tile of keys lives in the paged KV cache: shared by the attention kernels."""
+"""Where a tile of keys lives in the paged KV cache, and the leading arguments of the attention
+kernels that walk it: shared by the attention kernels."""
+
+import math
 
 import triton
 import triton.language as tl
+from torch import Tensor
+
+
+def paged_attention_args(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, query_start_loc: Tensor,
+    seq_lens: Tensor, block_table: Tensor, scale: float, sliding_window: int | None,
+) -> tuple:
+    """(q, caches, out, metadata, log2-scaled scale, head_dim, block_size, window, strides) in
+    the order `_paged_attention_kernel` and `_decode_cc_kernel` take them."""
+    return (
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+        scale * math.log2(math.e), q.shape[2], k_cache.shape[1], sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+    )
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from torch import Tensor
 from krait.ops._dispatch import use_triton
 from krait.ops.arrival import arrival_counters
 from krait.ops.decode_attention_cc import decode_attention_cc, decode_cuda_core_enabled
-from krait.ops.kv_tiles import kv_tile_offsets
+from krait.ops.kv_tiles import kv_tile_offsets, paged_attention_args
 from krait.ops.kv_write import from_cache, to_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rotary import norm_rope_heads
@@ -473,13 +473,8 @@ def paged_attention_triton(
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
     pdl = use_pdl(q)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_table,
-        scale * math.log2(math.e), head_dim, k_cache.shape[1], sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
+        *paged_attention_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+                              scale, sliding_window),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_D=triton.next_power_of_2(head_dim), **config, **pdl_args(pdl),
