@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check krait tests scripts
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q --timeout=600 -n auto
+	$(BIN)/python -m pytest -q --timeout=600 -n auto --dist worksteal
 
 clean:
 	rm -rf $(VENV)
