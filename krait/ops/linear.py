@@ -24,7 +24,7 @@ from krait.ops.gemv import (
     gemv_rms_norm_triton,
     gemv_triton,
 )
-from krait.ops.rms_norm import fused_add_rms_norm, rms_norm
+from krait.ops.rms_norm import fused_add_rms_norm, residual_sum, rms_norm
 
 # one-row calls up to this many weight elements may go to the GEMV (KRAIT_GEMV=wide for a plain
 # projection; always when a norm is fused into it): with the one-row config of session 4 it beat
@@ -123,7 +123,7 @@ def linear_add_stats(
         y = gated_stats_linear(x, gated, weight, bias)
     else:
         y = silu_mul_linear(x, weight, bias) if silu_mul else linear(x, weight, bias)
-    return add_residual(y, residual, x_scale), None
+    return residual_sum(y, residual, x_scale), None
 
 
 def gated_stats_linear(x: Tensor, gated: GatedStats, weight: Tensor,
@@ -135,13 +135,6 @@ def gated_stats_linear(x: Tensor, gated: GatedStats, weight: Tensor,
                                             gated.eps, weight, bias)
     normed = gated_rms_norm(x, gated.gate, gated.norm_weight, gated.eps, x.shape[-1])
     return linear(normed, weight, bias)
-
-
-def add_residual(y: Tensor, residual: Tensor, x_scale: float = 1.0) -> Tensor:
-    """y * x_scale + residual, each rounded to y's dtype as the fused add-norm ops do."""
-    if x_scale != 1.0:
-        y = (y.float() * x_scale).to(y.dtype)
-    return (y.float() + residual.float()).to(y.dtype)
 
 
 def linear_add_norm(
