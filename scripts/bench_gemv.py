@@ -2,9 +2,7 @@
 shipped configs, M = 1, 4, 8. Each variant is timed as a CUDA-graph replay over enough weight
 copies to miss the 50 MB L2, like a decode step that reads every weight once.
 
-PYTHONPATH=. python3 scripts/bench_gemv.py [--quick | --norm]   (GPU; --quick: one row, no
-sweep; --norm: a pre-norm fused into the one-row GEMV against the norm kernel then the
-projection)"""
+PYTHONPATH=. python3 scripts/bench_gemv.py [--quick]   (GPU; --quick: one row, no sweep)"""
 
 from __future__ import annotations
 
@@ -13,15 +11,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.gemv import (
-    default_config,
-    gemv_gated_norm_triton,
-    gemv_rms_norm_triton,
-    gemv_triton,
-)
-from krait.ops.linear import linear
-from krait.ops.rms_norm import fused_add_rms_norm
+from krait.ops.gemv import default_config, gemv_triton
 
 # (N, K) of the decode projections: qwen3-0.6b, mamba2-1.3b, granite-4.0-h-micro
 SHAPES = {
@@ -88,47 +78,6 @@ def quick() -> None:
         del weights
 
 
-def norm() -> None:
-    """One row: the residual add + RMSNorm (or Mamba2's gated norm) then the projection as the
-    default dispatch runs them (two launches), against the norm in the GEMV's prologue with its
-    default config and the best of a sweep (fewer, wider programs re-reduce the row less often)."""
-    print(f"{'shape':16} {'norm + linear us':>16} {'fused us':>9} {'best us':>8}  best config")
-    for name in ("qwen3 qkv", "qwen3 gate_up", "mamba2 in_proj", "granite qkv", "mamba2 out_proj"):
-        unfused, fused, best = _norm_times(*SHAPES[name], gated=name.endswith("out_proj"))
-        print(f"{name:16} {unfused:16.2f} {fused:9.2f} {best[0]:8.2f}  {best[1]}", flush=True)
-
-
-NORM_CANDIDATES = [dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=w)
-                   for bn, bk, w in itertools.product([8, 16, 32], [128, 256, 512], [4, 8])
-                   if bn * bk <= 8192]
-
-
-def _norm_times(n: int, k: int, gated: bool) -> tuple[float, float, tuple[float, dict]]:
-    dev = torch.device("cuda")
-    copies = max(4, (400 << 20) // (n * k * 2))
-    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
-    x, r = (torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    nw = torch.ones(k, device=dev, dtype=torch.bfloat16)
-    if gated:
-        unfused = time_us(lambda w: linear(gated_rms_norm(x, r, nw, 1e-5, k), w), weights)
-
-        def fused(w, cfg=None):
-            return gemv_gated_norm_triton(x, r, nw, 1e-5, w, config=cfg)
-    else:
-        unfused = time_us(lambda w: linear(fused_add_rms_norm(x, r, nw, 1e-6)[0], w), weights)
-
-        def fused(w, cfg=None):
-            return gemv_rms_norm_triton(x, r, nw, 1e-6, w, config=cfg)
-    t_default = time_us(fused, weights)
-    best = (t_default, default_config(1, n, k))
-    for cfg in NORM_CANDIDATES:
-        t = time_us(lambda w, cfg=cfg: fused(w, cfg), weights)
-        if t < best[0]:
-            best = (t, cfg)
-    del weights
-    return unfused, t_default, best
-
-
 def main() -> None:
     dev = torch.device("cuda")
     print(f"{'shape':16} {'M':>2} {'cuBLAS us':>9} {'TB/s':>5} {'krait us':>9} {'TB/s':>5} "
@@ -171,7 +120,5 @@ if __name__ == "__main__":
 
     if "--quick" in sys.argv[1:]:
         quick()
-    elif "--norm" in sys.argv[1:]:
-        norm()
     else:
         main()

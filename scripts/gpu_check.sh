@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -78,8 +78,8 @@ case $what in
     ;;
   ab)  # the dispatch knobs against the defaults, same machine (~4 min): programmatic dependent
     # launch off (KRAIT_PDL=0), the GEMV's PDL trigger at its start (KRAIT_PDL_TRIGGER=early),
-    # session 5's narrow GEMV rule (KRAIT_GEMV=narrow), the wide one (KRAIT_GEMV=wide). The norm
-    # fusions: `fuse`; the attention knobs: `attn`, `prefetch`; the fp8 cache: `fp8`.
+    # session 5's narrow GEMV rule (KRAIT_GEMV=narrow), the wide one (KRAIT_GEMV=wide). Decode
+    # attention tiles and splits: `blockn`; the fp8 cache: `fp8`.
     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "_base" --batch-sizes 1,8,64 --prompt-lens ""
       KRAIT_PDL=0 bench_latency $m "_nopdl" --batch-sizes 1,8,64 --prompt-lens ""
@@ -88,97 +88,13 @@ case $what in
       KRAIT_GEMV=wide bench_latency $m "_wide" --batch-sizes 1 --prompt-lens ""
     done
     ;;
-  attn)  # split-KV decode attention knobs (session 5, unmeasured; ~5 min): the last split merges
-    # (KRAIT_DECODE_MERGE=1: one launch, no combine kernel), V loaded beside K
-    # (KRAIT_DECODE_EARLY_V=1); each alone and both, against the defaults, twice; and splits of
-    # 64 keys at least instead of 256 (KRAIT_DECODE_SPLIT_KEYS=64: more programs at batch 1)
-    for i in 1 2; do for m in qwen3-0.6b granite-4.0-h-micro; do
-      bench_latency $m "_attn_base$i" --batch-sizes 1,8,64 --prompt-lens ""
-      KRAIT_DECODE_MERGE=1 bench_latency $m "_attn_merge$i" --batch-sizes 1,8,64 --prompt-lens ""
-      KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_earlyv$i" --batch-sizes 1,8,64 --prompt-lens ""
-      KRAIT_DECODE_MERGE=1 KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_both$i" \
-        --batch-sizes 1,8,64 --prompt-lens ""
-      KRAIT_DECODE_SPLIT_KEYS=64 bench_latency $m "_attn_keys64_$i" --batch-sizes 1,8 --prompt-lens ""
-    done; done
-    ;;
-  attn1)  # the attention knobs once each at batch 1 and 8 (in graphs a batch-1 row already
-    # has 16 splits of 64 keys, so KRAIT_DECODE_SPLIT_KEYS changes nothing there), the base
-    # run first and last; then the late PDL trigger with the wide GEMV against the base (~5 min)
-    for m in qwen3-0.6b granite-4.0-h-micro; do
-      bench_latency $m "_attn_base1" --batch-sizes 1,8 --prompt-lens ""
-      KRAIT_DECODE_MERGE=1 bench_latency $m "_attn_merge" --batch-sizes 1,8 --prompt-lens ""
-      KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_earlyv" --batch-sizes 1,8 --prompt-lens ""
-      KRAIT_DECODE_MERGE=1 KRAIT_DECODE_EARLY_V=1 bench_latency $m "_attn_both" \
-        --batch-sizes 1,8 --prompt-lens ""
-      bench_latency $m "_attn_base2" --batch-sizes 1,8 --prompt-lens ""
-    done
-    for i in 1 2; do
-      KRAIT_PDL_TRIGGER=late KRAIT_GEMV=wide bench_latency qwen3-0.6b "_late_wide$i" \
-        --batch-sizes 1 --prompt-lens ""
-      bench_latency qwen3-0.6b "_base$i" --batch-sizes 1 --prompt-lens ""
-    done
-    ;;
-  late)  # the GEMV's late PDL trigger with the wide GEMV rule against the defaults, all three
-    # models at batch 1 (the knobs touch one-row projections only), alternating twice (~4 min)
-    for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-      KRAIT_PDL_TRIGGER=late KRAIT_GEMV=wide bench_latency $m "_late_wide$i" --batch-sizes 1 \
-        --prompt-lens ""
-      bench_latency $m "_base$i" --batch-sizes 1 --prompt-lens ""
-    done; done
-    ;;
-  newdef)  # session 6's defaults (one-row GEMV up to 8M elements, late PDL trigger) against
-    # session 5's (KRAIT_GEMV=narrow KRAIT_PDL_TRIGGER=early), batch 1, alternating (~3 min)
-    for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_s6" --batch-sizes 1 --prompt-lens ""
-      KRAIT_GEMV=narrow KRAIT_PDL_TRIGGER=early bench_latency $m "_s5" --batch-sizes 1 \
-        --prompt-lens ""
-    done
-    ;;
-  fp8)  # the fp8 KV cache (session 6, unmeasured) against the model-dtype cache: decode at
+  fp8)  # the fp8 KV cache against the model-dtype cache: decode at
     # batch 1/64/256 (the KV read dominates at 256), then qwen3's throughput with it (~5 min)
     for m in qwen3-0.6b granite-4.0-h-micro; do
       bench_latency $m "_kvauto" --batch-sizes 1,64,256 --prompt-lens ""
       bench_latency $m "_kvfp8" --batch-sizes 1,64,256 --prompt-lens "" --kv-cache-dtype fp8
     done
     MODELS=qwen3-0.6b OUT_LENS=256 TP_EXTRA="--kv-cache-dtype fp8" bash "$0" throughput
-    ;;
-  prefetch)  # each decode split's first K/V tile loaded before the PDL wait (session 6,
-    # unmeasured): GPU parity with it on (graphs + PDL: the ordering it relies on), then the
-    # latency A/B at batch 1 and 8, alternating twice (~5 min)
-    if [ -d .parity ]; then
-      KRAIT_DECODE_PREFETCH=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
-        | grep -v Warn | tail -25 | tee "$LOG/parity_prefetch.log"
-    fi
-    for i in 1 2; do for m in qwen3-0.6b granite-4.0-h-micro; do
-      KRAIT_DECODE_PREFETCH=1 bench_latency $m "_prefetch$i" --batch-sizes 1,8 --prompt-lens ""
-      bench_latency $m "_noprefetch$i" --batch-sizes 1,8 --prompt-lens ""
-    done; done
-    ;;
-  fuse)  # both norm fusions against the defaults, b=1, alternating twice (~6 min): the norm in
-    # the GEMV's prologue (KRAIT_FUSE_NORM=1) and in the previous GEMV's epilogue
-    # (KRAIT_NORM_EPILOGUE=1); sessions 5-6 measured both slower, but with the early PDL trigger,
-    # the one that also made the wide GEMV lose
-    for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_base$i" --batch-sizes 1 --prompt-lens ""
-      KRAIT_FUSE_NORM=1 bench_latency $m "_prologue$i" --batch-sizes 1 --prompt-lens ""
-      KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epilogue$i" --batch-sizes 1 --prompt-lens ""
-    done; done
-    ;;
-  knobs1)  # session 7's one-pass A/B (~7 min): GPU parity with the decode prefetch on, then
-    # the prefetch at batch 1 and 8, and both norm fusions at batch 1, each against the defaults
-    if [ -d .parity ]; then
-      KRAIT_DECODE_PREFETCH=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
-        | grep -v Warn | tail -25 | tee "$LOG/parity_prefetch.log"
-    fi
-    for m in qwen3-0.6b granite-4.0-h-micro; do
-      bench_latency $m "_noprefetch" --batch-sizes 1,8 --prompt-lens ""
-      KRAIT_DECODE_PREFETCH=1 bench_latency $m "_prefetch" --batch-sizes 1,8 --prompt-lens ""
-    done
-    for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_base" --batch-sizes 1 --prompt-lens ""
-      KRAIT_FUSE_NORM=1 bench_latency $m "_prologue" --batch-sizes 1 --prompt-lens ""
-      KRAIT_NORM_EPILOGUE=1 bench_latency $m "_epilogue" --batch-sizes 1 --prompt-lens ""
-    done
     ;;
   fp8b)  # the fp8 cache widened in registers (session 7; ~3 min): its GPU tests, decode at
     # batch 1/64/256 against the bf16 cache (qwen3), qwen3's throughput with it (krait only)
@@ -204,39 +120,8 @@ case $what in
       KRAIT_DECODE_SPLIT_WAVES=$w bench_latency qwen3-0.6b "_waves$w" --batch-sizes 32,64,128 \
         --prompt-lens ""
     done
-    # decode rows on CUDA cores (KRAIT_DECODE_CUDA_CORE=1, session 7, unmeasured): no MMA
-    # padding of a group-2 row to 16, no shared-memory staging (the fp8 tiles' second trip)
-    for kv in auto fp8; do
-      KRAIT_DECODE_CUDA_CORE=1 bench_latency qwen3-0.6b "_${kv}_cc" --batch-sizes 64,128,256 \
-        --prompt-lens "" --kv-cache-dtype $kv
-    done
     ;;
-  ropeattn)  # rotary + KV write inside the split decode kernel (KRAIT_FUSE_ROPE_ATTN=1, session
-    # 7, unmeasured; ~5 min): GPU parity with it on, then batch 1 and 8 against the defaults,
-    # alternating twice (it removes one launch per attention layer at batch 1)
-    if [ -d .parity ]; then
-      KRAIT_FUSE_ROPE_ATTN=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
-        | grep -v Warn | tail -25 | tee "$LOG/parity_ropeattn.log"
-    fi
-    for i in 1 2; do for m in qwen3-0.6b granite-4.0-h-micro; do
-      bench_latency $m "_base$i" --batch-sizes 1,8 --prompt-lens ""
-      KRAIT_FUSE_ROPE_ATTN=1 bench_latency $m "_ropeattn$i" --batch-sizes 1,8 --prompt-lens ""
-    done; done
-    ;;
-  stats)  # the norm split between the GEMVs around it (KRAIT_NORM_STATS=1, session 7,
-    # unmeasured; ~6 min): GPU parity with it on, then batch 1 and 8 against the defaults,
-    # alternating twice. It removes the norm kernels that follow a GEMV'd projection (qwen3:
-    # both norms of a layer; mamba2: the pre-norm) without a prepass or a last-tile pass
-    if [ -d .parity ]; then
-      KRAIT_NORM_STATS=1 KRAIT_GEMV=1 timeout 300 python3 scripts/gpu_parity.py check .parity \
-        2>&1 | grep -v Warn | tail -25 | tee "$LOG/parity_stats.log"
-    fi
-    for i in 1 2; do for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_base$i" --batch-sizes 1,8 --prompt-lens ""
-      KRAIT_NORM_STATS=1 bench_latency $m "_stats$i" --batch-sizes 1,8 --prompt-lens ""
-    done; done
-    ;;
-  others)  # the shipped configs without a target, never run on the GPU before (~5 min):
+  others)  # the shipped configs without a target (first GPU run: session 8; ~4 min):
     # decode at batch 1 and 64 and one 2048-token prefill each (the MoE's fused kernel, the
     # 8-9B hybrids)
     for m in granite-4.0-h-tiny nemotron-h-8b llama-3.2-1b bamba-9b; do

@@ -25,7 +25,7 @@ PROMPTS = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([
 
 
 # one Mamba norm group, as the shipped mamba2/granite/bamba configs have (the tiny defaults have
-# two): the single-group decode paths (the gated norm from the state update's sums)
+# two): the gated norm over the whole width in one group
 ONE_GROUP = {"mamba2-g1": ("mamba2", {"n_groups": 1}),
              "granitemoehybrid-g1": ("granitemoehybrid", {"mamba_n_groups": 1})}
 

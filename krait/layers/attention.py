@@ -6,7 +6,6 @@ import torch
 
 from krait.ops.kv_write import write_kv
 from krait.ops.paged_attention import paged_attention
-from krait.ops.rope_attention import fuse_rope_attention_enabled, rope_attention
 from krait.ops.rope_kv_write import rope_kv_write
 from krait.runner.attention_metadata import AttentionMetadata
 
@@ -53,19 +52,13 @@ class Attention(torch.nn.Module):
         k_norm=None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] as they leave the projection (views are fine): optional
-        per-head q/k RMSNorm, rotary and the K/V write in one kernel, then attention (with
-        KRAIT_FUSE_ROPE_ATTN=1 all in the attention's launch where the batch allows)."""
+        per-head q/k RMSNorm, rotary and the K/V write in one kernel, then attention."""
         T = q.shape[0]
         rope = (q, k, v, positions, rotary.cos_sin_cache, rotary.is_neox,
                 q_norm.weight if q_norm is not None else None,
                 k_norm.weight if k_norm is not None else None,
                 q_norm.eps if q_norm is not None else 0.0)
         caches = (self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T])
-        if fuse_rope_attention_enabled():
-            out = rope_attention(*rope, *caches, meta.query_start_loc, meta.seq_lens,
-                                 meta.block_table, meta.max_query_len, meta.max_seq_len,
-                                 self.scale, self.sliding_window)
-            return out.reshape(T, self.num_heads * self.head_dim)
         q = rope_kv_write(*rope, *caches)
         return self.attend(q, meta)
 

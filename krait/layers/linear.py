@@ -1,28 +1,10 @@
-"""Linear layers. `MergedLinear` fuses several HF projections (q/k/v, gate/up) into one GEMM.
-Both take a tensor or a `PendingNorm` (the norm then fused into the decode GEMV)."""
+"""Linear layers. `MergedLinear` fuses several HF projections (q/k/v, gate/up) into one GEMM."""
 
 from __future__ import annotations
 
 import torch
 
-from krait.layers.deferred import DeferredLinear
-from krait.layers.norm import PendingNorm
-from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.gemv import GatedStats
-from krait.ops.linear import (
-    defer_to_norm,
-    fuse_gated_norm,
-    gated_norm_linear,
-    gated_stats_linear,
-    linear,
-    silu_mul_linear,
-)
-
-
-def _project(x: torch.Tensor | PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None):
-    if isinstance(x, PendingNorm):
-        return x.project(weight, bias)
-    return linear(x, weight, bias)
+from krait.ops.linear import linear, silu_mul_linear
 
 
 class Linear(torch.nn.Linear):
@@ -31,45 +13,12 @@ class Linear(torch.nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        return _project(x, self.weight, self.bias)
-
-    def forward_silu_mul(
-        self, gate_up: torch.Tensor, defer: bool = False
-    ) -> torch.Tensor | DeferredLinear:
-        """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (fused for decode).
-        With `defer`, a decode call may come back unrun, for the next norm (`DeferredLinear`)."""
-        if defer and defer_to_norm(gate_up, self.weight):
-            return DeferredLinear(gate_up, self.weight, self.bias, silu_mul=True)
-        return silu_mul_linear(gate_up, self.weight, self.bias)
-
-    def forward_deferred(self, x: torch.Tensor) -> torch.Tensor | DeferredLinear:
-        """self(x), or for a decode call the GEMV takes (KRAIT_NORM_EPILOGUE=1) the unrun
-        projection, for the next norm to run with the residual add and itself."""
-        if defer_to_norm(x, self.weight):
-            return DeferredLinear(x, self.weight, self.bias, silu_mul=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def forward_gated_norm(
-        self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-        group_size: int, defer: bool = False,
-    ) -> torch.Tensor | DeferredLinear:
-        """self(gated_rms_norm(x, gate)) for x, gate [T, in_features]: the norm in the GEMV's
-        prologue (KRAIT_FUSE_NORM=1) or, with `defer`, the projection possibly left unrun."""
-        if defer and not fuse_gated_norm(x, group_size, self.weight):
-            return self.forward_deferred(gated_rms_norm(x, gate, norm_weight, eps, group_size))
-        return gated_norm_linear(x, gate, norm_weight, eps, group_size, self.weight, self.bias)
-
-
-    def forward_gated_stats(
-        self, x: torch.Tensor, gated: GatedStats, defer: bool = False
-    ) -> torch.Tensor | DeferredLinear:
-        """self(gated_rms_norm(x, gate)) for Mamba2's decode y with the state update's sums of
-        squares (KRAIT_NORM_STATS=1): normalized as the GEMV loads it; with `defer` possibly
-        left unrun for the next norm (which then adds its own sums in the same launch)."""
-        if defer and defer_to_norm(x, self.weight):
-            return DeferredLinear(x, self.weight, self.bias, silu_mul=False, gated=gated)
-        return gated_stats_linear(x, gated, self.weight, self.bias)
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (fused for decode)."""
+        return silu_mul_linear(gate_up, self.weight, self.bias)
 
 
 class MergedLinear(torch.nn.Module):
@@ -83,8 +32,8 @@ class MergedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(sum(out_sizes), in_features))
         self.bias = torch.nn.Parameter(torch.empty(sum(out_sizes))) if bias else None
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        return _project(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
     def load_shard(self, shard: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
         target = self.bias if is_bias else self.weight

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from krait.layers.deferred import DeferredLinear
 from krait.layers.linear import Linear
-from krait.layers.norm import PendingNorm
-from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.gemv import GatedStats
-from krait.ops.linear import norm_stats_enabled
-from krait.ops.mamba_decode import fusable, mamba_decode
 from krait.ops.mamba_ssd import mamba_chunk_scan
-from krait.ops.selective_state_update import (
-    selective_state_update,
-    selective_state_update_triton,
-)
+from krait.ops.selective_state_update import selective_state_update
 
 
 @dataclass
@@ -122,39 +112,14 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         return (d.conv_dim, d.d_conv - 1), (d.num_heads, d.head_dim, d.d_state)
 
-    def forward(
-        self, x: torch.Tensor | PendingNorm, meta: MambaMetadata, defer: bool = False
-    ) -> torch.Tensor | DeferredLinear:
-        """x [T, hidden] (or its pending pre-norm, fused into in_proj) -> [T, hidden]; with
-        `defer`, out_proj may come back unrun for the next norm (KRAIT_NORM_EPILOGUE=1)."""
+    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
         d = self.d
         group = d.norm_group_size or d.intermediate // d.n_groups
-        if meta.num_decode_tokens and use_triton(self.D) and self._fuse_decode(group):
-            return self.out_proj(self._forward_fused_decode(x, meta, group))
-        if self._gate_stats(meta, group):
-            gate, xbc, dt = self._project(x)
-            y, stats = self._decode_ssm(xbc, dt, meta, gate)
-            gated = GatedStats(gate, stats, self.norm_weight, d.eps)
-            return self.out_proj.forward_gated_stats(y.reshape(gate.shape), gated, defer)
         y, gate = self.scan(x, meta)
-        return self.out_proj.forward_gated_norm(y, gate, self.norm_weight, d.eps, group, defer)
+        return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
 
-    def _gate_stats(self, meta: MambaMetadata, group: int) -> bool:
-        """An all-decode step with one norm group and KRAIT_NORM_STATS=1 on the Triton path:
-        the state update writes the gated norm's sums of squares and out_proj normalizes from
-        them (no gated-norm kernel)."""
-        return (meta.num_prefills == 0 and meta.num_decode_tokens > 0
-                and group == self.d.intermediate and norm_stats_enabled() and use_triton(self.D))
-
-    def _fuse_decode(self, group: int) -> bool:
-        """Decode rows through krait/ops/mamba_decode.py only with KRAIT_FUSED_MAMBA_DECODE=1:
-        on the H200 it measured slower than the three unfused kernels (docs/benchmarks.md)."""
-        return (os.environ.get("KRAIT_FUSED_MAMBA_DECODE") == "1"
-                and fusable(self.d.head_dim, self.d.intermediate, group))
-
-    def scan(
-        self, x: torch.Tensor | PendingNorm, meta: MambaMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing
         the state slots: returns (y [T, intermediate], gate [T, intermediate])."""
         gate, xbc, dt = self._project(x)
@@ -163,35 +128,13 @@ class Mamba2Mixer(torch.nn.Module):
         y_pre = self._prefill_ssm(xbc, dt, meta) if meta.num_prefills else None
         return self._join(gate, nd, y_dec, y_pre), gate
 
-    def _forward_fused_decode(
-        self, x: torch.Tensor | PendingNorm, meta: MambaMetadata, group: int
-    ) -> torch.Tensor:
-        """Decode rows through one fused kernel (conv, state update, gated norm), prefill rows
-        as in `scan`: the gated, normalized y [T, intermediate]."""
-        d = self.d
-        gate, xbc, dt = self._project(x)
-        nd = meta.num_decode_tokens
-        y_dec = mamba_decode(
-            xbc[:nd], dt[:nd], gate[:nd], self.conv_state, self.conv1d_weight.squeeze(1),
-            self.conv1d_bias, self.ssm_state, self.neg_A(), self.D, self.dt_bias,
-            self.norm_weight, meta.decode_state_indices[:nd], d.n_groups, d.head_dim, d.eps,
-            group, True, d.time_step_limit, d.activation,
-        )
-        y_pre = None
-        if meta.num_prefills:
-            y = self._prefill_ssm(xbc, dt, meta).reshape(-1, d.intermediate)
-            y_pre = gated_rms_norm(y, gate[nd : nd + y.shape[0]], self.norm_weight, d.eps, group)
-        return self._join(gate, nd, y_dec, y_pre)
-
-    def _project(self, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views."""
         d = self.d
         return self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
 
-    def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata,
-                    gate: torch.Tensor | None = None):
-        """Conv update and state update of the decode rows: y [num_decode_tokens, heads, P];
-        with the gate, (y, the gated norm's partial sums of squares [rows, T] float32)."""
+    def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """Conv update and state update of the decode rows: y [num_decode_tokens, heads, P]."""
         d = self.d
         nd = meta.num_decode_tokens
         idx = meta.decode_state_indices[:nd]
@@ -200,11 +143,6 @@ class Mamba2Mixer(torch.nn.Module):
             d.activation,
         )
         xs, B, C = self._split_xbc(xbc_d)
-        if gate is not None:
-            return selective_state_update_triton(
-                self.ssm_state, xs, dt[:nd], self.neg_A(), B, C, self.D, self.dt_bias, idx, True,
-                d.time_step_limit, gate=gate[:nd],
-            )
         return selective_state_update(
             self.ssm_state, xs, dt[:nd], self.neg_A(), B, C, self.D, self.dt_bias, idx, True,
             d.time_step_limit,

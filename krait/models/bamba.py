@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
-from krait.layers.norm import PendingNorm, RMSNorm
-from krait.models.decoder import lm_head_for, run_layers
+from krait.layers.norm import RMSNorm
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.llama import LlamaAttention, LlamaMLP
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
@@ -57,13 +57,13 @@ class BambaDecoderLayer(torch.nn.Module):
         self.feed_forward = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        h = PendingNorm(self.input_layernorm, x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         if self.mamba is not None:
-            x = self.mamba(h, meta.mamba, defer=True)
+            x = self.mamba(x, meta.mamba)
         else:
-            x = self.self_attn(h, positions, meta, defer=True)
-        h = PendingNorm(self.pre_ff_layernorm, x, h.residual)
-        return self.feed_forward(h, defer=True), h.residual
+            x = self.self_attn(x, positions, meta)
+        x, residual = self.pre_ff_layernorm(x, residual)
+        return self.feed_forward(x), residual
 
 
 class BambaForCausalLM(torch.nn.Module):

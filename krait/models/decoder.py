@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from krait.layers.linear import Linear
-from krait.layers.norm import PendingNorm, RMSNorm
+from krait.layers.norm import RMSNorm
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -32,8 +32,7 @@ def run_layers(
     residual = None
     for layer in layers:
         x, residual = layer(positions, x, residual, meta)
-    # a layer's output may be a DeferredLinear (KRAIT_NORM_EPILOGUE=1): the norm runs it
-    return PendingNorm(final_norm, x, residual, x_scale).value()
+    return pre_norm(final_norm, x, residual, x_scale)[0]
 
 
 def lm_head_for(cfg: Any, embedding: torch.nn.Embedding) -> Linear:

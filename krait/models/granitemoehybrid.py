@@ -13,10 +13,10 @@ from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.mamba2 import Mamba2Mixer, mixer_weight_name
 from krait.layers.moe import FusedMoE, softmax_topk
-from krait.layers.norm import PendingNorm, RMSNorm
+from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.bamba import _init_mixer, bamba_mamba_dims, is_mamba_layer
-from krait.models.decoder import lm_head_for, run_layers
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -44,9 +44,7 @@ class GraniteAttention(torch.nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, float(cfg.attention_multiplier)
         )
 
-    def forward(
-        self, x: torch.Tensor | PendingNorm, positions: torch.Tensor, meta: StepMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         T = qkv.shape[0]
         q, k, v = qkv.split(self.split, dim=-1)
@@ -69,7 +67,7 @@ class GraniteMLP(torch.nn.Module):
         self.input_linear = Linear(hidden, 2 * intermediate)
         self.output_linear = Linear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_linear.forward_silu_mul(self.input_linear(x))
 
 
@@ -107,16 +105,15 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
         """Returns (branch output, residual): the next norm adds them as HF's
         `residual + out * residual_multiplier`, the scale fused into the norm's residual add."""
         m = self.residual_multiplier
-        h = PendingNorm(self.input_layernorm, x, residual, m)
+        x, residual = pre_norm(self.input_layernorm, x, residual, m)
         if self.mamba is not None:
-            x = self.mamba(h, meta.mamba, defer=True)
+            x = self.mamba(x, meta.mamba)
         else:
-            x = self.self_attn(h, positions, meta)
-        h = PendingNorm(self.post_attention_layernorm, x, h.residual, m)
+            x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual, m)
         if self.block_sparse_moe is None:
-            return self.shared_mlp(h), h.residual
-        x = h.value()  # read by the router, the experts and the shared MLP
-        return self.block_sparse_moe(x) + self.shared_mlp(x), h.residual
+            return self.shared_mlp(x), residual
+        return self.block_sparse_moe(x) + self.shared_mlp(x), residual
 
 
 class GraniteMoeHybridForCausalLM(torch.nn.Module):

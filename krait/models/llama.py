@@ -8,11 +8,10 @@ from typing import Any
 import torch
 
 from krait.layers.attention import Attention
-from krait.layers.deferred import DeferredLinear
 from krait.layers.linear import Linear, MergedLinear
-from krait.layers.norm import PendingNorm, RMSNorm
+from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
-from krait.models.decoder import lm_head_for, run_layers
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -36,11 +35,7 @@ class LlamaAttention(torch.nn.Module):
         )
         self.split = [q_size, kv_size, kv_size]
 
-    def forward(
-        self, x: torch.Tensor | PendingNorm, positions: torch.Tensor, meta: StepMetadata,
-        defer: bool = False,
-    ) -> torch.Tensor | DeferredLinear:
-        """With `defer`, o_proj may come back unrun for the next norm (KRAIT_NORM_EPILOGUE)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         T = qkv.shape[0]
         q, k, v = qkv.split(self.split, dim=-1)
@@ -50,7 +45,7 @@ class LlamaAttention(torch.nn.Module):
             v.view(T, self.num_kv_heads, self.head_dim),
             positions, self.rotary, meta.attn, self.q_norm, self.k_norm,
         )
-        return self.o_proj.forward_deferred(out) if defer else self.o_proj(out)
+        return self.o_proj(out)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -59,10 +54,8 @@ class LlamaMLP(torch.nn.Module):
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
-    def forward(
-        self, x: torch.Tensor | PendingNorm, defer: bool = False
-    ) -> torch.Tensor | DeferredLinear:
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x), defer)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -81,10 +74,10 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta):
-        h = PendingNorm(self.input_layernorm, x, residual)
-        x = self.self_attn(h, positions, meta, defer=True)
-        h = PendingNorm(self.post_attention_layernorm, x, h.residual)
-        return self.mlp(h, defer=True), h.residual
+        x, residual = pre_norm(self.input_layernorm, x, residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(torch.nn.Module):

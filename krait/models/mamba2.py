@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
-from krait.layers.norm import PendingNorm, RMSNorm
-from krait.models.decoder import lm_head_for, run_layers
+from krait.layers.norm import RMSNorm
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -40,8 +40,8 @@ class Mamba2Block(torch.nn.Module):
         self.mixer = Mamba2Mixer(mamba2_dims(cfg))
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        h = PendingNorm(self.norm, x, residual)  # fused into in_proj for decode
-        return self.mixer(h, meta.mamba, defer=True), h.residual
+        x, residual = pre_norm(self.norm, x, residual)
+        return self.mixer(x, meta.mamba), residual
 
 
 class Mamba2ForCausalLM(torch.nn.Module):

@@ -15,8 +15,8 @@ from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.moe import FusedMoE, load_expert_weights
-from krait.layers.norm import PendingNorm, RMSNorm
-from krait.models.decoder import lm_head_for, run_layers
+from krait.layers.norm import RMSNorm
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -78,7 +78,7 @@ class NemotronHAttention(torch.nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor | PendingNorm, meta: StepMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         return self.o_proj(self.attn(q, k, v, meta.attn))
 
@@ -92,7 +92,7 @@ class NemotronHMLP(torch.nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias)
         self.act = get_act_fn(act)
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
 
 
@@ -180,14 +180,12 @@ class NemotronHBlock(torch.nn.Module):
             self.mixer = NemotronHMoE(cfg)
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        h = PendingNorm(self.norm, x, residual)  # fused into the first projection for decode
+        x, residual = pre_norm(self.norm, x, residual)
         if self.kind == "mamba":
-            return self.mixer(h, meta.mamba), h.residual
+            return self.mixer(x, meta.mamba), residual
         if self.kind == "attention":
-            return self.mixer(h, meta), h.residual
-        if self.kind == "mlp":
-            return self.mixer(h), h.residual
-        return self.mixer(h.value()), h.residual
+            return self.mixer(x, meta), residual
+        return self.mixer(x), residual
 
 
 _EXPERT = re.compile(r"(layers\.\d+\.mixer\.experts)\.(?:(\d+)\.)?(up_proj|down_proj)(?:\.weight)?$")

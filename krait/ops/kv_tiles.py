@@ -1,5 +1,5 @@
-"""Where a tile of keys lives in the paged KV cache, and the leading arguments of the attention
-kernels that walk it: shared by the attention kernels."""
+"""Where a tile of keys lives in the paged KV cache, and the leading arguments of the varlen
+attention kernel that walks it (krait/ops/paged_attention.py)."""
 
 import math
 
@@ -13,7 +13,7 @@ def paged_attention_args(
     seq_lens: Tensor, block_table: Tensor, scale: float, sliding_window: int | None,
 ) -> tuple:
     """(q, caches, out, metadata, log2-scaled scale, head_dim, block_size, window, strides) in
-    the order `_paged_attention_kernel` and `_decode_cc_kernel` take them."""
+    the order `_paged_attention_kernel` takes them."""
     return (
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
         scale * math.log2(math.e), q.shape[2], k_cache.shape[1], sliding_window or 0,

@@ -21,14 +21,9 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.arrival import arrival_counters
-from krait.ops.decode_attention_cc import decode_attention_cc, decode_cuda_core_enabled
 from krait.ops.kv_tiles import kv_tile_offsets, paged_attention_args
-from krait.ops.kv_write import from_cache, to_cache
+from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-from krait.ops.rotary import norm_rope_heads
-
-_COUNTERS: dict[torch.device, Tensor] = {}  # per-(row, kv head) arrival counters of MERGE
 
 
 @triton.jit
@@ -79,21 +74,16 @@ def _attend_tile(
     k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, EARLY_V: tl.constexpr = False,
+    BLOCK_N: tl.constexpr,
 ):
-    """One online-softmax step over keys [start_n, start_n + BLOCK_N). EARLY_V issues the V
-    tile's load beside K's, before the first dot waits on K (two memory round trips become
-    one; the V tile then occupies registers through the softmax)."""
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N)."""
     k_pos, k_ok, k_off, v_off = kv_tile_offsets(
         start_n, hi, kv_head, bt_row, block_size,
         stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
     k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok, q.dtype)
-    if EARLY_V:
-        v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok, q.dtype)
     s = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, MASKED, USE_WINDOW,
                 DOT_PRECISION)
-    if not EARLY_V:
-        v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok, q.dtype)
+    v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok, q.dtype)
     return _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
 
 
@@ -168,81 +158,24 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _decode_q(q_ptrs, q_mask, q_ptr, q_start, head, kv_head, pos_ptr, cs_ptr, qw_ptr, eps,
-              head_dim, rot_dim, stride_qt, stride_qh, stride_cs, GROUP: tl.constexpr,
-              ROPE: tl.constexpr, NORM: tl.constexpr, IS_NEOX: tl.constexpr,
-              BLOCK_D: tl.constexpr):
-    """The decode row's q heads of this kv head [BLOCK_M, BLOCK_D] (0 past the group): loaded,
-    or with ROPE normalized and rotated from the projection's output, rounded to its dtype as
-    `rope_kv_write` stores them."""
-    if ROPE:
-        cs_row = cs_ptr + tl.load(pos_ptr + q_start) * stride_cs
-        q = norm_rope_heads(q_ptr + q_start.to(tl.int64) * stride_qt, head, (kv_head + 1) * GROUP,
-                            cs_row, qw_ptr, eps, head_dim, rot_dim, stride_qh, NORM, IS_NEOX,
-                            BLOCK_D)
-        return q.to(q_ptr.dtype.element_ty)
-    return tl.load(q_ptrs, mask=q_mask, other=0.0)
-
-
-@triton.jit
-def _write_newest_kv(k_ptr, v_ptr, token, kv_head, pos_ptr, cs_ptr, kw_ptr, slot_ptr, eps,
-                     head_dim, rot_dim, block_size, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cs, k_cache_ptr, v_cache_ptr, stride_kc_b, stride_kc_o, stride_kc_h,
-                     stride_vc_b, stride_vc_o, stride_vc_h, act_dtype,
-                     NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
-    """`rope_kv_write` for one token and kv head: k normalized (NORM) and rotated, rounded to
-    the activation dtype, and v written at the token's slot (none at -1); then a barrier, so
-    that every thread of the program reads them back from the cache."""
-    slot = tl.load(slot_ptr + token)
-    if slot >= 0:
-        heads = kv_head + tl.arange(0, 1)
-        cs_row = cs_ptr + tl.load(pos_ptr + token) * stride_cs
-        k = norm_rope_heads(k_ptr + token.to(tl.int64) * stride_kt, heads, kv_head + 1, cs_row,
-                            kw_ptr, eps, head_dim, rot_dim, stride_kh, NORM, IS_NEOX, BLOCK_D)
-        d = tl.arange(0, BLOCK_D)
-        in_d = (heads[:, None] >= 0) & (d[None, :] < head_dim)  # [1, BLOCK_D]
-        v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + heads[:, None] * stride_vh
-                    + d[None, :], mask=in_d)
-        block = slot // block_size
-        offset = slot % block_size
-        kc = k_cache_ptr + block * stride_kc_b + offset * stride_kc_o
-        vc = v_cache_ptr + block * stride_vc_b + offset * stride_vc_o
-        tl.store(kc + heads[:, None] * stride_kc_h + d[None, :],
-                 to_cache(k.to(act_dtype), k_cache_ptr), mask=in_d)
-        tl.store(vc + heads[:, None] * stride_vc_h + d[None, :], to_cache(v, v_cache_ptr),
-                 mask=in_d)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr, out_ptr, count_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, head_dim, block_size, sliding_window,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_qt, stride_qh,
     stride_kc_b, stride_kc_o, stride_kc_h,
     stride_vc_b, stride_vc_o, stride_vc_h,
     stride_bt,
-    k_new_ptr, v_new_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, eps, rot_dim,
-    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, EARLY_V: tl.constexpr, MERGE: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr = False, ROPE: tl.constexpr = False,
-    NORM: tl.constexpr = False, IS_NEOX: tl.constexpr = True,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
-    With MERGE, the last split of a (row, kv head) to finish merges them all and writes the
-    output (part 2 in the same launch: per-(row, kv head) arrival counters, back to zero after).
     With PREFETCH (and PDL), the split's first K/V tile is loaded before waiting on the kernel
     before: every key but the row's newest was written by earlier steps, and the step's metadata
     (query starts, lengths, block table) by its input preparation, which completed before the
-    step's first non-PDL kernel; the newest key is loaded after the wait.
-    With ROPE, q is the projection's raw output and the kernel does `rope_kv_write`'s work for
-    the step's token (one launch a layer fewer): each program normalizes (NORM) and rotates its
-    q heads itself, and the split that holds the newest key writes it and its value into the
-    cache (k_new/v_new, positions, slot) before any of its tiles reads them."""
+    step's first non-PDL kernel; the newest key is loaded after the wait."""
     pdl_trigger(PDL)
     if not PREFETCH:
         pdl_wait(PDL)
@@ -273,15 +206,6 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = block_table_ptr + row * stride_bt
         rest = s_lo  # the first key the tile loop below starts at
-        newest = (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi)  # this split holds the new key
-        if ROPE and not PREFETCH:
-            if newest:
-                _write_newest_kv(
-                    k_new_ptr, v_new_ptr, q_start, kv_head, pos_ptr, cs_ptr, kw_ptr, slot_ptr,
-                    eps, head_dim, rot_dim, block_size, stride_knt, stride_knh, stride_vnt,
-                    stride_vnh, stride_cs, k_cache_ptr, v_cache_ptr, stride_kc_b, stride_kc_o,
-                    stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, q_ptr.dtype.element_ty,
-                    NORM, IS_NEOX, BLOCK_D)
         if PREFETCH:
             cdt = q_ptr.dtype.element_ty
             k_pos, k_ok, k_off, v_off = kv_tile_offsets(
@@ -291,69 +215,29 @@ def _decode_split_kernel(
             k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok & ~fresh, cdt)  # [D, BLOCK_N]
             v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok & ~fresh, cdt)  # [BLOCK_N, D]
             pdl_wait(PDL)
-            if ROPE:
-                if newest:
-                    _write_newest_kv(
-                        k_new_ptr, v_new_ptr, q_start, kv_head, pos_ptr, cs_ptr, kw_ptr,
-                        slot_ptr, eps, head_dim, rot_dim, block_size, stride_knt, stride_knh,
-                        stride_vnt, stride_vnh, stride_cs, k_cache_ptr, v_cache_ptr,
-                        stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o,
-                        stride_vc_h, cdt, NORM, IS_NEOX, BLOCK_D)
             if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
                 k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
                 v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
-            q = _decode_q(q_ptrs, q_mask, q_ptr, q_start, head, kv_head, pos_ptr, cs_ptr, qw_ptr,
-                          eps, head_dim, rot_dim, stride_qt, stride_qh, stride_cs, GROUP, ROPE,
-                          NORM, IS_NEOX, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
             sc = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, True, USE_WINDOW,
                          DOT_PRECISION)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_PRECISION)
             rest = s_lo + BLOCK_N
         else:
-            q = _decode_q(q_ptrs, q_mask, q_ptr, q_start, head, kv_head, pos_ptr, cs_ptr, qw_ptr,
-                          eps, head_dim, rot_dim, stride_qt, stride_qh, stride_cs, GROUP, ROPE,
-                          NORM, IS_NEOX, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
         for start_n in range(rest, s_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start_n, s_hi, q_pos, kv_head, qk_scale, sliding_window,
                 k_cache_ptr, v_cache_ptr, bt_row, block_size, d, d_ok,
                 stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                True, USE_WINDOW, DOT_PRECISION, BLOCK_N, EARLY_V,
+                True, USE_WINDOW, DOT_PRECISION, BLOCK_N,
             )
         # partials: [rows, Hq, NUM_SPLITS, D] and [rows, Hq, NUM_SPLITS, 2]
-        first = (row * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS  # split 0 of each head
-        part = first + split
+        part = (row * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-        if MERGE:
-            counter = count_ptr + row * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1)  # acq_rel: orders the stores above
-            if arrived == NUM_SPLITS - 1:
-                sp = tl.arange(0, NUM_SPLITS)
-                ml = part_ml_ptr + (first[:, None] + sp[None, :]) * 2  # [BLOCK_M, NUM_SPLITS]
-                m_s = tl.load(ml, mask=row_ok[:, None], other=-1.0e30, cache_modifier=".cg")
-                l_s = tl.load(ml + 1, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                m_all = tl.max(m_s, 1)
-                total = tl.sum(tl.where(l_s > 0.0, l_s * tl.exp2(m_s - m_all[:, None]), 0.0), 1)
-                merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                for s in tl.static_range(NUM_SPLITS):  # in split order: deterministic
-                    ps = first + s
-                    m_p = tl.load(part_ml_ptr + ps * 2, mask=row_ok, other=-1.0e30,
-                                  cache_modifier=".cg")
-                    l_p = tl.load(part_ml_ptr + ps * 2 + 1, mask=row_ok, other=0.0,
-                                  cache_modifier=".cg")
-                    w = tl.where(l_p > 0.0, tl.exp2(m_p - m_all), 0.0)  # empty splits: 0
-                    a = tl.load(part_acc_ptr + ps[:, None] * BLOCK_D + d[None, :],
-                                mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-                                cache_modifier=".cg")
-                    merged += a * w[:, None]
-                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-                o_off = q_start.to(tl.int64) * stride_ot + head * stride_oh
-                tl.store(out_ptr + o_off[:, None] + d[None, :],
-                         merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -433,14 +317,11 @@ def paged_attention_triton(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
     sliding_window: int | None = None, num_splits: int | None = None,
-    merge: bool | None = None, early_v: bool | None = None, prefetch: bool | None = None,
-    rope: dict | None = None,
+    prefetch: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) split each
     row's keys over `num_splits` programs (flash-decoding; chosen from the batch shape when None)
-    when too few (row, kv head) programs would otherwise run. `rope`: the split kernel's ROPE
-    arguments (`krait.ops.rope_attention`): q is then the raw projection, and num_splits must
-    be > 1 with max_query_len 1."""
+    when too few (row, kv head) programs would otherwise run. prefetch: see `_decode_split`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -461,13 +342,7 @@ def paged_attention_triton(
             num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len, q.device)
     if max_query_len == 1 and num_splits > 1:
         _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                      sliding_window, num_splits, interpret, merge, early_v, prefetch, rope)
-        return out
-    if rope is not None:
-        raise ValueError("rope: only decode batches on the split-KV kernel (num_splits > 1)")
-    if max_query_len == 1 and decode_cuda_core_enabled():
-        decode_attention_cc(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-                            scale, sliding_window)
+                      sliding_window, num_splits, interpret, prefetch)
         return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
@@ -482,23 +357,11 @@ def paged_attention_triton(
     return out
 
 
-def _no_rope(q: Tensor) -> dict:
-    """The split kernel's ROPE arguments when q comes in rotated (unused pointers: q)."""
-    return dict(k_new_ptr=q, v_new_ptr=q, pos_ptr=q, cs_ptr=q, qw_ptr=q, kw_ptr=q, slot_ptr=q,
-                eps=0.0, rot_dim=0, stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0,
-                stride_cs=0, ROPE=False)
-
-
 def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                  sliding_window, num_splits, interpret, merge: bool | None = None,
-                  early_v: bool | None = None, prefetch: bool | None = None,
-                  rope: dict | None = None) -> None:
-    """Flash-decoding launches. merge: the splits merged by the last one to finish, one launch
-    (None: KRAIT_DECODE_MERGE=1); early_v: V loaded beside K (None: KRAIT_DECODE_EARLY_V=1);
-    prefetch: each split's first K/V tile loaded before the PDL wait (None: on unless
-    KRAIT_DECODE_PREFETCH=0; H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8).
-    merge and early_v are off by default: on the H200 (session 6) merging was 6-10% slower at
-    batch 1, V beside K within noise."""
+                  sliding_window, num_splits, interpret, prefetch: bool | None = None) -> None:
+    """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
+    split's first K/V tile loaded before the PDL wait (None: on unless KRAIT_DECODE_PREFETCH=0;
+    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8)."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -511,28 +374,22 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                           device=q.device)
     opts = {} if interpret else dict(num_warps=4, num_stages=2)
     pdl = use_pdl(q)
-    merge = merge if merge is not None else os.environ.get("KRAIT_DECODE_MERGE") == "1"
-    early_v = early_v if early_v is not None else os.environ.get("KRAIT_DECODE_EARLY_V") == "1"
     if prefetch is None:
         prefetch = os.environ.get("KRAIT_DECODE_PREFETCH", "1") != "0"
-    counters = arrival_counters(_COUNTERS, q.device, num_rows * num_kv_heads) if merge else part_ml
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, part_acc, part_ml, out, counters,
+        q, k_cache, v_cache, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
         scale * math.log2(math.e), head_dim, k_cache.shape[1], sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d, EARLY_V=early_v,
-        MERGE=merge,
-        PREFETCH=prefetch, **(rope or _no_rope(q)), **opts, **pdl_args(pdl),
+        BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
+        PREFETCH=prefetch, **opts, **pdl_args(pdl),
     )
-    if merge:
-        return
     _decode_combine_kernel[(num_rows, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,

@@ -37,7 +37,6 @@ def ssu_step(s_ptrs, s_ok, x, dt, bv, cv, h, A_ptr, D_ptr, dt_bias_ptr, dt_min, 
 @triton.jit
 def _ssu_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr, slots_ptr,
-    z_ptr, stats_ptr, stride_z_b, stride_stats_b,
     head_dim, d_state, heads_per_group, dt_min, dt_max,
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
     stride_x_b, stride_x_h, stride_x_p, stride_dt_b, stride_dt_h,
@@ -45,21 +44,14 @@ def _ssu_kernel(
     stride_y_b, stride_y_h,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr, GATE_STATS: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
-    """With GATE_STATS, each program also writes sum((y * silu(z))^2) over its outputs (y as
-    stored, z the gate [B, H * P]) to stats [B, H * P blocks] (0 for a skipped row): the
-    partial sums the out_proj GEMV normalizes from (`gemv_gated_stats_norm_triton`)."""
     pdl_trigger(PDL)
     pdl_wait(PDL)
     # One program: batch row b, head h, BLOCK_P rows of the [P, N] state (all of N).
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
-    if GATE_STATS:
-        stat = stats_ptr + b * stride_stats_b + h * tl.num_programs(2) + tl.program_id(2)
-        if slot < 0:
-            tl.store(stat, 0.0)
     if slot >= 0:
         g = h // heads_per_group
         offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -81,54 +73,37 @@ def _ssu_kernel(
                      dt_bias_ptr, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
         y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + b * stride_y_b + h * stride_y_h + offs_p, y, mask=p_ok)
-        if GATE_STATS:
-            z = tl.load(z_ptr + b * stride_z_b + h * head_dim + offs_p, mask=p_ok,
-                        other=0.0).to(tl.float32)
-            gz = y.to(tl.float32) * (z / (1.0 + tl.exp(-z)))
-            tl.store(stat, tl.sum(tl.where(p_ok, gz * gz, 0.0), axis=0))
 
 
 def selective_state_update_triton(
     ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     D: Tensor, dt_bias: Tensor, state_indices: Tensor, dt_softplus: bool = True,
-    dt_limit: tuple[float, float] = (0.0, float("inf")), gate: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Triton launcher of `selective_state_update`. With `gate` [B, H * P] (Mamba2's z) it
-    returns (y, stats): stats [B, T] float32 are partial sums of (y * silu(gate))^2 whose row
-    sums are the gated norm's sums of squares (one norm group)."""
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> Tensor:
+    """Triton launcher of `selective_state_update`."""
     batch, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     y = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)  # [B, H, P]
+    if batch == 0:
+        return y
     block_n = triton.next_power_of_2(d_state)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         block_p = triton.next_power_of_2(head_dim)
     else:
         block_p = max(1, min(triton.next_power_of_2(head_dim), 2048 // block_n))
     clamp = dt_limit != (0.0, float("inf"))
-    pblocks = triton.cdiv(head_dim, block_p)
-    stats = None
-    if gate is not None:
-        if gate.shape != (batch, heads * head_dim) or gate.stride(-1) != 1:
-            raise ValueError(f"selective_state_update: gate must be [{batch}, {heads * head_dim}]"
-                             f" with unit stride, got {tuple(gate.shape)}")
-        stats = torch.empty(batch, heads * pblocks, dtype=torch.float32, device=x.device)
-    if batch == 0:
-        return y if gate is None else (y, stats)
     pdl = use_pdl(x)
-    _ssu_kernel[(batch, heads, pblocks)](
+    _ssu_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
         ssm_states, x, dt, A, B, C, D, dt_bias, y, state_indices.to(torch.int32),
-        gate if gate is not None else y, stats if stats is not None else y,
-        gate.stride(0) if gate is not None else 0, stats.stride(0) if stats is not None else 0,
         head_dim, d_state, heads // groups,
         float(dt_limit[0]), float(dt_limit[1]) if clamp else 0.0,
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
         x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
         y.stride(0), y.stride(1),
-        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n,
-        GATE_STATS=gate is not None, **pdl_args(pdl),
+        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n, **pdl_args(pdl),
     )
-    return y if gate is None else (y, stats)
+    return y
 
 
 # ----------------------------------------------------------------------------- torch reference

@@ -113,30 +113,3 @@ def test_triton_matches_ref_real_size(state_dtype):
     rows = slots >= 0
     torch.testing.assert_close(tri[rows].float(), ref[rows].float(), atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(s_tri.float(), s_ref.float(), atol=1e-2, rtol=1e-2)
-    # with the gate (KRAIT_NORM_STATS): the same y, and the gated norm's sums by program
-    z = torch.randn(batch, heads * head_dim, **kw).bfloat16()
-    y, stats = ssu.selective_state_update_triton(states.clone(), *args, gate=z)
-    assert torch.equal(y[rows], tri[rows])
-    gz = y.float().reshape(batch, -1) * torch.nn.functional.silu(z.float())
-    torch.testing.assert_close(stats.sum(1)[rows], (gz * gz).sum(1)[rows], rtol=1e-4, atol=1e-3)
-    assert stats[7].abs().sum() == 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gate_stats_sum_to_the_gated_norm_sums(dtype):
-    """With the gate (KRAIT_NORM_STATS), y is unchanged and the per-program partial sums of
-    (y * silu(z))^2 add up, per row, to what the gated norm would reduce; skipped rows: 0."""
-    states, x, dt, A, B, C, D, dt_bias = _inputs(3, dtype=dtype, seed=9)
-    slots = torch.tensor([4, -1, 1], dtype=torch.int32)
-    z = torch.randn(3, HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(10)).to(dtype)
-    s1 = states.clone()
-    want_y = ssu.selective_state_update_triton(s1, x, dt, A, B, C, D, dt_bias, slots)
-    s2 = states.clone()
-    y, stats = ssu.selective_state_update_triton(s2, x, dt, A, B, C, D, dt_bias, slots, gate=z)
-    assert torch.equal(y[slots >= 0], want_y[slots >= 0]) and torch.equal(s1, s2)
-    gz = y.float().reshape(3, -1) * F.silu(z.float())
-    torch.testing.assert_close(stats.sum(1)[slots >= 0], (gz * gz).sum(1)[slots >= 0],
-                               rtol=1e-5, atol=1e-5)
-    assert stats[1].abs().sum() == 0
-    with pytest.raises(ValueError, match="gate"):
-        ssu.selective_state_update_triton(s2, x, dt, A, B, C, D, dt_bias, slots, gate=z[:, :8])

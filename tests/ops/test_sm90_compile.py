@@ -1,6 +1,6 @@
 """The newest kernels compile for sm_90 without a GPU (the interpreter skips Triton's front
-end: a re-typed loop-carried variable in mamba_decode.py cost a device call), within a register
-budget that keeps the memory-bound ones at full occupancy and with nothing spilled."""
+end: a re-typed loop-carried variable once cost a device call), within a register budget that
+keeps the memory-bound ones at full occupancy and with nothing spilled."""
 
 from __future__ import annotations
 
@@ -12,27 +12,8 @@ pytestmark = pytest.mark.skipif(not sm90_available(), reason="Triton without its
 BF, F32, I32 = "*bf16", "*fp32", "*i32"
 
 
-def test_fused_mamba_decode_compiles_lean():
-    from krait.ops.mamba_decode import _mamba_decode_kernel as k
-
-    types = {n: BF for n in k.arg_names if n.endswith("_ptr")}
-    types.update({n: F32 for n in ("gz_ptr", "part_ptr", "ssm_ptr", "A_ptr", "D_ptr",
-                                   "dt_bias_ptr")})
-    types.update(count_ptr=I32, slots_ptr=I32, eps="fp32", dt_min="fp32", dt_max="fp32")
-    base = dict(HEADS=64, HEAD_DIM=64, D_STATE=128, GROUPS=1, NORM_GROUP=4096, WIDTH=4,
-                HAS_BIAS=True, SILU=True, DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16,
-                BLOCK_N=128, BLOCK_W=4, BLOCK_J=256, BLOCK_C=256, PDL=True)
-    for extra in ({}, dict(GROUPS=8, NORM_GROUP=512, BLOCK_J=32)):  # one norm group / eight
-        r = compile_sm90("krait.ops.mamba_decode", "_mamba_decode_kernel", types,
-                         {**base, **extra})
-        assert r["local"] == 0 and r["regs"] <= 128, r
-
-
-GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32,
-                  st_ptr=F32, z_ptr=BF,
-                  a_ptr=BF, nw_ptr=BF, s_ptr=BF, ncount_ptr=I32, eps="fp32", x_scale="fp32")
-GEMV_PLAIN = dict(HAS_BIAS=False, HAS_RES=False, SCALE_X=False, EPI_NORM=0, BLOCK_M=1,
-                  BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, NORM_BLOCK=1024)
+GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32)
+GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False)
 
 
 @pytest.mark.parametrize("pdl,late", [(False, False), (True, False), (True, True)])
@@ -44,51 +25,6 @@ def test_gemv_compiles_without_spills(pdl, late):
     # the weight streams in 16-byte loads; with PDL the kernel waits for the previous one
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
     assert r["pdl"] == pdl
-
-
-@pytest.mark.parametrize("prologue,has_res", [("RMS_NORM", True), ("RMS_NORM", False),
-                                              ("GATED_NORM", True)])
-def test_gemv_norm_prologues_compile(prologue, has_res):
-    """The norm prologues (KRAIT_FUSE_NORM=1): a prepass over K before the weight loop."""
-    import krait.ops.gemv as gemv
-
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
-        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), HAS_RES=has_res, SCALE_X=True,
-        PDL=True), num_warps=8)
-    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
-
-
-@pytest.mark.parametrize("split,silu", [(1, False), (2, True)])
-def test_gemv_stats_norm_pair_compiles(split, silu):
-    """KRAIT_NORM_STATS=1: the residual add with per-tile sums of squares in one GEMV's
-    epilogue, the norm from those sums in the next one's prologue."""
-    import krait.ops.gemv as gemv
-
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", dict(GEMV_TYPES, y_ptr=F32), dict(
-        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.SILU_MUL if silu else gemv.PLAIN,
-        SCALE_X=True, EPI_NORM=gemv.EPI_ADD_STATS, PDL=True, TRIGGER_LATE=True), num_warps=8)
-    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
-        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.STATS_NORM, PDL=True, TRIGGER_LATE=True,
-        NORM_BLOCK=128), num_warps=8)
-    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
-    # Mamba2's out_proj: the gated norm from the state update's sums, the next norm's sums out
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", dict(GEMV_TYPES, y_ptr=F32), dict(
-        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.GATED_STATS_NORM, PDL=True, TRIGGER_LATE=True,
-        EPI_NORM=gemv.EPI_ADD_STATS, NORM_BLOCK=128), num_warps=8)
-    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
-
-
-@pytest.mark.parametrize("split,silu", [(1, False), (2, True)])
-def test_gemv_add_norm_epilogue_compiles(split, silu):
-    """KRAIT_NORM_EPILOGUE=1: residual add and the next norm after the tile (the last tile to
-    finish normalizes the rows)."""
-    import krait.ops.gemv as gemv
-
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
-        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=gemv.SILU_MUL if silu else gemv.PLAIN,
-        SCALE_X=True, EPI_NORM=1, PDL=True), num_warps=8)
-    assert r["local"] == 0 and r["vector_loads"] > 0 and r["pdl"], r
 
 
 def test_pdl_kernels_compile():
@@ -103,38 +39,26 @@ def test_pdl_kernels_compile():
     assert r["pdl"]
 
 
-def _compile_decode_split(cache: str, merge: bool, early_v: bool, prefetch: bool = False,
-                          rope: bool = False) -> dict:
+def _compile_decode_split(cache: str, prefetch: bool = False) -> dict:
     """The split-KV decode kernel at qwen3's shapes over a cache of type `cache`."""
     types = dict(q_ptr=BF, k_cache_ptr=cache, v_cache_ptr=cache, part_acc_ptr=F32,
-                 part_ml_ptr=F32, out_ptr=BF, count_ptr=I32, qsl_ptr=I32, seq_lens_ptr=I32,
-                 block_table_ptr=I32, qk_scale="fp32", k_new_ptr=BF, v_new_ptr=BF,
-                 pos_ptr="*i64", cs_ptr=F32, qw_ptr=BF, kw_ptr=BF, slot_ptr="*i64", eps="fp32")
+                 part_ml_ptr=F32, qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32,
+                 qk_scale="fp32")
     return compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
         GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=8, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_D=128, EARLY_V=early_v, MERGE=merge, PDL=True, PREFETCH=prefetch, ROPE=rope,
-        NORM=rope, IS_NEOX=True), odd=("block_size", "sliding_window", "head_dim"))
-
-
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_rope_decode_split_compiles(prefetch):
-    """KRAIT_FUSE_ROPE_ATTN=1: q/k norm, rotary and the newest key's write in the split kernel."""
-    r = _compile_decode_split(BF, merge=False, early_v=False, prefetch=prefetch, rope=True)
-    assert r["pdl"] and r["local"] == 0, r
+        BLOCK_D=128, PDL=True, PREFETCH=prefetch),
+        odd=("block_size", "sliding_window", "head_dim"))
 
 
 def test_prefetching_decode_split_compiles():
     for cache in (BF, "*fp8e4nv"):
-        r = _compile_decode_split(cache, merge=False, early_v=False, prefetch=True)
+        r = _compile_decode_split(cache, prefetch=True)
         assert r["pdl"] and r["local"] == 0, r
 
 
-@pytest.mark.parametrize("merge,early_v", [(False, False), (True, True)])
-def test_pdl_attention_and_rope_compile(merge, early_v):
-    r = _compile_decode_split(BF, merge, early_v)
+def test_pdl_attention_and_rope_compile():
+    r = _compile_decode_split(BF)
     assert r["pdl"] and r["local"] == 0, r
-    if merge:  # the merge is an epilogue of the same kernel
-        return
     types = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, q_out_ptr=BF, pos_ptr="*i64", cs_ptr=F32,
                  qw_ptr=BF, kw_ptr=BF, eps="fp32", k_cache_ptr=BF, v_cache_ptr=BF,
                  slot_ptr="*i64")
@@ -145,13 +69,10 @@ def test_pdl_attention_and_rope_compile(merge, early_v):
 
 def test_pdl_mamba_decode_kernels_compile():
     types = dict(state_ptr=F32, x_ptr=BF, dt_ptr=BF, A_ptr=F32, B_ptr=BF, C_ptr=BF, D_ptr=F32,
-                 dt_bias_ptr=F32, y_ptr=BF, slots_ptr=I32, dt_min="fp32", dt_max="fp32",
-                 z_ptr=BF, stats_ptr=F32)
-    for gate_stats in (False, True):  # KRAIT_NORM_STATS: the gated norm's partial sums too
-        r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel", types, dict(
-            DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True,
-            GATE_STATS=gate_stats))
-        assert r["pdl"] and r["local"] == 0, r
+                 dt_bias_ptr=F32, y_ptr=BF, slots_ptr=I32, dt_min="fp32", dt_max="fp32")
+    r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel", types, dict(
+        DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True))
+    assert r["pdl"] and r["local"] == 0, r
     types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, states_ptr=BF, out_ptr=BF, slots_ptr=I32)
     r = compile_sm90("krait.ops.causal_conv1d", "_conv_update_kernel", types, dict(
         WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_K=4, BLOCK_D=256, PDL=True))
@@ -194,7 +115,7 @@ def test_fp8_kv_cache_kernels_compile():
     r = compile_sm90("krait.ops.rope_kv_write", "_rope_kv_write_kernel", types, dict(
         NORM=True, IS_NEOX=True, BLOCK_H=16, BLOCK_D=128, PDL=True))
     assert r["local"] == 0, r
-    r = _compile_decode_split(F8, merge=False, early_v=False)
+    r = _compile_decode_split(F8)
     # the tiles widen in registers: no byte-wise gather of a transposed fp8 V from shared memory
     assert r["local"] == 0 and r["shared_byte_loads"] == 0, r
     types = dict(q_ptr=BF, k_cache_ptr=F8, v_cache_ptr=F8, out_ptr=BF, qsl_ptr=I32,
@@ -204,15 +125,3 @@ def test_fp8_kv_cache_kernels_compile():
         PDL=True), num_warps=8, odd=("sliding_window",))
     assert r["local"] == 0, r
 
-
-@pytest.mark.parametrize("cache", [BF, "*fp8e4nv"])
-def test_cuda_core_decode_compiles_in_registers(cache):
-    """KRAIT_DECODE_CUDA_CORE=1 at qwen3's group: no spills, no shared-memory staging of the
-    (widened) tiles."""
-    types = dict(q_ptr=BF, k_cache_ptr=cache, v_cache_ptr=cache, out_ptr=BF, qsl_ptr=I32,
-                 seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
-    r = compile_sm90("krait.ops.decode_attention_cc", "_decode_cc_kernel", types, dict(
-        GROUP=2, G_PAD=2, USE_WINDOW=False, BLOCK_N=32, BLOCK_D=128, PDL=True),
-        num_warps=4, odd=("sliding_window",))
-    assert r["local"] == 0 and r["shared_byte_loads"] == 0 and r["vector_loads"] > 0, r
-    assert r["regs"] <= 168 and r["pdl"], r

@@ -132,31 +132,25 @@ def test_capture_pauses_python_gc(monkeypatch):
     assert seen == [False, False, False] and gc.isenabled()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+epi", "qwen3+stats",
-                                  "granitemoehybrid+stats", "qwen3+rope"])
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+gemv", "qwen3+split"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
     of several sizes as requests finish (CudaGraphRunner(record=False) runs the body eagerly).
-    +epi: every decode projection in the GEMV, the norms in its epilogue (padded rows too);
-    +stats: the norm split between the projections around it (KRAIT_NORM_STATS=1; granite
-    with one Mamba norm group: the gated norm's sums from the state update too); +rope:
-    rotary and the KV write inside the split decode kernel (KRAIT_FUSE_ROPE_ATTN=1)."""
+    +gemv: every decode projection in the GEMV (KRAIT_GEMV=1; padded rows too); +split: the
+    decode rows' keys split over several programs (the split-KV kernel and its combine)."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
 
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # device tables and the Triton kernels
-    if arch.endswith(("+epi", "+stats")):
-        arch, fusion = arch.split("+")
+    if arch.endswith("+gemv"):
+        arch = arch.removesuffix("+gemv")
         monkeypatch.setenv("KRAIT_GEMV", "1")
-        monkeypatch.setenv("KRAIT_NORM_EPILOGUE" if fusion == "epi" else "KRAIT_NORM_STATS", "1")
-    if arch.endswith("+rope"):
-        arch = arch.removesuffix("+rope")
-        monkeypatch.setenv("KRAIT_FUSE_ROPE_ATTN", "1")
+    if arch.endswith("+split"):
+        arch = arch.removesuffix("+split")
         monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # the captured batches split
-    one_group = dict(mamba_n_groups=1) if "KRAIT_NORM_STATS" in os.environ else {}
     d = (make_tiny_llama(tmp_path / arch, arch=arch) if arch == "qwen3"
-         else make_tiny_hybrid(tmp_path / arch, arch, **one_group))
+         else make_tiny_hybrid(tmp_path / arch, arch))
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9] * 11, list(range(3, 20)))]
     mixed = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
              SamplingParams(temperature=0.9, seed=3, max_tokens=5, ignore_eos=True, logprobs=1),
