@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -74,7 +74,7 @@ case $what in
     OUT=$LOG timeout ${PROFILE_TIMEOUT:-400} python3 scripts/profile_decode.py \
       ${PROFILE_SPECS:-qwen3-0.6b:1:1024 granite-4.0-h-micro:1:1024 granite-4.0-h-micro:64:1024 mamba2-1.3b:1:1024} \
       --prefill ${PROFILE_PREFILL:-2048} 2>&1 | grep -v -E "Warn|USDT|profiler" \
-      | tee "$LOG/profile.log"
+      | tee "$LOG/${PROFILE_LOG:-profile}.log"
     ;;
   ab)  # the dispatch knobs against the defaults, same machine (~4 min): programmatic dependent
     # launch off (KRAIT_PDL=0), the GEMV's PDL trigger at its start (KRAIT_PDL_TRIGGER=early),
@@ -120,6 +120,25 @@ case $what in
       KRAIT_DECODE_SPLIT_WAVES=$w bench_latency qwen3-0.6b "_waves$w" --batch-sizes 32,64,128 \
         --prompt-lens ""
     done
+    ;;
+  moe)  # the MoE's few-route path (KRAIT_MOE_ROUTES=1, session 8, unmeasured; ~6 min): its GPU
+    # tests, GPU parity with it on, granite-4.0-h-tiny decode at batch 1/2/4/8 against the
+    # defaults alternating twice, then both profiled at batch 1 (session 8: 3.585 ms graph,
+    # 7.9x its roofline; ~19 launches a MoE layer of routing glue, alignment and k-sum)
+    timeout 200 python3 -m pytest -q -m gpu tests/ops/test_moe_routes.py tests/ops/test_fused_moe.py \
+      -p no:cacheprovider 2>&1 | tail -8 | tee "$LOG/kernels_moe.log"
+    if [ -d .parity ]; then
+      KRAIT_MOE_ROUTES=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
+        | grep -v Warn | tail -4 | tee "$LOG/parity_moe.log"
+    fi
+    for i in 1 2; do
+      bench_latency granite-4.0-h-tiny "_base$i" --batch-sizes 1,2,4,8 --prompt-lens ""
+      KRAIT_MOE_ROUTES=1 bench_latency granite-4.0-h-tiny "_routes$i" --batch-sizes 1,2,4,8 \
+        --prompt-lens ""
+    done
+    PROFILE_SPECS="granite-4.0-h-tiny:1:1024" PROFILE_PREFILL=0 bash "$0" profile
+    KRAIT_MOE_ROUTES=1 PROFILE_LOG=profile_routes PROFILE_SPECS="granite-4.0-h-tiny:1:1024" \
+      PROFILE_PREFILL=0 bash "$0" profile
     ;;
   others)  # the shipped configs without a target (first GPU run: session 8; ~4 min):
     # decode at batch 1 and 64 and one 2048-token prefill each (the MoE's fused kernel, the

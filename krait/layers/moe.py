@@ -16,24 +16,10 @@ _UP = ("w3", "up")
 _DOWN = ("w2", "down")
 
 
-def softmax_topk(router_logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-    """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k]).
-
-    renormalize=True: the softmax of the k largest logits (softmax, top-k, renormalize), as
-    Mixtral and GraniteMoe route; False: the top-k of the softmax over all experts."""
-    logits = router_logits.float()
-    if renormalize:
-        top, ids = logits.topk(k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
-    else:
-        weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
-    return weights, ids.to(torch.int32)
-
-
 class FusedMoE(torch.nn.Module):
     """Experts of one layer: w13 [E, 2I, H] (gate rows then up rows; [E, I, H] for the non-gated
     "relu2") and w2 [E, H, I]. forward(x [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H].
-    Routing lives with the model (see `softmax_topk`)."""
+    Routing lives with the model (see `krait.ops.moe_routes.route_topk`)."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"
@@ -50,8 +36,12 @@ class FusedMoE(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self._loaded: set[tuple[str, int | None, str]] = set()
 
-    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.activation)
+    def forward(
+        self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, add: Tensor | None = None
+    ) -> Tensor:
+        """The routed experts' output, plus `add` [T, H] when given (a shared expert's output:
+        added inside the last launch on the few-route path)."""
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.activation, add)
 
     def load_expert(self, name_kind: str, expert: int | None, tensor: Tensor) -> None:
         """Copies one checkpoint tensor into place.

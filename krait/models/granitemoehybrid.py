@@ -12,12 +12,13 @@ import torch
 from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.mamba2 import Mamba2Mixer, mixer_weight_name
-from krait.layers.moe import FusedMoE, softmax_topk
+from krait.layers.moe import FusedMoE
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.bamba import _init_mixer, bamba_mamba_dims, is_mamba_layer
 from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
+from krait.ops.moe_routes import route_topk
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -81,9 +82,11 @@ class GraniteMoE(torch.nn.Module):
         self.router = Linear(cfg.hidden_size, cfg.num_local_experts)
         self.experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_topk(self.router(x), self.top_k, renormalize=True)
-        return self.experts(x, weights.to(x.dtype).float(), ids)
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output [T, H], plus `add` (the shared MLP's output) when given."""
+        weights, ids = route_topk(self.router(x), self.top_k, renormalize=True,
+                                  round_to_dtype=True)
+        return self.experts(x, weights, ids, add)
 
 
 class GraniteMoeHybridDecoderLayer(torch.nn.Module):
@@ -113,7 +116,7 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
         x, residual = self.post_attention_layernorm(x, residual, m)
         if self.block_sparse_moe is None:
             return self.shared_mlp(x), residual
-        return self.block_sparse_moe(x) + self.shared_mlp(x), residual
+        return self.block_sparse_moe(x, add=self.shared_mlp(x)), residual
 
 
 class GraniteMoeHybridForCausalLM(torch.nn.Module):

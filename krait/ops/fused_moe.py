@@ -24,6 +24,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.activation import relu2_ref, silu_and_mul_ref
+from krait.ops.moe_routes import moe_routes_triton, use_moe_routes
 
 _ACTIVATIONS = {"silu": 1, "relu2": 2}
 
@@ -296,13 +297,20 @@ def fused_moe_ref(
 
 def fused_moe(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-    activation: str = "silu",
+    activation: str = "silu", add: Tensor | None = None,
 ) -> Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows) for "silu", [E, I, H] for "relu2";
-    w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int32 -> [T, H] in x's dtype."""
+    w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int32 -> [T, H] in x's dtype,
+    plus `add` [T, H] when given (rounded once more, as a separate add would be). With
+    KRAIT_MOE_ROUTES=1 batches of few routes take `krait.ops.moe_routes` (the add fused)."""
+    if use_moe_routes(x, topk_ids.numel(), w13.shape[0]):
+        act = _check(x, w13, w2, topk_ids, activation)
+        return moe_routes_triton(x, w13, w2, topk_weights, topk_ids, act, add)
     if use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation)
+        out = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation)
+    else:
+        out = fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation)
+    return out if add is None else out + add
 
 
 def _check(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, activation: str) -> int:

@@ -4,8 +4,11 @@ The other parity tests run the torch references on CPU; these route every op thr
 the GPU runs (`KRAIT_TRITON_CPU=1` under `TRITON_INTERPRET=1`), so an integration mistake in a
 kernel launch (strides, dtypes, slot indices, chunk boundaries) shows up without a GPU."""
 
+import os
+
 import pytest
 
+import krait.ops.fused_moe as fused_moe_mod
 from krait import LLM, SamplingParams
 from tests.utils import hf_greedy, make_tiny_hybrid, make_tiny_llama
 
@@ -14,9 +17,19 @@ NUM_TOKENS = 12
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv",
-                                  "mamba2+gemv"])
+                                  "mamba2+gemv", "granitemoehybrid+routes", "nemotronh+routes"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
+    engine_args, routes_ran = {}, []
+    if arch.endswith("+routes"):  # KRAIT_MOE_ROUTES=1: the router's top-k kernel, and decode
+        # at batch 1 (2 routes of 4 experts) through the per-route expert GEMVs
+        prompts, num_tokens = PROMPTS[:2], 8
+        arch = arch.removesuffix("+routes")
+        monkeypatch.setenv("KRAIT_MOE_ROUTES", "1")
+        engine_args["max_num_seqs"] = 1
+        run = fused_moe_mod.moe_routes_triton
+        monkeypatch.setattr(fused_moe_mod, "moe_routes_triton",
+                            lambda *a: routes_ran.append(1) or run(*a))
     if arch.endswith("+gemv"):  # every decode projection through krait/ops/gemv.py
         # (KRAIT_GEMV=1; the interpreted GEMV is slow: two prompts, one of them chunked)
         prompts, num_tokens = PROMPTS[:2], 8
@@ -28,7 +41,8 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         d = make_tiny_hybrid(tmp_path / arch, arch)
     want, want_lp, _ = hf_greedy(d, prompts, num_tokens)
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    llm = LLM(d, device="cpu", dtype="float32", max_num_batched_tokens=7)  # chunked prefill too
+    llm = LLM(d, device="cpu", dtype="float32", max_num_batched_tokens=7,  # chunked prefill too
+              **engine_args)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, logprobs=0),
@@ -39,6 +53,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         assert got.token_ids == tokens
         for entry, tok, lp in zip(got.logprobs, got.token_ids, lps):
             assert abs(entry[tok].logprob - lp) < 1e-3
+    assert bool(routes_ran) == ("KRAIT_MOE_ROUTES" in os.environ)
 
 
 def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from krait.layers.moe import FusedMoE, load_expert_weights, softmax_topk
+from krait.layers.moe import FusedMoE, load_expert_weights
 from krait.ops.fused_moe import fused_moe, fused_moe_ref, fused_moe_triton, moe_align
+from krait.ops.moe_routes import route_topk_ref
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -14,7 +15,7 @@ def make_case(T, H, inter, E, k, activation, seed=0, device="cpu", dtype=torch.f
     x = randn(T, H, seed=seed)
     w13 = randn(E, rows, H, seed=seed + 1, scale=H**-0.5)
     w2 = randn(E, H, inter, seed=seed + 2, scale=inter**-0.5)
-    weights, ids = softmax_topk(randn(T, E, seed=seed + 3), k, renormalize=True)
+    weights, ids = route_topk_ref(randn(T, E, seed=seed + 3), k, renormalize=True)
     cast = dict(device=device, dtype=dtype)
     return x.to(**cast), w13.to(**cast), w2.to(**cast), weights.to(device), ids.to(device)
 
@@ -129,12 +130,12 @@ def test_load_expert_weights_passes_other_tensors_through():
     torch.testing.assert_close(block.experts.w2.data[0], ckpt[3][1])
 
 
-def test_softmax_topk():
+def test_route_topk_ref():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
-    w, ids = softmax_topk(logits, 2, renormalize=True)
+    w, ids = route_topk_ref(logits, 2, renormalize=True)
     assert ids.dtype == torch.int32 and ids.tolist() == [[1, 2]]
     torch.testing.assert_close(w, torch.softmax(torch.tensor([[3.0, 2.0]]), -1))
-    w, _ = softmax_topk(logits, 2, renormalize=False)
+    w, _ = route_topk_ref(logits, 2, renormalize=False)
     torch.testing.assert_close(w, torch.softmax(logits, -1)[:, [1, 2]])
 
 

@@ -125,3 +125,21 @@ def test_fp8_kv_cache_kernels_compile():
         PDL=True), num_warps=8, odd=("sliding_window",))
     assert r["local"] == 0, r
 
+
+
+def test_moe_route_kernels_compile_without_spills():
+    """KRAIT_MOE_ROUTES=1: the router's top-k and the two expert GEMVs at granite-4.0-h-tiny's
+    shapes (64 experts, top-6, 1536 x 512)."""
+    r = compile_sm90("krait.ops.moe_routes", "_route_topk_kernel",
+                     dict(logits_ptr=BF, w_ptr=F32, ids_ptr=I32),
+                     dict(TOPK=6, RENORM=True, ROUND_W=True, BLOCK_E=64, PDL=True))
+    assert r["pdl"] and r["local"] == 0, r
+    up = compile_sm90("krait.ops.moe_routes", "_route_up_kernel",
+                      dict(x_ptr=BF, w_ptr=BF, ids_ptr=I32, mid_ptr=BF),
+                      dict(TOPK=6, ACT=1, BLOCK_N=16, BLOCK_K=256, PDL=True))
+    down = compile_sm90("krait.ops.moe_routes", "_route_down_kernel",
+                        dict(mid_ptr=BF, w_ptr=BF, ids_ptr=I32, tw_ptr=F32, add_ptr=BF,
+                             out_ptr=BF),
+                        dict(TOPK=6, HAS_ADD=True, BLOCK_N=16, BLOCK_K=256, PDL=True))
+    for r in (up, down):  # the expert rows stream in 16-byte loads
+        assert r["pdl"] and r["local"] == 0 and r["vector_loads"] > 0, r

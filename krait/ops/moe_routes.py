@@ -1,0 +1,249 @@
+"""The MoE's few-route path (opt-in, `KRAIT_MOE_ROUTES=1`): decode batches whose routes mostly
+hit distinct experts.
+
+`fused_moe`'s grouped GEMM sorts the routes by expert and pads each expert's run to BLOCK_M
+rows: at batch 1 that is five launches of layout work before two GEMMs that use one row of
+sixteen, then the k-sum and the routing glue in torch — about 19 launches per MoE layer for
+~5 MB of expert weights. Here:
+
+- `route_topk`: the router's softmax and top-k in one launch (one program per token),
+- `moe_routes`: program (route, n-tile) of the first projection streams its expert's rows as a
+  GEMV (gate and up, the activation, the intermediate rounded to x's dtype); program
+  (token, n-tile) of the second streams the k experts' rows of that token, applies the routing
+  weights, sums the k routes in float32 and adds `add` (the shared expert's output) — two
+  launches, no sort. An expert hit by several routes is read once per route: the path pays
+  only while routes mostly hit distinct experts (`use_moe_routes`: at most num_experts / 2
+  routes).
+
+Rounding follows `fused_moe_ref`: each projection's output rounded to x's dtype, the weighted
+route rounded, routes summed in float32, the sum rounded, then the add.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from krait.ops._dispatch import use_triton
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+
+
+def moe_routes_enabled() -> bool:
+    """`KRAIT_MOE_ROUTES=1`: the router's top-k kernel and the few-route expert GEMVs."""
+    return os.environ.get("KRAIT_MOE_ROUTES") == "1"
+
+
+def use_moe_routes(x: Tensor, num_routes: int, num_experts: int) -> bool:
+    """Whether `fused_moe` takes the per-route GEMVs for `num_routes` (token, expert) pairs."""
+    return moe_routes_enabled() and use_triton(x) and 0 < 2 * num_routes <= num_experts
+
+
+# ----------------------------------------------------------------------------- router top-k
+
+
+@triton.jit
+def _route_topk_kernel(
+    logits_ptr, w_ptr, ids_ptr, E, stride_l,
+    TOPK: tl.constexpr, RENORM: tl.constexpr, ROUND_W: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_trigger(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    pdl_wait(PDL)
+    v = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    if not RENORM:  # the top-k of the softmax over every expert
+        ex = tl.exp(v - tl.max(v, 0))
+        v = ex / tl.sum(ex, 0)
+    top0 = tl.max(v, 0)
+    denom = 0.0
+    for j in tl.static_range(TOPK):  # pass 1: the k largest, the lowest index first on ties
+        best = tl.max(v, 0)
+        at = tl.min(tl.where(v == best, e, BLOCK_E), 0)
+        tl.store(ids_ptr + t * TOPK + j, at.to(tl.int32))
+        if RENORM:
+            wj = tl.exp(best - top0)
+            denom += wj
+        else:
+            wj = best
+        tl.store(w_ptr + t * TOPK + j, wj)
+        v = tl.where(e == at, float("-inf"), v)
+    if RENORM:  # pass 2: the softmax over the k picked logits
+        for j in tl.static_range(TOPK):
+            wj = tl.load(w_ptr + t * TOPK + j) / denom
+            if ROUND_W:
+                wj = wj.to(logits_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(w_ptr + t * TOPK + j, wj)
+    elif ROUND_W:
+        for j in tl.static_range(TOPK):
+            wj = tl.load(w_ptr + t * TOPK + j)
+            tl.store(w_ptr + t * TOPK + j, wj.to(logits_ptr.dtype.element_ty).to(tl.float32))
+
+
+def route_topk_triton(
+    logits: Tensor, k: int, renormalize: bool, round_to_dtype: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Triton launcher of `route_topk`."""
+    T, E = logits.shape
+    weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)  # [T, k]
+    ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)  # [T, k]
+    if T == 0:
+        return weights, ids
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    _route_topk_kernel[(T,)](
+        logits, weights, ids, E, logits.stride(0), TOPK=k, RENORM=renormalize,
+        ROUND_W=round_to_dtype, BLOCK_E=triton.next_power_of_2(E), **pdl_args(use_pdl(logits)),
+    )
+    return weights, ids
+
+
+def route_topk_ref(
+    logits: Tensor, k: int, renormalize: bool, round_to_dtype: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Torch reference of `route_topk`."""
+    lf = logits.float()
+    if renormalize:
+        top, ids = lf.topk(k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    else:
+        weights, ids = torch.softmax(lf, dim=-1).topk(k, dim=-1)
+    if round_to_dtype:
+        weights = weights.to(logits.dtype).float()
+    return weights, ids.to(torch.int32)
+
+
+def route_topk(
+    logits: Tensor, k: int, renormalize: bool, round_to_dtype: bool = False
+) -> tuple[Tensor, Tensor]:
+    """router_logits [T, E] -> (weights float32 [T, k], ids int32 [T, k]).
+
+    renormalize=True: the softmax of the k largest logits (Mixtral, GraniteMoe); False: the top-k
+    of the softmax over all experts. round_to_dtype: the weights rounded to the logits' dtype
+    (HF's Granite `.type_as(hidden_states)`), returned in float32. The Triton kernel only with
+    `KRAIT_MOE_ROUTES=1`."""
+    if moe_routes_enabled() and use_triton(logits):
+        return route_topk_triton(logits, k, renormalize, round_to_dtype)
+    return route_topk_ref(logits, k, renormalize, round_to_dtype)
+
+
+# ----------------------------------------------------------------------------- expert GEMVs
+
+
+@triton.jit
+def _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, row0, x_row, N, K,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w[expert, row0 + n, :] . x_row for the BLOCK_N rows n of this program: fp32 [BLOCK_N]."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    rows = w_ptr + expert * stride_we + (row0 + offs_n).to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _route_up_kernel(
+    x_ptr, w_ptr, ids_ptr, mid_ptr, N, K, stride_x, stride_we, stride_wn, stride_mid,
+    TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Program (r, n): route r = token * TOPK + j, intermediate columns [n * BLOCK_N, +BLOCK_N).
+    pdl_trigger(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
+    expert = tl.load(ids_ptr + r).to(tl.int64)
+    x_row = x_ptr + (r // TOPK) * stride_x
+    dtype = mid_ptr.dtype.element_ty
+    # each projection rounded as F.linear's output
+    h = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0, x_row, N, K, BLOCK_N, BLOCK_K)
+    h = h.to(dtype).to(tl.float32)
+    if ACT == 1:  # the up rows sit N rows below the gate rows
+        up = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, N, x_row, N, K, BLOCK_N,
+                              BLOCK_K)
+        h = h / (1.0 + tl.exp(-h)) * up.to(dtype).to(tl.float32)
+    else:
+        h = tl.maximum(h, 0.0)
+        h = h * h
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(mid_ptr + r * stride_mid + offs_n, h.to(dtype), mask=offs_n < N)
+
+
+@triton.jit
+def _route_down_kernel(
+    mid_ptr, w_ptr, ids_ptr, tw_ptr, add_ptr, out_ptr, N, K,
+    stride_mid, stride_we, stride_wn, stride_add, stride_out,
+    TOPK: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Program (t, n): token t's output columns [n * BLOCK_N, +BLOCK_N), its TOPK routes in turn.
+    pdl_trigger(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        r = t * TOPK + j
+        expert = tl.load(ids_ptr + r).to(tl.int64)
+        routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0,
+                                  mid_ptr + r * stride_mid, N, K, BLOCK_N, BLOCK_K)
+        routed = routed.to(dtype).to(tl.float32)
+        total += (routed * tl.load(tw_ptr + r)).to(dtype).to(tl.float32)
+    out = total.to(dtype)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if HAS_ADD:
+        add = tl.load(add_ptr + t * stride_add + offs_n, mask=n_ok, other=0.0)
+        out = (out.to(tl.float32) + add.to(tl.float32)).to(dtype)
+    tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
+
+
+def _tiles(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): 16 weight rows a program on the GPU (a 1536 x 512 expert gives 96
+    programs per route), K in 256-wide steps; small tiles under the interpreter."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return min(16, triton.next_power_of_2(n)), min(32, triton.next_power_of_2(k))
+    return 16, min(256, triton.next_power_of_2(k))
+
+
+def moe_routes_triton(
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: int,
+    add: Tensor | None = None,
+) -> Tensor:
+    """`fused_moe` (plus `add`) through the per-route GEMVs: two launches. act: 1 gated SiLU
+    (w13 holds gate rows then up rows), 2 relu2."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    inter = w2.shape[2]
+    out = torch.empty_like(x)  # [T, H]
+    if T == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
+    mid = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    pdl = pdl_args(use_pdl(x))
+    bn, bk = _tiles(inter, H)
+    _route_up_kernel[(T * k, triton.cdiv(inter, bn))](
+        x, w13, ids, mid, inter, H, x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
+        TOPK=k, ACT=act, BLOCK_N=bn, BLOCK_K=bk, **pdl,
+    )
+    if add is not None and add.stride(-1) != 1:
+        add = add.contiguous()
+    bn, bk = _tiles(H, inter)
+    _route_down_kernel[(T, triton.cdiv(H, bn))](
+        mid, w2, ids, tw, add if add is not None else out, out, H, inter,
+        mid.stride(0), w2.stride(0), w2.stride(1), add.stride(0) if add is not None else 0,
+        out.stride(0), TOPK=k, HAS_ADD=add is not None, BLOCK_N=bn, BLOCK_K=bk, **pdl,
+    )
+    return out

@@ -1,0 +1,105 @@
+"""The MoE's few-route path (krait/ops/moe_routes.py) against the torch references."""
+
+import pytest
+import torch
+
+import krait.ops.moe_routes as moe_routes
+from krait.ops.fused_moe import fused_moe, fused_moe_ref
+from krait.ops.moe_routes import (
+    moe_routes_triton,
+    route_topk,
+    route_topk_ref,
+    route_topk_triton,
+    use_moe_routes,
+)
+from tests.ops.test_fused_moe import make_case
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("round_to_dtype", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_topk_matches_reference(renormalize, round_to_dtype, dtype):
+    logits = torch.randn(5, 10, generator=torch.Generator().manual_seed(1)).to(dtype)  # [T, E]
+    w, ids = route_topk_triton(logits, 3, renormalize, round_to_dtype)
+    w_ref, ids_ref = route_topk_ref(logits, 3, renormalize, round_to_dtype)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_route_topk_ties_pick_the_lowest_index():
+    logits = torch.tensor([[0.5, 2.0, 2.0, 1.0, 2.0]])
+    _, ids = route_topk_triton(logits, 3, renormalize=True)
+    assert ids.tolist() == [[1, 2, 4]]
+
+
+def test_route_topk_dispatch(monkeypatch):
+    logits = torch.randn(3, 8)
+    calls = []
+    monkeypatch.setattr(moe_routes, "route_topk_triton",
+                        lambda *a: calls.append(a) or route_topk_ref(*a))
+    route_topk(logits, 2, True)  # CPU tensors: the reference
+    assert not calls
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    route_topk(logits, 2, True)  # interpreted kernels allowed, but the knob is off
+    assert not calls
+    monkeypatch.setenv("KRAIT_MOE_ROUTES", "1")
+    route_topk(logits, 2, True)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("T,k,with_add", [(1, 2, False), (2, 3, True), (3, 1, True)])
+def test_routes_match_reference(activation, T, k, with_add):
+    x, w13, w2, tw, ids = make_case(T=T, H=40, inter=24, E=7, k=k, activation=activation, seed=5)
+    add = torch.randn(T, 40, generator=torch.Generator().manual_seed(9)) if with_add else None
+    act = 1 if activation == "silu" else 2
+    out = moe_routes_triton(x, w13, w2, tw, ids, act, add)
+    ref = fused_moe_ref(x, w13, w2, tw, ids, activation)
+    ref = ref if add is None else ref + add
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_routes_bf16_rounding_matches_reference():
+    """bf16: the intermediate, each weighted route and the sum rounded where the reference does."""
+    x, w13, w2, tw, ids = make_case(T=2, H=64, inter=32, E=8, k=2, activation="silu", seed=2,
+                                    dtype=torch.bfloat16)
+    add = torch.randn(2, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out = moe_routes_triton(x, w13, w2, tw, ids, 1, add)
+    assert out.dtype == torch.bfloat16
+    ref = fused_moe_ref(x, w13, w2, tw, ids) + add
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fused_moe_takes_the_routes_only_for_few_routes(monkeypatch):
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setenv("KRAIT_MOE_ROUTES", "1")
+    x = torch.zeros(1, 4)
+    assert use_moe_routes(x, num_routes=4, num_experts=8)
+    assert not use_moe_routes(x, num_routes=5, num_experts=8)  # experts read once per route
+    assert not use_moe_routes(x, num_routes=0, num_experts=8)
+    x, w13, w2, tw, ids = make_case(T=2, H=32, inter=16, E=8, k=2, activation="silu", seed=3)
+    add = torch.randn(2, 32)
+    torch.testing.assert_close(fused_moe(x, w13, w2, tw, ids, "silu", add),
+                               fused_moe_ref(x, w13, w2, tw, ids) + add, atol=1e-5, rtol=1e-5)
+    monkeypatch.delenv("KRAIT_MOE_ROUTES")
+    assert not use_moe_routes(x, num_routes=4, num_experts=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_routes_real_sizes(activation, T):
+    """granite-4.0-h-tiny's experts (64 of 1536 x 512, top-6), bf16, with the shared add."""
+    x, w13, w2, tw, ids = make_case(T=T, H=1536, inter=512, E=64, k=6, activation=activation,
+                                    seed=1, device="cuda", dtype=torch.bfloat16)
+    add = torch.randn(T, 1536, device="cuda").to(torch.bfloat16)
+    out = moe_routes_triton(x, w13, w2, tw, ids, 1 if activation == "silu" else 2, add)
+    ref = fused_moe_ref(x, w13, w2, tw, ids, activation) + add
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    logits = torch.randn(T, 64, device="cuda")  # float32: no ties for torch to order its own way
+    w, i = route_topk_triton(logits, 6, True)
+    w_ref, i_ref = route_topk_ref(logits, 6, True)
+    assert torch.equal(i, i_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
