@@ -56,6 +56,8 @@ def _route_topk_kernel(
     e = tl.arange(0, BLOCK_E)
     pdl_wait(PDL)
     v = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    # a NaN (a padded graph row's garbage) ranks last: the ids stay valid expert indices
+    v = tl.where(v != v, float("-inf"), v)
     if not RENORM:  # the top-k of the softmax over every expert
         ex = tl.exp(v - tl.max(v, 0))
         v = ex / tl.sum(ex, 0)
@@ -63,7 +65,7 @@ def _route_topk_kernel(
     denom = 0.0
     for j in tl.static_range(TOPK):  # pass 1: the k largest, the lowest index first on ties
         best = tl.max(v, 0)
-        at = tl.min(tl.where(v == best, e, BLOCK_E), 0)
+        at = tl.minimum(tl.min(tl.where(v == best, e, BLOCK_E), 0), E - 1)
         tl.store(ids_ptr + t * TOPK + j, at.to(tl.int32))
         if RENORM:
             wj = tl.exp(best - top0)
