@@ -48,12 +48,13 @@ def use_moe_routes(x: Tensor, num_routes: int, num_experts: int) -> bool:
 @triton.jit
 def _route_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, E, stride_l,
-    TOPK: tl.constexpr, RENORM: tl.constexpr, ROUND_W: tl.constexpr, BLOCK_E: tl.constexpr,
-    PDL: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND_W: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
+    jj = tl.arange(0, TOPK_PAD)
     pdl_wait(PDL)
     v = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
     # a NaN (a padded graph row's garbage) ranks last: the ids stay valid expert indices
@@ -61,29 +62,21 @@ def _route_topk_kernel(
     if not RENORM:  # the top-k of the softmax over every expert
         ex = tl.exp(v - tl.max(v, 0))
         v = ex / tl.sum(ex, 0)
-    top0 = tl.max(v, 0)
-    denom = 0.0
-    for j in tl.static_range(TOPK):  # pass 1: the k largest, the lowest index first on ties
+    vals = tl.full([TOPK_PAD], float("-inf"), tl.float32)
+    ids = tl.zeros([TOPK_PAD], tl.int32)
+    for j in tl.static_range(TOPK):  # the k largest, the lowest index first on ties
         best = tl.max(v, 0)
         at = tl.minimum(tl.min(tl.where(v == best, e, BLOCK_E), 0), E - 1)
-        tl.store(ids_ptr + t * TOPK + j, at.to(tl.int32))
-        if RENORM:
-            wj = tl.exp(best - top0)
-            denom += wj
-        else:
-            wj = best
-        tl.store(w_ptr + t * TOPK + j, wj)
+        vals = tl.where(jj == j, best, vals)
+        ids = tl.where(jj == j, at, ids)
         v = tl.where(e == at, float("-inf"), v)
-    if RENORM:  # pass 2: the softmax over the k picked logits
-        for j in tl.static_range(TOPK):
-            wj = tl.load(w_ptr + t * TOPK + j) / denom
-            if ROUND_W:
-                wj = wj.to(logits_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(w_ptr + t * TOPK + j, wj)
-    elif ROUND_W:
-        for j in tl.static_range(TOPK):
-            wj = tl.load(w_ptr + t * TOPK + j)
-            tl.store(w_ptr + t * TOPK + j, wj.to(logits_ptr.dtype.element_ty).to(tl.float32))
+    if RENORM:  # the softmax over the k picked logits (the padding's exp is 0)
+        ex = tl.exp(vals - tl.max(vals, 0))
+        vals = ex / tl.sum(ex, 0)
+    if ROUND_W:
+        vals = vals.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(w_ptr + t * TOPK + jj, vals, mask=jj < TOPK)
+    tl.store(ids_ptr + t * TOPK + jj, ids, mask=jj < TOPK)
 
 
 def route_topk_triton(
@@ -97,8 +90,9 @@ def route_topk_triton(
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     _route_topk_kernel[(T,)](
-        logits, weights, ids, E, logits.stride(0), TOPK=k, RENORM=renormalize,
-        ROUND_W=round_to_dtype, BLOCK_E=triton.next_power_of_2(E), **pdl_args(use_pdl(logits)),
+        logits, weights, ids, E, logits.stride(0), TOPK=k, TOPK_PAD=triton.next_power_of_2(k),
+        RENORM=renormalize, ROUND_W=round_to_dtype, BLOCK_E=triton.next_power_of_2(E),
+        **pdl_args(use_pdl(logits)),
     )
     return weights, ids
 

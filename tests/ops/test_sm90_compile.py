@@ -132,7 +132,7 @@ def test_moe_route_kernels_compile_without_spills():
     shapes (64 experts, top-6, 1536 x 512)."""
     r = compile_sm90("krait.ops.moe_routes", "_route_topk_kernel",
                      dict(logits_ptr=BF, w_ptr=F32, ids_ptr=I32),
-                     dict(TOPK=6, RENORM=True, ROUND_W=True, BLOCK_E=64, PDL=True))
+                     dict(TOPK=6, TOPK_PAD=8, RENORM=True, ROUND_W=True, BLOCK_E=64, PDL=True))
     assert r["pdl"] and r["local"] == 0, r
     up = compile_sm90("krait.ops.moe_routes", "_route_up_kernel",
                       dict(x_ptr=BF, w_ptr=BF, ids_ptr=I32, mid_ptr=BF),
