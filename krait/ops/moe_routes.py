@@ -46,6 +46,15 @@ def use_moe_routes(x: Tensor, num_routes: int, num_experts: int) -> bool:
 
 
 @triton.jit
+def _softmax_or_zero(x):
+    """softmax(x) over a 1-D block; zeros where every entry is -inf (a NaN row) instead of NaN.
+    A real row's sum is at least 1 (its maximum's exp), so the guard never changes it."""
+    m = tl.max(x, 0)
+    ex = tl.exp(x - tl.where(m == float("-inf"), 0.0, m))
+    return ex / tl.maximum(tl.sum(ex, 0), 1e-30)
+
+
+@triton.jit
 def _route_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, E, stride_l,
     TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, RENORM: tl.constexpr, ROUND_W: tl.constexpr,
@@ -60,8 +69,7 @@ def _route_topk_kernel(
     # a NaN (a padded graph row's garbage) ranks last: the ids stay valid expert indices
     v = tl.where(v != v, float("-inf"), v)
     if not RENORM:  # the top-k of the softmax over every expert
-        ex = tl.exp(v - tl.max(v, 0))
-        v = ex / tl.sum(ex, 0)
+        v = _softmax_or_zero(v)
     vals = tl.full([TOPK_PAD], float("-inf"), tl.float32)
     ids = tl.zeros([TOPK_PAD], tl.int32)
     for j in tl.static_range(TOPK):  # the k largest, the lowest index first on ties
@@ -71,8 +79,7 @@ def _route_topk_kernel(
         ids = tl.where(jj == j, at, ids)
         v = tl.where(e == at, float("-inf"), v)
     if RENORM:  # the softmax over the k picked logits (the padding's exp is 0)
-        ex = tl.exp(vals - tl.max(vals, 0))
-        vals = ex / tl.sum(ex, 0)
+        vals = _softmax_or_zero(vals)
     if ROUND_W:
         vals = vals.to(logits_ptr.dtype.element_ty).to(tl.float32)
     tl.store(w_ptr + t * TOPK + jj, vals, mask=jj < TOPK)

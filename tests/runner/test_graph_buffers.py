@@ -132,13 +132,16 @@ def test_capture_pauses_python_gc(monkeypatch):
     assert seen == [False, False, False] and gc.isenabled()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+gemv", "qwen3+split"])
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+gemv", "qwen3+split",
+                                  "granitemoehybrid+routes"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
     of several sizes as requests finish (CudaGraphRunner(record=False) runs the body eagerly).
     +gemv: every decode projection in the GEMV (KRAIT_GEMV=1; padded rows too); +split: the
-    decode rows' keys split over several programs (the split-KV kernel and its combine)."""
+    decode rows' keys split over several programs (the split-KV kernel and its combine);
+    +routes: KRAIT_MOE_ROUTES=1 with 16 experts, so every decode graph (padded rows too) takes
+    the few-route expert GEMVs."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
 
@@ -149,8 +152,18 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     if arch.endswith("+split"):
         arch = arch.removesuffix("+split")
         monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # the captured batches split
+    overrides, routes_rows = {}, []
+    if arch.endswith("+routes"):
+        arch = arch.removesuffix("+routes")
+        monkeypatch.setenv("KRAIT_MOE_ROUTES", "1")
+        overrides["num_local_experts"] = 16  # top-2: up to 4 rows take the route GEMVs
+        import krait.ops.fused_moe as fused_moe_mod
+
+        real_routes = fused_moe_mod.moe_routes_triton
+        monkeypatch.setattr(fused_moe_mod, "moe_routes_triton",
+                            lambda *a: routes_rows.append(a[0].shape[0]) or real_routes(*a))
     d = (make_tiny_llama(tmp_path / arch, arch=arch) if arch == "qwen3"
-         else make_tiny_hybrid(tmp_path / arch, arch))
+         else make_tiny_hybrid(tmp_path / arch, arch, **overrides))
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9] * 11, list(range(3, 20)))]
     mixed = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
              SamplingParams(temperature=0.9, seed=3, max_tokens=5, ignore_eos=True, logprobs=1),
@@ -180,6 +193,8 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     got, replays = run(graphs=True)
     assert got == want
     assert max(replays) == 3 and min(replays) == 1  # padded to 4, then smaller graphs
+    if "KRAIT_MOE_ROUTES" in os.environ:
+        assert 4 in routes_rows  # the padded graph of 4 rows ran the route GEMVs
 
 
 def test_decode_graph_rows_must_be_at_their_last_known_token():
