@@ -54,12 +54,13 @@ class Attention(torch.nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] as they leave the projection (views are fine): optional
         per-head q/k RMSNorm, rotary and the K/V write in one kernel, then attention."""
         T = q.shape[0]
-        rope = (q, k, v, positions, rotary.cos_sin_cache, rotary.is_neox,
-                q_norm.weight if q_norm is not None else None,
-                k_norm.weight if k_norm is not None else None,
-                q_norm.eps if q_norm is not None else 0.0)
-        caches = (self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T])
-        q = rope_kv_write(*rope, *caches)
+        q = rope_kv_write(
+            q, k, v, positions, rotary.cos_sin_cache, rotary.is_neox,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+            self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T],
+        )
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

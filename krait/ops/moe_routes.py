@@ -231,8 +231,7 @@ def moe_routes_triton(
     if T == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    ids = topk_ids.reshape(-1)
-    ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32)
+    ids = topk_ids.reshape(-1).to(torch.int32)  # [T*k] (reshape(-1) has unit stride)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     mid = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     pdl = pdl_args(use_pdl(x))

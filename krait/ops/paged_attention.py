@@ -21,9 +21,23 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import use_triton
-from krait.ops.kv_tiles import kv_tile_offsets, paged_attention_args
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+
+
+@triton.jit
+def _kv_tile_offsets(start_n, hi, kv_head, bt_row, block_size,
+                     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                     BLOCK_N: tl.constexpr):
+    """Key positions [start_n, start_n + BLOCK_N), which of them are < hi, and their K and V
+    row offsets in the paged caches (through the block table)."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < hi
+    blk = tl.load(bt_row + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
+    off = k_pos % block_size
+    k_off = blk * stride_kc_b + off * stride_kc_o + kv_head * stride_kc_h
+    v_off = blk * stride_vc_b + off * stride_vc_o + kv_head * stride_vc_h
+    return k_pos, k_ok, k_off, v_off
 
 
 @triton.jit
@@ -77,7 +91,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N)."""
-    k_pos, k_ok, k_off, v_off = kv_tile_offsets(
+    k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
         start_n, hi, kv_head, bt_row, block_size,
         stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
     k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok, q.dtype)
@@ -208,7 +222,7 @@ def _decode_split_kernel(
         rest = s_lo  # the first key the tile loop below starts at
         if PREFETCH:
             cdt = q_ptr.dtype.element_ty
-            k_pos, k_ok, k_off, v_off = kv_tile_offsets(
+            k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
                 s_lo, s_hi, kv_head, bt_row, block_size, stride_kc_b, stride_kc_o, stride_kc_h,
                 stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
             fresh = k_ok & (k_pos == seq_len - 1)  # written by the kernel before
@@ -348,8 +362,13 @@ def paged_attention_triton(
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
     pdl = use_pdl(q)
     _paged_attention_kernel[grid](
-        *paged_attention_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
-                              scale, sliding_window),
+        q, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_table,
+        scale * math.log2(math.e), head_dim, k_cache.shape[1], sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_D=triton.next_power_of_2(head_dim), **config, **pdl_args(pdl),

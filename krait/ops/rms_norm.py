@@ -97,16 +97,10 @@ def fused_add_rms_norm_ref(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, x_scale: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """Torch reference of `fused_add_rms_norm`."""
-    summed = residual_sum(x, residual, x_scale)
-    return rms_norm_ref(summed, weight, eps), summed
-
-
-def residual_sum(x: Tensor, residual: Tensor, x_scale: float = 1.0) -> Tensor:
-    """s = x * x_scale + residual, the product and the sum each rounded to x's dtype (as every
-    fused residual add in krait/ops rounds them)."""
     if x_scale != 1.0:
         x = x * x_scale
-    return (x.float() + residual.float()).to(x.dtype)
+    summed = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm_ref(summed, weight, eps), summed
 
 
 def fused_add_rms_norm(
