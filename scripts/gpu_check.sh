@@ -73,7 +73,7 @@ case $what in
     # (and the host's own time per decode step with the functions it goes to: cProfile)
     OUT=$LOG timeout ${PROFILE_TIMEOUT:-400} python3 scripts/profile_decode.py \
       ${PROFILE_SPECS:-qwen3-0.6b:1:1024 granite-4.0-h-micro:1:1024 granite-4.0-h-micro:64:1024 mamba2-1.3b:1:1024} \
-      --prefill ${PROFILE_PREFILL:-2048} 2>&1 | grep -v -E "Warn|USDT|profiler" \
+      --prefill ${PROFILE_PREFILL:-2048} ${PROFILE_EXTRA:-} 2>&1 | grep -v -E "Warn|USDT|profiler" \
       | tee "$LOG/${PROFILE_LOG:-profile}.log"
     ;;
   ab)  # the dispatch knobs against the defaults, same machine (~4 min): programmatic dependent
@@ -121,24 +121,22 @@ case $what in
         --prompt-lens ""
     done
     ;;
-  moe)  # the MoE's few-route path (KRAIT_MOE_ROUTES=1, session 8, unmeasured; ~6 min): its GPU
-    # tests, GPU parity with it on, granite-4.0-h-tiny decode at batch 1/2/4/8 against the
-    # defaults alternating twice, then both profiled at batch 1 (session 8: 3.585 ms graph,
-    # 7.9x its roofline; ~19 launches a MoE layer of routing glue, alignment and k-sum)
+  moe)  # the MoE's few-route path (on by default since session 9; KRAIT_MOE_ROUTES=0 off; ~6 min):
+    # its GPU tests, GPU parity with it off, granite-4.0-h-tiny decode at batch 1/2/4/8 with and
+    # without it, alternating twice, then both profiled at batch 1 and a 2048-token prefill
     timeout 200 python3 -m pytest -q -m gpu tests/ops/test_moe_routes.py tests/ops/test_fused_moe.py \
       -p no:cacheprovider 2>&1 | tail -8 | tee "$LOG/kernels_moe.log"
     if [ -d .parity ]; then
-      KRAIT_MOE_ROUTES=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
+      KRAIT_MOE_ROUTES=0 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
         | grep -v Warn | tail -4 | tee "$LOG/parity_moe.log"
     fi
     for i in 1 2; do
-      bench_latency granite-4.0-h-tiny "_base$i" --batch-sizes 1,2,4,8 --prompt-lens ""
-      KRAIT_MOE_ROUTES=1 bench_latency granite-4.0-h-tiny "_routes$i" --batch-sizes 1,2,4,8 \
+      KRAIT_MOE_ROUTES=0 bench_latency granite-4.0-h-tiny "_grouped$i" --batch-sizes 1,2,4,8 \
         --prompt-lens ""
+      bench_latency granite-4.0-h-tiny "_routes$i" --batch-sizes 1,2,4,8 --prompt-lens ""
     done
-    # the base profile with a 2048-token prefill (session 8: 75 ms, 14x its roofline)
     PROFILE_SPECS="granite-4.0-h-tiny:1:1024" bash "$0" profile
-    KRAIT_MOE_ROUTES=1 PROFILE_LOG=profile_routes PROFILE_SPECS="granite-4.0-h-tiny:1:1024" \
+    KRAIT_MOE_ROUTES=0 PROFILE_LOG=profile_grouped PROFILE_SPECS="granite-4.0-h-tiny:1:1024" \
       PROFILE_PREFILL=0 bash "$0" profile
     ;;
   others)  # the shipped configs without a target (first GPU run: session 8; ~4 min):

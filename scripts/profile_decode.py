@@ -1,6 +1,7 @@
 """Where a decode step and one prefill spend their time: wall time vs GPU kernel time, top kernels.
 
 PYTHONPATH=. python3 scripts/profile_decode.py qwen3-0.6b:1:1024 mamba2-1.3b:64:1024 [--prefill 2048]
+    [--mamba-ssm-cache-dtype bfloat16]
 
 Prints a compact table per spec (NAME:BATCH:CONTEXT); full profiler tables go to $OUT/prof_*.txt."""
 
@@ -51,13 +52,14 @@ def _report(tag: str, wall_ms: float, prof, per: int, out_dir: str) -> None:
                                           max_name_column_width=70))
 
 
-def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
+def profile_spec(spec: str, prefill: int, out_dir: str, ssm_dtype: str = "float32") -> None:
     name, batch, ctx = spec.split(":")
     batch, ctx = int(batch), int(ctx)
     os.environ.setdefault("KRAIT_ALLOW_LONG_MAX_MODEL_LEN", "1")  # random weights
     eng = LLMEngine(EngineConfig.from_kwargs(
         model=str(CONFIG_DIR / name), load_format="dummy", max_model_len=max(ctx, prefill) + 256,
-        max_num_seqs=max(batch, 8), max_num_batched_tokens=max(2048, prefill)))
+        max_num_seqs=max(batch, 8), max_num_batched_tokens=max(2048, prefill),
+        mamba_ssm_cache_dtype=ssm_dtype))
     vocab = eng.config.model.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only")
     for i, p in enumerate(_prompts(batch, ctx, vocab, 0)):
@@ -85,6 +87,14 @@ def profile_spec(spec: str, prefill: int, out_dir: str) -> None:
         return
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt = _prompts(1, prefill, vocab, 1)[0]
+    for rep in range(3):  # unprofiled: the request's wall time
+        eng.add_request(f"u{rep}", {"prompt_token_ids": prompt}, one)
+        _sync()
+        t = time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+        _sync()
+        print(f"   prefill {prefill} unprofiled: {(time.perf_counter() - t) * 1e3:.2f} ms")
     for rep in range(3):
         eng.add_request(f"p{rep}", {"prompt_token_ids": prompt}, one)
         _sync()
@@ -151,7 +161,8 @@ def _host_functions(eng: LLMEngine, prompt: list[int]) -> None:
         eng.step()
     _sync()
     pr.disable()
-    _print_stats(pr, "host functions of one prefill request", "tottime", 15)
+    _print_stats(pr, "host functions of one prefill request", "tottime", 25)
+    _print_stats(pr, "host functions of one prefill request", "cumulative", 60)
 
 
 def _find_syncs(eng: LLMEngine, prompt: list[int] | None, what: str = "one prefill request") -> None:
@@ -187,10 +198,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--prefill", type=int, default=0)
+    ap.add_argument("--mamba-ssm-cache-dtype", default="float32")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
     for spec in args.specs:
-        profile_spec(spec, args.prefill, out_dir)
+        profile_spec(spec, args.prefill, out_dir, args.mamba_ssm_cache_dtype)
 
 
 if __name__ == "__main__":

@@ -51,9 +51,10 @@ def test_route_topk_dispatch(monkeypatch):
     route_topk(logits, 2, True)  # CPU tensors: the reference
     assert not calls
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    route_topk(logits, 2, True)  # interpreted kernels allowed, but the knob is off
+    monkeypatch.setenv("KRAIT_MOE_ROUTES", "0")
+    route_topk(logits, 2, True)  # interpreted kernels allowed, but the path is off
     assert not calls
-    monkeypatch.setenv("KRAIT_MOE_ROUTES", "1")
+    monkeypatch.delenv("KRAIT_MOE_ROUTES")  # on by default
     route_topk(logits, 2, True)
     assert len(calls) == 1
 
@@ -92,7 +93,7 @@ def test_fused_moe_takes_the_routes_only_for_few_routes(monkeypatch):
     add = torch.randn(2, 32)
     torch.testing.assert_close(fused_moe(x, w13, w2, tw, ids, "silu", add),
                                fused_moe_ref(x, w13, w2, tw, ids) + add, atol=1e-5, rtol=1e-5)
-    monkeypatch.delenv("KRAIT_MOE_ROUTES")
+    monkeypatch.setenv("KRAIT_MOE_ROUTES", "0")
     assert not use_moe_routes(x, num_routes=4, num_experts=8)
 
 
