@@ -6,6 +6,7 @@ PYTHONPATH=. python3 scripts/bench_launch.py"""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -36,13 +37,23 @@ def main() -> None:
     out = torch.empty_like(x)
     args = (x, x, w, out, out, 2048, 1e-6, 1.0, 2048, 2048, 2048, 2048)
     consts = dict(HAS_RESIDUAL=False, SCALE_X=False, BLOCK_D=2048, **pdl_args(False))
+    pdl_consts = dict(HAS_RESIDUAL=False, SCALE_X=False, BLOCK_D=2048, **pdl_args(True))
     compiled = _rms_norm_kernel[(16,)](*args, **consts)  # the JIT returns the compiled kernel
     direct = compiled[(16, 1, 1)]
     const_vals = tuple(consts[k] for k in ("HAS_RESIDUAL", "SCALE_X", "BLOCK_D", "PDL"))
+
+    def with_pdl_env(value: str):
+        def call():
+            os.environ["KRAIT_PDL"] = value
+            rms_norm(x, w, 1e-6)
+        return call
+
     rows = [
-        ("krait rms_norm (Triton JIT launcher + wrapper)", lambda: rms_norm(x, w, 1e-6)),
-        ("the same kernel through its JIT launcher", lambda: _rms_norm_kernel[(16,)](*args, **consts)),
-        ("the same compiled kernel called directly", lambda: direct(*args, *const_vals)),
+        ("krait rms_norm, eager default (no PDL)", with_pdl_env("")),
+        ("krait rms_norm, KRAIT_PDL=all (PDL launch)", with_pdl_env("all")),
+        ("the kernel through its JIT launcher, no PDL", lambda: _rms_norm_kernel[(16,)](*args, **consts)),
+        ("the kernel through its JIT launcher, PDL", lambda: _rms_norm_kernel[(16,)](*args, **pdl_consts)),
+        ("the compiled kernel called directly, no PDL", lambda: direct(*args, *const_vals)),
         ("torch.empty", lambda: torch.empty(16, 2048, device=dev, dtype=torch.bfloat16)),
         ("torch add", lambda: x + x),
         ("F.linear M=2048 (cuBLAS)", lambda: F.linear(xs, big)),
