@@ -6,7 +6,6 @@ PYTHONPATH=. python3 scripts/bench_launch.py"""
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -42,15 +41,8 @@ def main() -> None:
     direct = compiled[(16, 1, 1)]
     const_vals = tuple(consts[k] for k in ("HAS_RESIDUAL", "SCALE_X", "BLOCK_D", "PDL"))
 
-    def with_pdl_env(value: str):
-        def call():
-            os.environ["KRAIT_PDL"] = value
-            rms_norm(x, w, 1e-6)
-        return call
-
     rows = [
-        ("krait rms_norm, eager default (no PDL)", with_pdl_env("")),
-        ("krait rms_norm, KRAIT_PDL=all (PDL launch)", with_pdl_env("all")),
+        ("krait rms_norm (its wrapper, then the JIT launcher)", lambda: rms_norm(x, w, 1e-6)),
         ("the kernel through its JIT launcher, no PDL", lambda: _rms_norm_kernel[(16,)](*args, **consts)),
         ("the kernel through its JIT launcher, PDL", lambda: _rms_norm_kernel[(16,)](*args, **pdl_consts)),
         ("the compiled kernel called directly, no PDL", lambda: direct(*args, *const_vals)),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|eagerpdl|gemm|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -138,28 +138,6 @@ case $what in
     PROFILE_SPECS="granite-4.0-h-tiny:1:1024" bash "$0" profile
     KRAIT_MOE_ROUTES=0 PROFILE_LOG=profile_grouped PROFILE_SPECS="granite-4.0-h-tiny:1:1024" \
       PROFILE_PREFILL=0 bash "$0" profile
-    ;;
-  eagerpdl)  # PDL for eager launches too (KRAIT_PDL=all, the default before session 9) against
-    # PDL inside decode graphs only: the host cost of a launch, prefill and batch-1 decode (~5 min)
-    timeout 60 python3 scripts/bench_launch.py 2>&1 | grep -v Warn | tee "$LOG/launch.log"
-    for m in qwen3-0.6b granite-4.0-h-tiny; do
-      bench_latency $m "_graphpdl" --batch-sizes 1 --prompt-lens 512,2048 --max-num-seqs 1
-      KRAIT_PDL=all bench_latency $m "_allpdl" --batch-sizes 1 --prompt-lens 512,2048 --max-num-seqs 1
-    done
-    ;;
-  gemm)  # the decode-batch GEMM (KRAIT_DECODE_GEMM=1, session 9) against cuBLAS: its GPU tests, the
-    # per-shape sweep, then granite-micro and mamba2 decode with the bf16 SSM state at the
-    # throughput run's context, alternating (~6 min)
-    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_decode_gemm.py -p no:cacheprovider 2>&1 \
-      | tail -4 | tee "$LOG/kernels_gemm.log"
-    timeout 150 python3 scripts/bench_decode_gemm.py 2>&1 | grep -v Warn | tee "$LOG/decode_gemm.log"
-    pack
-    for m in granite-4.0-h-micro mamba2-1.3b; do
-      bench_latency $m "_cublas" --batch-sizes 16,64,256 --prompt-lens "" --context-len 384 \
-        --mamba-ssm-cache-dtype bfloat16
-      KRAIT_DECODE_GEMM=1 bench_latency $m "_gemm" --batch-sizes 16,64,256 --prompt-lens "" \
-        --context-len 384 --mamba-ssm-cache-dtype bfloat16
-    done
     ;;
   others)  # the shipped configs without a target (first GPU run: session 8; ~4 min):
     # decode at batch 1 and 64 and one 2048-token prefill each (the MoE's fused kernel, the

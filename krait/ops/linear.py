@@ -11,9 +11,6 @@ from torch import Tensor
 
 from krait.ops._dispatch import use_triton
 from krait.ops.activation import silu_and_mul
-from krait.ops.decode_gemm import MAX_M as GEMM_MAX_M
-from krait.ops.decode_gemm import MIN_M as GEMM_MIN_M
-from krait.ops.decode_gemm import decode_gemm_triton
 from krait.ops.gemv import MAX_M, gemv_triton
 
 # one-row calls up to this many weight elements go to the GEMV with KRAIT_GEMV=wide: with the
@@ -56,21 +53,10 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     return n * k <= ROW_GEMV_DEFAULT_MAX_ELEMENTS
 
 
-def _use_decode_gemm(x: Tensor) -> bool:
-    """KRAIT_DECODE_GEMM=1 (opt-in, session 9): calls of 9 to 512 rows through
-    krait/ops/decode_gemm.py instead of cuBLAS."""
-    if x.dim() != 2 or not GEMM_MIN_M <= x.shape[0] <= GEMM_MAX_M:
-        return False
-    return os.environ.get("KRAIT_DECODE_GEMM") == "1" and use_triton(x)
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, through gemv_triton for the decode shapes `_use_gemv` picks and
-    decode_gemm_triton for those `_use_decode_gemm` picks."""
+    """F.linear, through gemv_triton for the decode shapes `_use_gemv` picks."""
     if _use_gemv(x, weight):
         return gemv_triton(x, weight, bias)
-    if _use_decode_gemm(x):
-        return decode_gemm_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

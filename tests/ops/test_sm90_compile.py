@@ -143,14 +143,3 @@ def test_moe_route_kernels_compile_without_spills():
                         dict(TOPK=6, HAS_ADD=True, BLOCK_N=16, BLOCK_K=256, PDL=True))
     for r in (up, down):  # the expert rows stream in 16-byte loads
         assert r["pdl"] and r["local"] == 0 and r["vector_loads"] > 0, r
-
-
-@pytest.mark.parametrize("bm,bn,bk,warps", [(64, 32, 128, 4), (128, 128, 64, 8), (256, 128, 64, 8)])
-def test_decode_gemm_compiles_without_spills(bm, bn, bk, warps):
-    """KRAIT_DECODE_GEMM=1: tiles of the tuned set, bf16 (K a multiple of the tile), on
-    Hopper's warpgroup MMA."""
-    r = compile_sm90("krait.ops.decode_gemm", "_decode_gemm_kernel",
-                     dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF),
-                     dict(HAS_BIAS=False, DOT_PRECISION="tf32", EVEN_K=True, BLOCK_M=bm,
-                          BLOCK_N=bn, BLOCK_K=bk), num_warps=warps)
-    assert r["local"] == 0 and r["wgmma"], r
