@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 _BLOCK = 1024
@@ -43,7 +43,7 @@ def silu_and_mul_triton(x: Tensor) -> Tensor:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)  # [T, I]
     if x2.shape[0] > 0 and inter > 0:
-        grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
+        grid = (x2.shape[0], cdiv(inter, _BLOCK))
         pdl = use_pdl(x2)
         _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=_BLOCK,
                                    **pdl_args(pdl))
@@ -68,7 +68,7 @@ def relu2_triton(x: Tensor) -> Tensor:
     out = torch.empty_like(xc)
     n = xc.numel()
     if n > 0:
-        _relu2_kernel[(triton.cdiv(n, _BLOCK),)](xc, out, n, BLOCK=_BLOCK)
+        _relu2_kernel[(cdiv(n, _BLOCK),)](xc, out, n, BLOCK=_BLOCK)
     return out
 
 

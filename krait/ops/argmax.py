@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, next_pow2, use_triton
 from krait.ops.arrival import arrival_counters
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-row arrival counters, back to zero after a launch
@@ -53,13 +53,13 @@ def argmax_triton(x: Tensor, block: int = 4096) -> Tensor:
         return out
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block = min(block, triton.next_power_of_2(vocab))
-    num_blocks = triton.cdiv(vocab, block)
+    block = min(block, next_pow2(vocab))
+    num_blocks = cdiv(vocab, block)
     vals = torch.empty(rows, num_blocks, dtype=torch.float32, device=x.device)  # [R, blocks]
     idx = torch.empty(rows, num_blocks, dtype=torch.int64, device=x.device)  # [R, blocks]
     _argmax_kernel[(rows, num_blocks)](
         x, out, vals, idx, arrival_counters(_COUNTERS, x.device, rows), vocab, x.stride(0),
-        NUM_BLOCKS=num_blocks, BLOCK=block, BLOCK_B=triton.next_power_of_2(num_blocks),
+        NUM_BLOCKS=num_blocks, BLOCK=block, BLOCK_B=next_pow2(num_blocks),
     )
     return out
 

@@ -14,15 +14,13 @@ routing weight applied. Each program owns BLOCK_M rows of one expert.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
 from krait.ops.activation import relu2_ref, silu_and_mul_ref
 from krait.ops.moe_routes import moe_routes_triton, use_moe_routes
 
@@ -109,7 +107,7 @@ _moe_gemm_tuned = triton.autotune(
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env("TRITON_INTERPRET", "0") == "1"
 
 
 def pick_block_m(num_routes: int, num_experts: int) -> int:
@@ -139,7 +137,7 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor,
     sorted_e = flat[order]
     rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
     max_padded = n + min(n, num_experts) * (block_m - 1)
-    num_blocks = triton.cdiv(max_padded, block_m)
+    num_blocks = cdiv(max_padded, block_m)
     sorted_ids = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=dev)
     sorted_ids[pad_start[sorted_e] + rank] = order.to(torch.int32)
     block_start = torch.arange(num_blocks, device=dev) * block_m
@@ -199,17 +197,17 @@ def moe_align_triton(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[
     n = flat.numel()
     dev = flat.device
     max_padded = n + min(n, num_experts) * (block_m - 1)
-    num_blocks = triton.cdiv(max_padded, block_m)
+    num_blocks = cdiv(max_padded, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)  # [E]
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)  # [E]
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)  # [num_blocks]
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     block = 1024
-    grid = (triton.cdiv(n, block),)
+    grid = (cdiv(n, block),)
     _moe_count_kernel[grid](flat, counts, n, BLOCK=block)
     _moe_layout_kernel[(1,)](
         counts, cursor, expert_ids, sorted_ids, num_experts, num_blocks, n, block_m,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_B=256,
+        BLOCK_E=next_pow2(num_experts), BLOCK_B=256,
     )
     _moe_scatter_kernel[grid](flat, cursor, sorted_ids, n, BLOCK=block)
     return sorted_ids, expert_ids
@@ -233,13 +231,13 @@ def _launch_gemm(
               BLOCK_M=block_m)
     num_blocks = expert_ids.shape[0]
     if interp:
-        block_n = min(64, max(16, triton.next_power_of_2(n_out)))
-        block_k = min(64, max(16, triton.next_power_of_2(k_dim)))
-        grid = (num_blocks, triton.cdiv(n_out, block_n))
+        block_n = min(64, max(16, next_pow2(n_out)))
+        block_k = min(64, max(16, next_pow2(k_dim)))
+        grid = (num_blocks, cdiv(n_out, block_n))
         _moe_gemm_kernel[grid](*args, BLOCK_N=block_n, BLOCK_K=block_k, **kw)
     else:
         def grid(meta):
-            return (num_blocks, triton.cdiv(n_out, meta["BLOCK_N"]))
+            return (num_blocks, cdiv(n_out, meta["BLOCK_N"]))
 
         _moe_gemm_tuned[grid](*args, **kw)
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, next_pow2, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
@@ -61,9 +61,9 @@ def gated_rms_norm_triton(
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [T, D]
     num_rows = x2.shape[0]
     if num_rows > 0:
-        block_g = triton.next_power_of_2(group_size)
+        block_g = next_pow2(group_size)
         block_m = max(1, min(64, 4096 // block_g))
-        grid = (triton.cdiv(num_rows, block_m), dim // group_size)
+        grid = (cdiv(num_rows, block_m), dim // group_size)
         pdl = use_pdl(x2)
         _gated_rms_norm_kernel[grid](
             x2, z2, weight.contiguous(), out,
@@ -72,7 +72,7 @@ def gated_rms_norm_triton(
             HAS_Z=z is not None, BLOCK_M=block_m, BLOCK_G=block_g,
             num_warps=4 if block_g * block_m <= 4096 else 8, **pdl_args(pdl),
         )
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
 def gated_rms_norm_ref(

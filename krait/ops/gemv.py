@@ -19,13 +19,12 @@ krait/ops/linear.py's choice.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from krait.ops._dispatch import cdiv, env, next_pow2
 from krait.ops.arrival import arrival_counters
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
@@ -123,20 +122,20 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
     size). Several rows: the [BLOCK_M, BLOCK_N, BLOCK_K] product stays at 4096 elements (32
     float32 registers a thread at 4 warps); K is split until the programs cover the SMs about
     four times."""
-    block_m = triton.next_power_of_2(max(m, 1))
+    block_m = next_pow2(max(m, 1))
     block_n = 8
     if block_m == 1:
         # one row (H200 sweep, session 4): 8 warps and 512-wide K tiles won at every shape; K is
         # split only while each program would stream more than 2048 columns and the tiles cover
         # the SMs fewer than four times (qwen3 down and granite down split, qwen3 o does not)
-        block_k = max(64, min(512, triton.next_power_of_2(k)))
-        tiles = triton.cdiv(n, block_n)
+        block_k = max(64, min(512, next_pow2(k)))
+        tiles = cdiv(n, block_n)
         split = 1
         while k // split > 2048 and tiles * split < 4 * num_sms and split < 16:
             split *= 2
         return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=8)
-    block_k = max(64, min(512, 4096 // (block_m * block_n), triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, block_n)
+    block_k = max(64, min(512, 4096 // (block_m * block_n), next_pow2(k)))
+    tiles = cdiv(n, block_n)
     split = 1
     while tiles * split < 4 * num_sms and k // (2 * split) >= 2 * block_k and split < 16:
         split *= 2
@@ -159,7 +158,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     pdl = use_pdl(x) and weight.stride(-1) == 1
     weight = _rowwise(weight)
     cfg = dict(config or default_config(m, n, k, _num_sms(x.device)))
-    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = cdiv(n, cfg["BLOCK_N"])
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return y
@@ -167,7 +166,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     split = cfg["SPLIT_K"]
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
         counters = arrival_counters(_COUNTERS, x.device, tiles)
@@ -177,7 +176,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         x, weight, bias if bias is not None else weight, y, part, counters,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
-        TRIGGER_LATE=pdl and os.environ.get("KRAIT_PDL_TRIGGER") != "early",
+        TRIGGER_LATE=pdl and env("KRAIT_PDL_TRIGGER") != "early",
         **pdl_args(pdl), **cfg,
     )
     return y

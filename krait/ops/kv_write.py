@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, next_pow2, use_triton
 
 # e4m3's largest finite value: fp8 caches saturate there (vLLM's fp8 cache without scales)
 FP8_MAX = 448.0
@@ -131,9 +131,9 @@ def write_kv_triton(
     if value.stride(-1) != 1:
         value = value.contiguous()
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_heads), max(1, 4096 // block_d))
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, 4096 // block_d))
+    grid = (num_tokens, cdiv(num_heads, block_h))
     _write_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping,
         num_heads, head_dim, k_cache.shape[1],

@@ -4,12 +4,10 @@ torch ops, so callers never check the conditions themselves."""
 
 from __future__ import annotations
 
-import os
-
 import torch.nn.functional as F
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import env, use_triton
 from krait.ops.activation import silu_and_mul
 from krait.ops.gemv import MAX_M, gemv_triton
 
@@ -27,7 +25,7 @@ def _gemv_allowed(x: Tensor) -> bool:
     """The GEMV serves x at all: at most MAX_M rows, Triton on, KRAIT_GEMV not 0."""
     if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M:  # shape first: prefill pays no lookup
         return False
-    return os.environ.get("KRAIT_GEMV") != "0" and use_triton(x)
+    return env("KRAIT_GEMV") != "0" and use_triton(x)
 
 
 def _use_gemv(x: Tensor, weight: Tensor) -> bool:
@@ -40,7 +38,7 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     row tile and loses."""
     if not _gemv_allowed(x):
         return False
-    mode = os.environ.get("KRAIT_GEMV")
+    mode = env("KRAIT_GEMV")
     if mode == "1":
         return True
     if x.shape[0] != 1:

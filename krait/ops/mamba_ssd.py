@@ -9,7 +9,6 @@ a padding row (nothing computed or written, output rows unspecified); sequences 
 left alone. Internal math is float32; y is in x's dtype; the state tensor may be fp32 or bf16.
 """
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
 
 # ----------------------------------------------------------------------------- triton
 
@@ -312,12 +311,12 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env("TRITON_INTERPRET", "0") == "1"
 
 
 def _block(cap: int, size: int, interp: bool) -> int:
     """A power-of-two block of at least 16 (tl.dot's minimum) covering `size` up to `cap`."""
-    full = max(16, triton.next_power_of_2(size))
+    full = max(16, next_pow2(size))
     return full if interp else min(cap, full)
 
 
@@ -352,16 +351,16 @@ def mamba_chunk_scan_triton(
     cfg = {k: dict(v) for k, v in GPU_CONFIG.items()}
     if interp:
         cfg = {k: {} for k in cfg}
-    block_cs = max(16, triton.next_power_of_2(chunk_size))
+    block_cs = max(16, next_pow2(chunk_size))
     clamp = dt_limit != (0.0, float("inf"))
 
     kw = cfg["cumsum"]
-    block_h = triton.next_power_of_2(heads) if interp else min(kw.pop("BLOCK_H"), heads)
-    _chunk_cumsum_kernel[(max_chunks, triton.cdiv(heads, block_h))](
+    block_h = next_pow2(heads) if interp else min(kw.pop("BLOCK_H"), heads)
+    _chunk_cumsum_kernel[(max_chunks, cdiv(heads, block_h))](
         dt, dt_bias, A, dt_out, dA_cs, chunk_start, chunk_len,
         heads, chunk_size, max_chunks, float(dt_limit[0]), float(dt_limit[1]) if clamp else 0.0,
         dt.stride(0), dt.stride(1),
-        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_H=triton.next_power_of_2(block_h),
+        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_H=next_pow2(block_h),
         BLOCK_CS=block_cs, **kw,
     )
 
@@ -369,7 +368,7 @@ def mamba_chunk_scan_triton(
     block_p = _block(kw.pop("BLOCK_P", 0), head_dim, interp)
     block_n = _block(kw.pop("BLOCK_N", 0), d_state, interp)
     block_k = _block(kw.pop("BLOCK_K", 0), chunk_size, interp)
-    grid = (heads, triton.cdiv(head_dim, block_p) * triton.cdiv(d_state, block_n), max_chunks)
+    grid = (heads, cdiv(head_dim, block_p) * cdiv(d_state, block_n), max_chunks)
     _chunk_state_kernel[grid](
         x, B, dt_out, dA_cs, states, chunk_start, chunk_len,
         heads, head_dim, d_state, heads // groups, chunk_size, max_chunks,
@@ -378,10 +377,10 @@ def mamba_chunk_scan_triton(
     )
 
     kw = cfg["passing"]
-    block = min(triton.next_power_of_2(head_dim * d_state), kw.pop("BLOCK", 4096))
+    block = min(next_pow2(head_dim * d_state), kw.pop("BLOCK", 4096))
     # The scan multiplies the start states in C's dtype: store them so.
     start_states = torch.empty(states.shape, dtype=C.dtype, device=dev)  # [c, H, P, N]
-    _state_passing_kernel[(triton.cdiv(head_dim * d_state, block), heads, num_seqs)](
+    _state_passing_kernel[(cdiv(head_dim * d_state, block), heads, num_seqs)](
         states, start_states, dA_cs, ssm_states, seq_chunk_start, state_indices.to(torch.int32),
         has_initial_state.to(torch.int32), heads, head_dim, d_state, chunk_size, max_chunks,
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
@@ -391,7 +390,7 @@ def mamba_chunk_scan_triton(
     kw = cfg["bmm"]
     block_m = _block(kw.pop("BLOCK_M", 0), chunk_size, interp)
     block_n = _block(kw.pop("BLOCK_N", 0), d_state, interp)
-    grid = (triton.cdiv(chunk_size, block_m) ** 2, groups, max_chunks)
+    grid = (cdiv(chunk_size, block_m) ** 2, groups, max_chunks)
     _bmm_chunk_kernel[grid](
         C, B, cb, chunk_start, chunk_len, groups, d_state, chunk_size,
         C.stride(0), C.stride(1), C.stride(2), B.stride(0), B.stride(1), B.stride(2),
@@ -402,8 +401,8 @@ def mamba_chunk_scan_triton(
     block_m = _block(kw.pop("BLOCK_M", 0), chunk_size, interp)
     block_p = _block(kw.pop("BLOCK_P", 0), head_dim, interp)
     block_k = _block(kw.pop("BLOCK_K", 0), chunk_size, interp)
-    block_n = max(16, triton.next_power_of_2(d_state))
-    grid = (heads, triton.cdiv(chunk_size, block_m) * triton.cdiv(head_dim, block_p), max_chunks)
+    block_n = max(16, next_pow2(d_state))
+    grid = (heads, cdiv(chunk_size, block_m) * cdiv(head_dim, block_p), max_chunks)
     _chunk_scan_kernel[grid](
         x, C, cb, dt_out, dA_cs, start_states, D, y, chunk_start, chunk_len,
         heads, head_dim, d_state, groups, heads // groups, chunk_size, max_chunks,

@@ -23,20 +23,18 @@ route rounded, routes summed in float32, the sum rounded, then the add.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
 def moe_routes_enabled() -> bool:
     """The router's top-k kernel and the few-route expert GEMVs, unless `KRAIT_MOE_ROUTES=0`."""
-    return os.environ.get("KRAIT_MOE_ROUTES") != "0"
+    return env("KRAIT_MOE_ROUTES") != "0"
 
 
 def use_moe_routes(x: Tensor, num_routes: int, num_experts: int) -> bool:
@@ -99,8 +97,8 @@ def route_topk_triton(
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     _route_topk_kernel[(T,)](
-        logits, weights, ids, E, logits.stride(0), TOPK=k, TOPK_PAD=triton.next_power_of_2(k),
-        RENORM=renormalize, ROUND_W=round_to_dtype, BLOCK_E=triton.next_power_of_2(E),
+        logits, weights, ids, E, logits.stride(0), TOPK=k, TOPK_PAD=next_pow2(k),
+        RENORM=renormalize, ROUND_W=round_to_dtype, BLOCK_E=next_pow2(E),
         **pdl_args(use_pdl(logits)),
     )
     return weights, ids
@@ -215,9 +213,9 @@ def _route_down_kernel(
 def _tiles(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): 16 weight rows a program on the GPU (a 1536 x 512 expert gives 96
     programs per route), K in 256-wide steps; small tiles under the interpreter."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return min(16, triton.next_power_of_2(n)), min(32, triton.next_power_of_2(k))
-    return 16, min(256, triton.next_power_of_2(k))
+    if env("TRITON_INTERPRET", "0") == "1":
+        return min(16, next_pow2(n)), min(32, next_pow2(k))
+    return 16, min(256, next_pow2(k))
 
 
 def moe_routes_triton(
@@ -238,14 +236,14 @@ def moe_routes_triton(
     mid = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     pdl = pdl_args(use_pdl(x))
     bn, bk = _tiles(inter, H)
-    _route_up_kernel[(T * k, triton.cdiv(inter, bn))](
+    _route_up_kernel[(T * k, cdiv(inter, bn))](
         x, w13, ids, mid, inter, H, x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
         TOPK=k, ACT=act, BLOCK_N=bn, BLOCK_K=bk, **pdl,
     )
     if add is not None and add.stride(-1) != 1:
         add = add.contiguous()
     bn, bk = _tiles(H, inter)
-    _route_down_kernel[(T, triton.cdiv(H, bn))](
+    _route_down_kernel[(T, cdiv(H, bn))](
         mid, w2, ids, tw, add if add is not None else out, out, H, inter,
         mid.stride(0), w2.stride(0), w2.stride(1), add.stride(0) if add is not None else 0,
         out.stride(0), TOPK=k, HAS_ADD=add is not None, BLOCK_N=bn, BLOCK_K=bk, **pdl,

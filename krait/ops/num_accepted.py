@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, use_triton
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def fill_num_accepted_triton(
         return
     has_tensor = isinstance(num_sampled, Tensor)
     block = 128
-    grid = (triton.cdiv(n_rows, block),)
+    grid = (cdiv(n_rows, block),)
     _fill_num_accepted_kernel[grid](
         num_accepted,
         idx_mapping,

@@ -13,14 +13,13 @@ position — the loop is bound by the row's real seq_len, never by max_seq_len.
 """
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
@@ -297,17 +296,17 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
         sms = 4
     # programs to aim for, in multiples of the SM count (KRAIT_DECODE_SPLIT_WAVES: an A/B knob
     # for the GPU benchmarks; 2 unless set)
-    waves = int(os.environ.get("KRAIT_DECODE_SPLIT_WAVES", "2"))
-    want = triton.cdiv(waves * sms, max(num_rows * num_kv_heads, 1))
-    by_len = triton.cdiv(max_seq_len, int(os.environ.get("KRAIT_DECODE_SPLIT_KEYS", "256")))
-    return max(1, min(16, triton.next_power_of_2(min(want, by_len))))
+    waves = int(env("KRAIT_DECODE_SPLIT_WAVES", "2"))
+    want = cdiv(waves * sms, max(num_rows * num_kv_heads, 1))
+    by_len = cdiv(max_seq_len, int(env("KRAIT_DECODE_SPLIT_KEYS", "256")))
+    return max(1, min(16, next_pow2(min(want, by_len))))
 
 
 def _decode_block_n() -> int:
     """Keys per tile of decode programs (the split-KV kernel, and the varlen kernel's small query
     tiles): 64 (H200, bf16 cache); KRAIT_DECODE_BLOCK_N is an A/B knob (an fp8 tile of 64 keys
     moves half the bytes for the same per-tile work)."""
-    block_n = int(os.environ.get("KRAIT_DECODE_BLOCK_N", "64"))
+    block_n = int(env("KRAIT_DECODE_BLOCK_N", "64"))
     if block_n not in (16, 32, 64, 128):
         raise ValueError(f"KRAIT_DECODE_BLOCK_N must be 16, 32, 64 or 128, not {block_n}")
     return block_n
@@ -315,8 +314,8 @@ def _decode_block_n() -> int:
 
 def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str, int]:
     """Tile sizes and launch options. BLOCK_M = query tokens per program x group, >= 16 for tl.dot."""
-    block_m = min(max(16, triton.next_power_of_2(max_query_len * group)), 128)
-    block_m = max(block_m, triton.next_power_of_2(group))
+    block_m = min(max(16, next_pow2(max_query_len * group)), 128)
+    block_m = max(block_m, next_pow2(group))
     if interpret:  # few, large programs: each one costs ~0.5 ms under the interpreter
         return dict(BLOCK_M=block_m, BLOCK_N=128)
     # Measured on an H200 (bf16, D 128): decode rows like 64-key tiles and 4 warps, full
@@ -359,7 +358,7 @@ def paged_attention_triton(
                       sliding_window, num_splits, interpret, prefetch)
         return out
     config = _launch_config(max_query_len, group, interpret)
-    grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len, config["BLOCK_M"] // group))
+    grid = (num_rows, num_kv_heads, cdiv(max_query_len, config["BLOCK_M"] // group))
     pdl = use_pdl(q)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
@@ -371,7 +370,7 @@ def paged_attention_triton(
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_D=triton.next_power_of_2(head_dim), **config, **pdl_args(pdl),
+        BLOCK_D=next_pow2(head_dim), **config, **pdl_args(pdl),
     )
     return out
 
@@ -385,7 +384,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_pow2(head_dim)
     # [rows, Hq, splits, D] unnormalised outputs and [rows, Hq, splits, 2] (max, sum)
     part_acc = torch.empty(num_rows, num_q_heads, num_splits, block_d, dtype=torch.float32,
                            device=q.device)
@@ -394,7 +393,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     opts = {} if interpret else dict(num_warps=4, num_stages=2)
     pdl = use_pdl(q)
     if prefetch is None:
-        prefetch = os.environ.get("KRAIT_DECODE_PREFETCH", "1") != "0"
+        prefetch = env("KRAIT_DECODE_PREFETCH", "1") != "0"
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
@@ -405,7 +404,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
         PREFETCH=prefetch, **opts, **pdl_args(pdl),
     )

@@ -19,12 +19,13 @@ Measured on the H200 (docs/benchmarks.md, session 4): decode steps 4-11% shorter
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from krait.ops._dispatch import env
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -52,7 +53,7 @@ def pdl_wait(PDL: tl.constexpr):
 def use_pdl(t: Tensor) -> bool:
     """Whether kernels working on `t` launch with PDL: CUDA tensors on a Hopper-or-newer GPU
     (the grid-dependency instructions need sm_90), unless KRAIT_PDL=0."""
-    if not t.is_cuda or gdc_wait is None or os.environ.get("KRAIT_PDL") == "0":
+    if not t.is_cuda or gdc_wait is None or env("KRAIT_PDL") == "0":
         return False
     return _supports_pdl(t.device.index if t.device.index is not None else -1)
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, next_pow2, use_triton
 from krait.ops.kv_write import to_cache, write_kv_ref
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rms_norm import rms_norm_ref
@@ -72,10 +72,10 @@ def rope_kv_write_triton(
     if num_tokens == 0:
         return q_out
     norm = q_norm_weight is not None
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_pow2(head_dim)
     heads = max(num_q_heads, num_kv_heads)
-    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
-    grid = (num_tokens, triton.cdiv(heads, block_h))
+    block_h = min(next_pow2(heads), max(1, 4096 // block_d))
+    grid = (num_tokens, cdiv(heads, block_h))
     pdl = use_pdl(q)
     _rope_kv_write_kernel[grid](
         q, k, v, q_out, positions, cos_sin_cache,

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, next_pow2, use_triton
 
 
 @triton.jit
@@ -102,9 +102,9 @@ def apply_rotary_triton(
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # [T, Hkv, D]
     if num_tokens == 0:
         return q_out, k_out
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 4096 // block_d))
-    grid = (num_tokens, triton.cdiv(max(num_q_heads, num_k_heads), block_h))
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(max(num_q_heads, num_k_heads)), max(1, 4096 // block_d))
+    grid = (num_tokens, cdiv(max(num_q_heads, num_k_heads), block_h))
     _rotary_kernel[grid](
         q, k, q_out, k_out, positions, cs,
         num_q_heads, num_k_heads, head_dim, rot_dim,

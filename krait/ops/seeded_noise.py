@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, use_triton
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def seeded_exponential_triton(q: Tensor, seeds: Tensor) -> None:
     if rows == 0:
         return
     block = 4096
-    _seeded_exponential_kernel[(rows, triton.cdiv(vocab, block))](
+    _seeded_exponential_kernel[(rows, cdiv(vocab, block))](
         q, seeds, vocab, q.stride(0), BLOCK=block
     )
 

@@ -6,14 +6,13 @@ ssm_states[state_indices[b]]; -1 skips the row (nothing written, its output rows
 Math is float32 (the state is read and written in its own dtype, fp32 or bf16); y is in x's dtype.
 """
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
 from krait.ops.mamba_ssd import discretize_dt_ref, softplus_clamp
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
@@ -86,14 +85,14 @@ def selective_state_update_triton(
     y = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)  # [B, H, P]
     if batch == 0:
         return y
-    block_n = triton.next_power_of_2(d_state)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        block_p = triton.next_power_of_2(head_dim)
+    block_n = next_pow2(d_state)
+    if env("TRITON_INTERPRET", "0") == "1":
+        block_p = next_pow2(head_dim)
     else:
-        block_p = max(1, min(triton.next_power_of_2(head_dim), 2048 // block_n))
+        block_p = max(1, min(next_pow2(head_dim), 2048 // block_n))
     clamp = dt_limit != (0.0, float("inf"))
     pdl = use_pdl(x)
-    _ssu_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
+    _ssu_kernel[(batch, heads, cdiv(head_dim, block_p))](
         ssm_states, x, dt, A, B, C, D, dt_bias, y, state_indices.to(torch.int32),
         head_dim, d_state, heads // groups,
         float(dt_limit[0]), float(dt_limit[1]) if clamp else 0.0,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import use_triton
+from krait.ops._dispatch import cdiv, next_pow2, use_triton
 
 
 @triton.jit
@@ -35,8 +35,8 @@ def write_tokens_triton(table: Tensor, rows: Tensor, positions: Tensor, tokens: 
     n = rows.shape[0]
     if n == 0:
         return
-    block = min(triton.next_power_of_2(n), 1024)
-    _write_tokens_kernel[(triton.cdiv(n, block),)](
+    block = min(next_pow2(n), 1024)
+    _write_tokens_kernel[(cdiv(n, block),)](
         table, rows, positions, tokens, n, table.shape[1], table.stride(0), BLOCK=block,
     )
 

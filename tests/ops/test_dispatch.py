@@ -16,3 +16,39 @@ def test_cuda_tensors_use_triton_unless_forced(monkeypatch):
     assert use_triton(_FakeCuda())
     monkeypatch.setenv("KRAIT_TORCH_OPS", "1")
     assert not use_triton(_FakeCuda())
+
+
+def test_env_reads_follow_os_environ(monkeypatch):
+    """`env` reads the store behind os.environ: every write through it (monkeypatch, a user's
+    os.environ[...] = ...) is seen at once."""
+    import os
+
+    from krait.ops._dispatch import env
+
+    monkeypatch.delenv("KRAIT_TEST_KNOB", raising=False)
+    assert env("KRAIT_TEST_KNOB") is None and env("KRAIT_TEST_KNOB", "d") == "d"
+    monkeypatch.setenv("KRAIT_TEST_KNOB", "1")
+    assert env("KRAIT_TEST_KNOB") == "1"
+    os.environ["KRAIT_TEST_KNOB"] = "wide"
+    assert env("KRAIT_TEST_KNOB", "d") == "wide"
+    monkeypatch.delenv("KRAIT_TEST_KNOB")
+    assert env("KRAIT_TEST_KNOB", "d") == "d"
+
+
+def test_next_pow2_matches_triton():
+    import triton
+
+    from krait.ops._dispatch import next_pow2
+
+    for n in list(range(0, 2100)) + [4095, 4096, 4097, 100352, 151936]:
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+
+
+def test_cdiv_matches_triton():
+    import triton
+
+    from krait.ops._dispatch import cdiv
+
+    for a in range(0, 300):
+        for b in (1, 2, 3, 16, 64, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
