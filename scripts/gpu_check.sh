@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -138,6 +138,25 @@ case $what in
     PROFILE_SPECS="granite-4.0-h-tiny:1:1024" bash "$0" profile
     KRAIT_MOE_ROUTES=0 PROFILE_LOG=profile_grouped PROFILE_SPECS="granite-4.0-h-tiny:1:1024" \
       PROFILE_PREFILL=0 bash "$0" profile
+    ;;
+  host)  # an eager prefill's host time in two trees, alternating (~4 min): this one and .ab_base/,
+    # made here before the call (rm -rf .ab_base && mkdir .ab_base && git archive BASE krait |
+    # tar -x -C .ab_base; echo .ab_base/ >> .git/info/exclude) and named in the call's carry;
+    # then a profile of granite-tiny's 2048-token prefill in each (session 9: +5-14%, unexplained)
+    [ -d .ab_base/krait ] || { echo "no .ab_base/krait carried"; exit 1; }
+    for m in qwen3-0.6b granite-4.0-h-tiny; do for t in base new base new; do
+      p=$PWD; [ $t = base ] && p=$PWD/.ab_base
+      PYTHONPATH=$p timeout 90 python3 -m krait bench latency --config $m --batch-sizes 1 \
+        --prompt-lens 512,2048 --max-num-seqs 1 --num-steps 5 > "$LOG/host_${m}_$t.json" \
+        2> "$LOG/host_${m}_$t.err"
+      echo "== $m $t"; grep -A2 "^prompt" "$LOG/host_${m}_$t.err"; pack
+    done; done
+    for t in base new; do
+      p=$PWD; [ $t = base ] && p=$PWD/.ab_base
+      PYTHONPATH=$p:$PWD OUT=$LOG timeout 120 python3 scripts/profile_decode.py \
+        granite-4.0-h-tiny:1:64 --prefill 2048 2>&1 | grep -E "^==|^ +[0-9.]+ us|unprofiled" \
+        | tee "$LOG/host_profile_$t.log"
+    done
     ;;
   others)  # the shipped configs without a target (first GPU run: session 8; ~4 min):
     # decode at batch 1 and 64 and one 2048-token prefill each (the MoE's fused kernel, the
