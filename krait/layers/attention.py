@@ -8,6 +8,7 @@ from krait.ops.kv_write import write_kv
 from krait.ops.paged_attention import paged_attention
 from krait.ops.rope_kv_write import rope_kv_write
 from krait.runner.attention_metadata import AttentionMetadata
+from krait.runner.piecewise_graphs import mixer_call
 
 
 class Attention(torch.nn.Module):
@@ -33,6 +34,11 @@ class Attention(torch.nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] (already position-encoded) -> [T, Hq*D]."""
+        return mixer_call(self._write_attend, (q, k, v), meta, "attn")
+
+    def _write_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -53,6 +59,13 @@ class Attention(torch.nn.Module):
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] as they leave the projection (views are fine): optional
         per-head q/k RMSNorm, rotary and the K/V write in one kernel, then attention."""
+        return mixer_call(self._rope_attend, (q, k, v, positions), meta, "attn", rotary, q_norm,
+                          k_norm)
+
+    def _rope_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+        meta: AttentionMetadata, rotary, q_norm, k_norm,
+    ) -> torch.Tensor:
         T = q.shape[0]
         q = rope_kv_write(
             q, k, v, positions, rotary.cos_sin_cache, rotary.is_neox,

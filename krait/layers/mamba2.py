@@ -11,6 +11,7 @@ from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import selective_state_update
+from krait.runner.piecewise_graphs import mixer_call
 
 
 @dataclass
@@ -123,10 +124,14 @@ class Mamba2Mixer(torch.nn.Module):
         """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing
         the state slots: returns (y [T, intermediate], gate [T, intermediate])."""
         gate, xbc, dt = self._project(x)
+        return mixer_call(self._ssm, (xbc, dt), meta, "mamba"), gate
+
+    def _ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """The conv and the SSM of every row (the step's sequence mixer): y [T, intermediate]."""
         nd = meta.num_decode_tokens
         y_dec = self._decode_ssm(xbc, dt, meta) if nd else None
         y_pre = self._prefill_ssm(xbc, dt, meta) if meta.num_prefills else None
-        return self._join(gate, nd, y_dec, y_pre), gate
+        return self._join(xbc, nd, y_dec, y_pre)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views."""
@@ -167,15 +172,15 @@ class Mamba2Mixer(torch.nn.Module):
         )
 
     def _join(
-        self, gate: torch.Tensor, nd: int, y_dec: torch.Tensor | None, y_pre: torch.Tensor | None
+        self, xbc: torch.Tensor, nd: int, y_dec: torch.Tensor | None, y_pre: torch.Tensor | None
     ) -> torch.Tensor:
-        """Decode rows then prefill rows as [T, intermediate] (gate's shape); rows past both
-        (padding) are 0."""
-        T, inter = gate.shape
+        """Decode rows then prefill rows as [T, intermediate] (T = xbc's rows, its dtype); rows
+        past both (padding) are 0."""
+        T, inter = xbc.shape[0], self.d.intermediate
         parts = [p.reshape(-1, inter) for p in (y_dec, y_pre) if p is not None]
         if len(parts) == 1 and parts[0].shape[0] == T:
             return parts[0]  # the common case: no copy
-        y = gate.new_zeros(T, inter)  # [T, intermediate]
+        y = xbc.new_zeros(T, inter)  # [T, intermediate]
         if y_dec is not None:
             y[:nd] = parts[0]
         if y_pre is not None:

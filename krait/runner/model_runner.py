@@ -18,6 +18,7 @@ from krait.runner.device_tables import DeviceTables
 from krait.runner.input_batch import InputBatch, build_input_batch, host_to_device
 from krait.runner.model_states import create_model_state
 from krait.runner.penalties import PenaltyState
+from krait.runner.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_enabled
 from krait.runner.request_states import RequestStates
 from krait.runner.sampler import Sampler, SamplerOutput, SamplingRow, build_sampling_metadata
 
@@ -41,6 +42,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_slots = 0
         self.cuda_graphs = None  # CudaGraphRunner once captured
+        self.piecewise = None  # PiecewiseGraphs with KRAIT_PIECEWISE_GRAPHS=1 (eager steps)
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -70,6 +72,11 @@ class ModelRunner:
 
         self.cuda_graphs = CudaGraphRunner(self)
         self.cuda_graphs.capture_all()
+        if piecewise_enabled():
+            self.piecewise = PiecewiseGraphs(
+                self.model, min(self.config.scheduler.max_num_batched_tokens, PIECEWISE_MAX_TOKENS),
+                self.device,
+            )
 
     def dummy_decode_batch(self, n: int) -> InputBatch:
         """n padding rows of one token each (CUDA-graph capture)."""
@@ -243,6 +250,10 @@ class ModelRunner:
 
     def forward(self, batch: InputBatch) -> torch.Tensor:
         meta = self.model_state.prepare_attn(batch, for_capture=False)
+        if self.piecewise is not None:
+            hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.num_tokens, meta)
+            if hidden is not None:
+                return hidden
         return self.model(batch.input_ids, batch.positions, meta)
 
     def _sample_and_update(
