@@ -90,9 +90,7 @@ class _Recorder:
     def begin_piece(self) -> None:
         if self.capture:
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.owner.pool)
-            if self.owner.pool is None:
-                self.owner.pool = graph.pool()
+            graph.capture_begin(pool=self.owner.pool)  # every piece and bucket: one pool
             self.graphs.append(graph)
 
     def end_piece(self) -> None:
@@ -140,7 +138,8 @@ class PiecewiseGraphs:
         self.input_ids = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.state = {b: _Bucket() for b in self.buckets}
-        self.pool = None
+        self.pool = None  # graph memory pool token, and the capture stream, at the first capture
+        self.stream: torch.cuda.Stream | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def buffer(self, role: tuple, like: torch.Tensor, rows: int) -> torch.Tensor:
@@ -180,10 +179,13 @@ class PiecewiseGraphs:
         global _recorder
         rec = _Recorder(self, n, tb, capture)
         if capture:
-            gc.collect()
+            gc.collect()  # no collection (a free of older graphs' memory) inside a capture
             was_enabled = gc.isenabled()
             gc.disable()
-            stream = torch.cuda.Stream()
+            if self.pool is None:  # one side stream and one memory pool for every capture
+                self.pool = torch.cuda.graph_pool_handle()
+                self.stream = torch.cuda.Stream()
+            stream = self.stream
             stream.wait_stream(torch.cuda.current_stream())
         _recorder = rec
         try:
