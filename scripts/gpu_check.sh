@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -181,6 +181,9 @@ case $what in
     for m in granite-4.0-h-tiny nemotron-h-8b llama-3.2-1b bamba-9b; do
       bench_latency $m "" --batch-sizes 1,64 --prompt-lens 2048 --num-steps 10
     done
+    ;;
+  gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
+    timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
   gemv)  # the decode GEMV against cuBLAS per shape, with a config sweep
     timeout 300 python3 scripts/bench_gemv.py 2>&1 | tee "$LOG/gemv.log"; pack
