@@ -163,7 +163,7 @@ case $what in
     # go through the padded, captured and replayed forward), then prefill 128/512/2048 tokens
     # and a batch-1 decode with and without them (the bench's median skips the first prefill of
     # a length, which runs padded eagerly; the second captures: its median includes one capture)
-    timeout 200 python3 -m pytest -q tests/runner/test_piecewise_graphs.py -p no:cacheprovider 2>&1 \
+    timeout 200 python3 -m pytest -q -m gpu tests/runner/test_piecewise_graphs.py -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_piecewise.log"
     if [ -d .parity ]; then
       KRAIT_PIECEWISE_GRAPHS=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
