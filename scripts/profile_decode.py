@@ -87,7 +87,9 @@ def profile_spec(spec: str, prefill: int, out_dir: str, ssm_dtype: str = "float3
         return
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt = _prompts(1, prefill, vocab, 1)[0]
-    for rep in range(3):  # unprofiled: the request's wall time
+    for rep in range(3):  # not under the profiler, but after one in this process (its CUDA
+        # activity tracing may stay attached and slow launches: `krait bench` times host-bound
+        # steps cleanly)
         eng.add_request(f"u{rep}", {"prompt_token_ids": prompt}, one)
         _sync()
         t = time.perf_counter()
