@@ -141,19 +141,23 @@ case $what in
     ;;
   host)  # an eager prefill's host time in two trees, alternating (~4 min): this one and .ab_base/,
     # made here before the call (rm -rf .ab_base && mkdir .ab_base && git archive BASE krait |
-    # tar -x -C .ab_base; echo .ab_base/ >> .git/info/exclude) and named in the call's carry;
-    # then a profile of granite-tiny's 2048-token prefill in each (session 9: +5-14%, unexplained)
+    # tar -x -C .ab_base; echo .ab_base/ >> .git/info/exclude) and named in the call's carry.
+    # `python3 -m` puts the working directory first on sys.path, ahead of PYTHONPATH: each tree
+    # runs from its own directory (session 9's run 7 ran this tree twice by missing that)
     [ -d .ab_base/krait ] || { echo "no .ab_base/krait carried"; exit 1; }
+    root=$PWD
     for m in qwen3-0.6b granite-4.0-h-tiny; do for t in base new base new; do
-      p=$PWD; [ $t = base ] && p=$PWD/.ab_base
-      PYTHONPATH=$p timeout 90 python3 -m krait bench latency --config $m --batch-sizes 1 \
-        --prompt-lens 512,2048 --max-num-seqs 1 --num-steps 5 > "$LOG/host_${m}_$t.json" \
-        2> "$LOG/host_${m}_$t.err"
-      echo "== $m $t"; grep -A2 "^prompt" "$LOG/host_${m}_$t.err"; pack
+      dir=$root; [ $t = base ] && dir=$root/.ab_base
+      (cd "$dir" && PYTHONPATH=$dir timeout 90 python3 -c "import krait, sys; sys.stderr.write(
+        'krait from ' + krait.__file__ + '\\n')" && PYTHONPATH=$dir timeout 90 python3 -m krait bench \
+        latency --config $m --batch-sizes 1 --prompt-lens 512,2048 --max-num-seqs 1 --num-steps 5) \
+        > "$LOG/host_${m}_$t.json" 2> "$LOG/host_${m}_$t.err"
+      echo "== $m $t"; grep -E "^krait from" "$LOG/host_${m}_$t.err"
+      grep -A2 "^prompt" "$LOG/host_${m}_$t.err"; pack
     done; done
-    for t in base new; do
-      p=$PWD; [ $t = base ] && p=$PWD/.ab_base
-      PYTHONPATH=$p:$PWD OUT=$LOG timeout 120 python3 scripts/profile_decode.py \
+    for t in base new; do  # a script's own folder, not the working directory, leads sys.path
+      dir=$root; [ $t = base ] && dir=$root/.ab_base
+      PYTHONPATH=$dir OUT=$LOG timeout 120 python3 scripts/profile_decode.py \
         granite-4.0-h-tiny:1:64 --prefill 2048 2>&1 | grep -E "^==|^ +[0-9.]+ us|unprofiled" \
         | tee "$LOG/host_profile_$t.log"
     done
