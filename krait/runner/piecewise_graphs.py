@@ -21,8 +21,10 @@ a recorder active it is a plain call. Under `PiecewiseGraphs`:
   mixer that follows, so the capturing step's results are real; later steps replay piece 0,
   mixer 0, piece 1, ... with the step's metadata (`StepMetadata.<kind>`), the recorded
   activations (fixed addresses in the graphs' pool) and the recorded extra arguments.
-`record=False` keeps the padded forward eager at every step (how CPU tests exercise the
-padding, the cut to T rows and the buffers); with `poison=True` the padded rows of every mixer
+`record=False` keeps the pieces eager at every step (how CPU tests exercise the padding, the
+cut to T rows and the buffers); a bucket's later steps then serve each mixer through the
+`_Mixer` recorded at its first step, as a replay does (the step's metadata looked up by kind,
+the recorded extra arguments and buffers). With `poison=True` the padded rows of every mixer
 output are NaN, so a padded row that leaked into a real one would show.
 """
 
@@ -82,10 +84,12 @@ class _Recorder:
     """One padded forward of `num_padded` rows for a step of `num_real` real ones."""
 
     def __init__(self, owner: PiecewiseGraphs, num_real: int, num_padded: int,
-                 capture: bool) -> None:
+                 capture: bool, step_meta=None, replay: list[_Mixer] | None = None) -> None:
         self.owner, self.n, self.padded, self.capture = owner, num_real, num_padded, capture
+        self.step_meta, self.replay = step_meta, replay  # eager pieces, recorded mixers
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.mixers: list[_Mixer] = []
+        self.calls = 0
 
     def begin_piece(self) -> None:
         if self.capture:
@@ -108,13 +112,20 @@ class _Recorder:
         for buf, a in zip(inputs, activations):
             buf.copy_(a)  # part of the piece: its own memory is free for the next one
         self.end_piece()
-        result = fn(*(a[: self.n] for a in inputs), meta, *extra)
-        out = self.owner.buffer(("out",), result, self.padded)
-        out[: self.n].copy_(result)
+        if self.replay is not None:
+            recorded = self.replay[self.calls]
+            if any(a.data_ptr() != b.data_ptr() for a, b in zip(inputs, recorded.inputs)):
+                raise RuntimeError("piecewise replay: a mixer's inputs moved since its recording")
+            recorded.run(self.n, self.step_meta)
+            out = recorded.out
+        else:
+            result = fn(*(a[: self.n] for a in inputs), meta, *extra)
+            out = self.owner.buffer(("out",), result, self.padded)
+            out[: self.n].copy_(result)
+            self.mixers.append(_Mixer(fn, inputs, kind, extra, out))
+        self.calls += 1
         if self.owner.poison and self.padded > self.n:
             out[self.n :] = float("nan")
-        if self.capture:
-            self.mixers.append(_Mixer(fn, inputs, kind, extra, out))
         self.begin_piece()
         return out
 
@@ -179,7 +190,8 @@ class PiecewiseGraphs:
 
     def _forward(self, tb: int, n: int, meta, capture: bool, bucket: _Bucket) -> torch.Tensor:
         global _recorder
-        rec = _Recorder(self, n, tb, capture)
+        replay = bucket.mixers if not self.record and bucket.mixers else None
+        rec = _Recorder(self, n, tb, capture, meta, replay)
         if capture:
             gc.collect()  # no collection (a free of older graphs' memory) inside a capture
             was_enabled = gc.isenabled()
@@ -206,4 +218,6 @@ class PiecewiseGraphs:
         if capture:
             bucket.graphs, bucket.mixers, bucket.hidden = rec.graphs, rec.mixers, hidden
             logger.info("piecewise graphs: %d tokens, %d pieces", tb, len(rec.graphs))
+        elif not self.record and replay is None:
+            bucket.mixers = rec.mixers  # what the bucket's later steps replay
         return hidden

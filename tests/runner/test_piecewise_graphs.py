@@ -1,8 +1,9 @@
 """Piecewise graphs for eager steps (krait/runner/piecewise_graphs.py) on CPU: the padded forward
-with the mixers fed their real rows (record=False keeps it eager; poison=True makes every
+with the mixers fed their real rows (record=False keeps the pieces eager; a bucket's later steps
+run their mixers through the recorded `_Mixer`s, as a replay does; poison=True makes every
 padded row of a mixer's output NaN) gives the same tokens and logprobs as the plain forward, for
-prefills, chunked prefills, mixed batches and decodes, dense and hybrid; the capture and replay
-themselves need a GPU (`gpu_check.sh`)."""
+prefills, chunked prefills, mixed batches and decodes, dense and hybrid; the graph capture and
+replay themselves need a GPU (the `gpu` test here, `gpu_check.sh piecewise`)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,13 @@ def test_padded_piecewise_forward_matches_the_plain_one(arch, chunk, tmp_path, m
          else make_tiny_hybrid(tmp_path / arch, arch))
     args = {"max_num_batched_tokens": chunk} if chunk else {}
     want, _ = _generate(d, False, **args)
+    replayed = []
+    real_run = pw._Mixer.run
+    monkeypatch.setattr(pw._Mixer, "run", lambda self, n, m: replayed.append(self.kind)
+                        or real_run(self, n, m))
     got, served = _generate(d, True, **args)
+    # a bucket's later steps served their mixers as a replay does (recorded _Mixer objects)
+    assert replayed and set(replayed) <= {"attn", "mamba"}
     # padded rows change the GEMM shapes, hence float32 rounding, never a token
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, lp_got), (_, lp_want) in zip(got, want):
