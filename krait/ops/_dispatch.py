@@ -24,6 +24,11 @@ def env(name: str, default: str | None = None) -> str | None:
     return default if value is None else os.fsdecode(value)
 
 
+def interpreting() -> bool:
+    """Triton runs kernels through its interpreter (`TRITON_INTERPRET=1`, the CPU tests)."""
+    return env("TRITON_INTERPRET", "0") == "1"
+
+
 def cdiv(a: int, b: int) -> int:
     """triton.cdiv for host code (Triton's is a constexpr function: ~2 us a call)."""
     return -(-a // b)
@@ -45,4 +50,4 @@ def use_triton(t: Tensor) -> bool:
         return False
     if t.is_cuda:
         return True
-    return env("KRAIT_TRITON_CPU") == "1" and env("TRITON_INTERPRET") == "1"
+    return env("KRAIT_TRITON_CPU") == "1" and interpreting()

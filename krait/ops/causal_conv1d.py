@@ -7,14 +7,13 @@ sequence whose has_initial_state is False starts from zeros whatever its slot ho
 zero tokens are left alone. Math is float32; outputs are in x's dtype.
 """
 
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
@@ -208,11 +207,11 @@ def causal_conv1d_fn_triton(
     has_init = has_initial_state.to(torch.int32)
     bias_arg = bias if bias is not None else weight
     block_d = min(next_pow2(dim), 256)
-    block_t = 32 if _interpreting() else 16
+    block_t = 32 if interpreting() else 16
     # 8 warps: at 4 the [16, 256] tile with its per-tap pointer tensors took 187 registers a
     # thread (~10 resident warps an SM for a memory-bound kernel; 103 registers at 8 warps,
     # compiled for sm_90 with tests/ops/sm90.py)
-    opts = {} if _interpreting() else {"num_warps": 8}
+    opts = {} if interpreting() else {"num_warps": 8}
     _conv_fwd_kernel[(cdiv(num_tokens, block_t), cdiv(dim, block_d))](
         x, weight, bias_arg, conv_states, out,
         qsl, token_seq if token_seq is not None else token_to_seq(qsl, num_tokens), slots, has_init,
@@ -244,7 +243,7 @@ def causal_conv1d_update_triton(
     out = torch.empty((batch, dim), dtype=x.dtype, device=x.device)  # [B, dim]
     if batch == 0:
         return out
-    block_d = min(next_pow2(dim), 1024 if _interpreting() else 256)
+    block_d = min(next_pow2(dim), 1024 if interpreting() else 256)
     pdl = use_pdl(x)
     _conv_update_kernel[(batch, cdiv(dim, block_d))](
         x, weight, bias if bias is not None else weight, conv_states, out,
@@ -255,10 +254,6 @@ def causal_conv1d_update_triton(
         BLOCK_K=next_pow2(width), BLOCK_D=block_d, **pdl_args(pdl),
     )
     return out
-
-
-def _interpreting() -> bool:
-    return env("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- torch reference

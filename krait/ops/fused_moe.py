@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 from krait.ops.activation import relu2_ref, silu_and_mul_ref
 from krait.ops.moe_routes import moe_routes_triton, use_moe_routes
 
@@ -106,13 +106,9 @@ _moe_gemm_tuned = triton.autotune(
 )(_moe_gemm_kernel)
 
 
-def _interpreting() -> bool:
-    return env("TRITON_INTERPRET", "0") == "1"
-
-
 def pick_block_m(num_routes: int, num_experts: int) -> int:
     """Rows per program: small when experts see few tokens each (decode), larger for prefill."""
-    if _interpreting():
+    if interpreting():
         return 16
     avg = num_routes / max(num_experts, 1)
     return 16 if avg <= 16 else 32 if avg <= 48 else 64
@@ -219,7 +215,7 @@ def _launch_gemm(
 ) -> None:
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
-    interp = _interpreting()
+    interp = interpreting()
     precision = "upcast" if interp else ("ieee" if a.dtype == torch.float32 else "tf32")
     args = (
         a, w, out, topk_w, sorted_ids, expert_ids,

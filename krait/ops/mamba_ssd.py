@@ -9,14 +9,13 @@ a padding row (nothing computed or written, output rows unspecified); sequences 
 left alone. Internal math is float32; y is in x's dtype; the state tensor may be fp32 or bf16.
 """
 
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 
 # ----------------------------------------------------------------------------- triton
 
@@ -310,10 +309,6 @@ GPU_CONFIG: dict[str, dict[str, int]] = {
 }
 
 
-def _interpreting() -> bool:
-    return env("TRITON_INTERPRET", "0") == "1"
-
-
 def _block(cap: int, size: int, interp: bool) -> int:
     """A power-of-two block of at least 16 (tl.dot's minimum) covering `size` up to `cap`."""
     full = max(16, next_pow2(size))
@@ -346,7 +341,7 @@ def mamba_chunk_scan_triton(
     dA_cs = torch.empty(heads, max_chunks, chunk_size, dtype=f32, device=dev)  # [H, c, cs]
     states = torch.empty(max_chunks, heads, head_dim, d_state, dtype=f32, device=dev)  # [c,H,P,N]
     cb = torch.empty(max_chunks, groups, chunk_size, chunk_size, dtype=f32, device=dev)
-    interp = _interpreting()
+    interp = interpreting()
     precision = "upcast" if interp else ("ieee" if x.dtype == f32 else "tf32")
     cfg = {k: dict(v) for k, v in GPU_CONFIG.items()}
     if interp:

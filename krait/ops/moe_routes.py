@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, env, interpreting, next_pow2, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
@@ -126,8 +126,8 @@ def route_topk(
 
     renormalize=True: the softmax of the k largest logits (Mixtral, GraniteMoe); False: the top-k
     of the softmax over all experts. round_to_dtype: the weights rounded to the logits' dtype
-    (HF's Granite `.type_as(hidden_states)`), returned in float32. The Triton kernel wherever Triton runs,
-    unless `KRAIT_MOE_ROUTES=0`."""
+    (HF's Granite `.type_as(hidden_states)`), returned in float32. The Triton kernel wherever
+    Triton runs, unless `KRAIT_MOE_ROUTES=0`."""
     if moe_routes_enabled() and use_triton(logits):
         return route_topk_triton(logits, k, renormalize, round_to_dtype)
     return route_topk_ref(logits, k, renormalize, round_to_dtype)
@@ -213,7 +213,7 @@ def _route_down_kernel(
 def _tiles(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): 16 weight rows a program on the GPU (a 1536 x 512 expert gives 96
     programs per route), K in 256-wide steps; small tiles under the interpreter."""
-    if env("TRITON_INTERPRET", "0") == "1":
+    if interpreting():
         return min(16, next_pow2(n)), min(32, next_pow2(k))
     return 16, min(256, next_pow2(k))
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 from krait.ops.mamba_ssd import discretize_dt_ref, softplus_clamp
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
@@ -86,7 +86,7 @@ def selective_state_update_triton(
     if batch == 0:
         return y
     block_n = next_pow2(d_state)
-    if env("TRITON_INTERPRET", "0") == "1":
+    if interpreting():
         block_p = next_pow2(head_dim)
     else:
         block_p = max(1, min(next_pow2(head_dim), 2048 // block_n))
