@@ -15,11 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-SHAPES = [  # (name, N, K)
-    ("granite/mamba2 in_proj", 8512, 2048), ("granite/mamba2 out_proj", 2048, 4096),
-    ("granite gate_up", 16384, 2048), ("granite down", 2048, 8192), ("granite qkv", 3072, 2048),
-    ("qwen3 qkv", 4096, 1024), ("qwen3 gate_up", 6144, 1024), ("qwen3 down", 1024, 3072),
-]
+from scripts.bench_gemv import SHAPES  # (N, K) of the decode projections
 
 
 def _us(fn) -> float:
@@ -31,7 +27,7 @@ def main() -> None:
     ap.add_argument("--rows", default="64,128,256")
     rows = [int(r) for r in ap.parse_args().rows.split(",")]
     print(f"{'shape':26s} {'M':>4s} {'F.linear':>9s} {'(Wx^T)^T':>9s} {'cuBLASLt':>9s}  us")
-    for name, n, k in SHAPES:
+    for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
