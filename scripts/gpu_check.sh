@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|l2|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -186,23 +186,6 @@ case $what in
       bench_latency $m "" --batch-sizes 1,64 --prompt-lens 2048 --num-steps 10
     done
     ;;
-  l2)  # L2 weight prefetch in decode graphs (KRAIT_L2_PREFETCH, session 10; ~7 min): its GPU
-    # tests, the per-projection micro-benchmark, then decode at batch 1/64 against the default,
-    # the lead of 1 and of 2 projections, and the bulk form
-    timeout 200 python3 -m pytest -q -m gpu tests/ops/test_l2_prefetch.py \
-      tests/runner/test_weight_prefetch.py -p no:cacheprovider 2>&1 | tail -8 | tee "$LOG/kernels_l2.log"
-    timeout 120 python3 scripts/bench_l2_prefetch.py 2>&1 | grep -v Warn | tee "$LOG/bench_l2.log"
-    pack
-    for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_base" --batch-sizes 1,64 --prompt-lens ""
-      KRAIT_L2_PREFETCH=1 bench_latency $m "_pf1" --batch-sizes 1,64 --prompt-lens ""
-    done
-    for m in qwen3-0.6b mamba2-1.3b; do
-      KRAIT_L2_PREFETCH=2 bench_latency $m "_pf2" --batch-sizes 1,64 --prompt-lens ""
-      KRAIT_L2_PREFETCH=1 KRAIT_L2_PREFETCH_MODE=bulk bench_latency $m "_pfbulk" --batch-sizes 1,64 \
-        --prompt-lens ""
-    done
-    ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
@@ -222,6 +205,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in l2|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

@@ -4,8 +4,6 @@ torch ops, so callers never check the conditions themselves."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -21,18 +19,6 @@ ROW_GEMV_MAX_ELEMENTS = 20 << 20
 # the default rule's bound (session 6: with the late PDL trigger, every one-row projection up to
 # this size through the GEMV; granite's 17M in_proj and down lost there)
 ROW_GEMV_DEFAULT_MAX_ELEMENTS = 8 << 20
-
-# called with each projection's weight before its launch while set (a decode graph capture with
-# KRAIT_L2_PREFETCH on: krait/runner/weight_prefetch.py)
-_weight_hook: Callable[[Tensor], None] | None = None
-
-
-def set_weight_hook(hook: Callable[[Tensor], None] | None) -> Callable[[Tensor], None] | None:
-    """Installs `hook` (None removes it), called as hook(weight) before every projection of
-    `linear` and `silu_mul_linear`; returns the hook it replaces."""
-    global _weight_hook
-    previous, _weight_hook = _weight_hook, hook
-    return previous
 
 
 def _gemv_allowed(x: Tensor) -> bool:
@@ -67,8 +53,6 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear, through gemv_triton for the decode shapes `_use_gemv` picks."""
-    if _weight_hook is not None:
-        _weight_hook(weight)
     if _use_gemv(x, weight):
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -77,8 +61,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def silu_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """linear(silu_and_mul(x)) for x [T, 2I]: one fused launch for the decode shapes
     `_use_gemv` picks."""
-    if _weight_hook is not None:
-        _weight_hook(weight)
     if _use_gemv(x, weight):
         return gemv_triton(x, weight, bias, silu_mul=True)
     return F.linear(silu_and_mul(x), weight, bias)

@@ -12,7 +12,6 @@ any prefill row, or with a row whose token is not its last known one, never come
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -22,7 +21,6 @@ import torch
 from krait.ops.argmax import argmax
 from krait.ops.write_tokens import write_tokens
 from krait.runner.input_batch import InputBatch
-from krait.runner.weight_prefetch import weight_prefetch_for
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +73,6 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(runner.config.scheduler.max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
-        # KRAIT_L2_PREFETCH: each projection's weight pulled into L2 on a side stream
-        self.prefetch = weight_prefetch_for(runner.device)
 
     def size_for(self, num_reqs: int) -> int | None:
         fitting = [s for s in self.sizes if s >= num_reqs]
@@ -133,25 +129,20 @@ class CudaGraphRunner:
         batch = r.dummy_decode_batch(n)
         meta = r.model_state.prepare_attn(batch, for_capture=True)
         if not self.record:
-            with self._prefetching():
-                self.graphs[n] = _Graph(None, batch, meta, *self._body(batch, meta))
+            self.graphs[n] = _Graph(None, batch, meta, *self._body(batch, meta))
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton compiles and autotunes outside the graph
-                with self._prefetching():
-                    self._body(batch, meta)
+                self._body(batch, meta)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), self._prefetching():
+        with torch.cuda.graph(graph, pool=self.pool):
             logits, greedy = self._body(batch, meta)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[n] = _Graph(graph, batch, meta, logits, greedy)
-
-    def _prefetching(self):
-        return self.prefetch.capturing() if self.prefetch else contextlib.nullcontext()
 
     def _body(self, batch: InputBatch, meta) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner

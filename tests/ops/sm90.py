@@ -22,10 +22,9 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
     unnamed non-constexpr arguments are 'i32'. Pointers and integers are taken as multiples of 16
     (as Triton specializes a real launch with such values: what lets it vectorize loads) except
     the integers named in `odd`. Returns {'regs', 'local', 'shared', 'vector_loads',
-    'scalar_loads', 'shared_byte_loads', 'pdl', 'wgmma', 'l2_prefetch', 'l2_prefetch_evict_last',
-    'l2_bulk_prefetch'} (global loads of 16 bytes and of one element, loads of one byte from
-    shared memory, grid-dependency waits, Hopper's warpgroup MMA, and the numbers of L2 prefetch
-    instructions: per line plain and evict-last, and bulk, in the PTX). Runs in a child
+    'scalar_loads', 'shared_byte_loads', 'pdl', 'wgmma'} (global loads of 16 bytes and of one
+    element, loads of one byte from shared memory, grid-dependency waits, Hopper's warpgroup
+    MMA, in the PTX). Runs in a child
     process: under TRITON_INTERPRET=1 (the test suite) kernels are not compilable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd)])
@@ -62,10 +61,7 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
             "vector_loads": len(re.findall(r"ld\.global[.\w]*\.v4\.b32", ptx)),
             "scalar_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx)),
             "shared_byte_loads": len(re.findall(r"ld\.shared(?:\.\w+)*\.[bsu]8 ", ptx)),
-            "pdl": "griddepcontrol.wait" in ptx, "wgmma": "wgmma.mma_async" in ptx,
-            "l2_prefetch": len(re.findall(r"prefetch\.global\.L2 ", ptx)),
-            "l2_prefetch_evict_last": len(re.findall(r"prefetch\.global\.L2::evict_last ", ptx)),
-            "l2_bulk_prefetch": ptx.count("cp.async.bulk.prefetch.L2.global")}
+            "pdl": "griddepcontrol.wait" in ptx, "wgmma": "wgmma.mma_async" in ptx}
 
 
 def sm90_available() -> bool:

@@ -143,21 +143,3 @@ def test_moe_route_kernels_compile_without_spills():
                         dict(TOPK=6, HAS_ADD=True, BLOCK_N=16, BLOCK_K=256, PDL=True))
     for r in (up, down):  # the expert rows stream in 16-byte loads
         assert r["pdl"] and r["local"] == 0 and r["vector_loads"] > 0, r
-
-
-@pytest.mark.parametrize("evict_last", [False, True])
-def test_l2_prefetch_compiles(evict_last):
-    # the asm has no used result: is_pure=False must keep it (one prefetch a lane of a chunk)
-    r = compile_sm90("krait.ops.l2_prefetch", "_l2_prefetch_kernel",
-                     dict(ptr=BF, num_lines="i32", head="i32"),
-                     dict(LINES_PER_PROGRAM=4096, BLOCK=1024, EVICT_LAST=evict_last),
-                     odd=("num_lines", "head"))
-    plain, last = r["l2_prefetch"], r["l2_prefetch_evict_last"]
-    assert r["local"] == 0 and (last if evict_last else plain) > 0, r
-    assert (plain if evict_last else last) == 0, r
-
-
-def test_l2_bulk_prefetch_compiles():
-    r = compile_sm90("krait.ops.l2_prefetch", "_l2_prefetch_bulk_kernel",
-                     dict(ptr=BF, nbytes="i32"), dict(CHUNK=8192, BLOCK=128))
-    assert r["local"] == 0 and r["l2_bulk_prefetch"] > 0 and r["l2_prefetch"] == 0, r
