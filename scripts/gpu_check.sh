@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -162,21 +162,24 @@ case $what in
         | tee "$LOG/host_profile_$t.log"
     done
     ;;
-  piecewise)  # piecewise graphs for eager steps (KRAIT_PIECEWISE_GRAPHS=1, session 9, unmeasured;
-    # ~6 min): their tests, GPU parity with them on (prefills and chunks of the parity prompts
-    # go through the padded, captured and replayed forward), then prefill 128/512/2048 tokens
-    # and a batch-1 decode with and without them (the bench's median skips the first prefill of
-    # a length, which runs padded eagerly; the second captures: its median includes one capture)
+  piecewise)  # piecewise graphs for eager steps (on by default since session 10; ~6 min): their
+    # tests, GPU parity with them off (the default runs take them), then prefill 128/512/2048
+    # tokens and a batch-1 decode with and without them (all buckets captured at start-up)
     timeout 200 python3 -m pytest -q -m gpu tests/runner/test_piecewise_graphs.py -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_piecewise.log"
     if [ -d .parity ]; then
-      KRAIT_PIECEWISE_GRAPHS=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
-        | grep -v Warn | tail -12 | tee "$LOG/parity_piecewise.log"
+      KRAIT_PIECEWISE_GRAPHS=0 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
+        | grep -v Warn | tail -12 | tee "$LOG/parity_nopiecewise.log"
     fi
-    for m in qwen3-0.6b granite-4.0-h-micro granite-4.0-h-tiny; do
-      bench_latency $m "_eager" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 1
-      KRAIT_PIECEWISE_GRAPHS=1 bench_latency $m "_piecewise" --batch-sizes 1 \
-        --prompt-lens 128,512,2048 --max-num-seqs 1
+    for m in ${MODELS:-qwen3-0.6b granite-4.0-h-micro granite-4.0-h-tiny}; do
+      KRAIT_PIECEWISE_GRAPHS=0 bench_latency $m "_eager" --batch-sizes 1 --prompt-lens 128,512,2048 \
+        --max-num-seqs 1
+      bench_latency $m "_piecewise" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 1
+    done
+    ;;
+  prefill)  # the default (piecewise) prefill of the four benchmarked configs (~3 min)
+    for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro granite-4.0-h-tiny; do
+      bench_latency $m "_prefill" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 8
     done
     ;;
   others)  # the shipped configs without a target (first GPU run: session 8; ~4 min):

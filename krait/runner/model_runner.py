@@ -42,7 +42,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_slots = 0
         self.cuda_graphs = None  # CudaGraphRunner once captured
-        self.piecewise = None  # PiecewiseGraphs with KRAIT_PIECEWISE_GRAPHS=1 (eager steps)
+        self.piecewise = None  # PiecewiseGraphs for eager steps (KRAIT_PIECEWISE_GRAPHS=0: off)
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -72,11 +72,37 @@ class ModelRunner:
 
         self.cuda_graphs = CudaGraphRunner(self)
         self.cuda_graphs.capture_all()
-        if piecewise_enabled():
-            self.piecewise = PiecewiseGraphs(
-                self.model, min(self.config.scheduler.max_num_batched_tokens, PIECEWISE_MAX_TOKENS),
-                self.device,
-            )
+        tokens = self.piecewise_max_tokens()
+        if tokens:
+            self.piecewise = PiecewiseGraphs(self.model, tokens, self.device)
+            self._capture_piecewise()
+
+    def piecewise_max_tokens(self) -> int:
+        """The largest eager step piecewise graphs serve: 0 when off (KRAIT_PIECEWISE_GRAPHS=0,
+        enforce_eager, or no CUDA), else the most tokens a step can hold, up to
+        PIECEWISE_MAX_TOKENS."""
+        if self.device.type != "cuda" or self.config.enforce_eager or not piecewise_enabled():
+            return 0
+        sched = self.config.scheduler
+        return min(sched.max_num_batched_tokens, PIECEWISE_MAX_TOKENS,
+                   sched.max_num_seqs * (self.max_model_len - 1))
+
+    def _capture_piecewise(self) -> None:
+        """Every token bucket's pieces, largest first (one pool): two dummy prefills of the
+        bucket's size each, the first run padded eagerly, the second captured. Done at start-up,
+        so no step of a request pays a capture and the pool is in place before serving."""
+        pw = self.piecewise
+        free_before = torch.cuda.mem_get_info()[0]
+        for tokens in reversed(pw.buckets):
+            if pw.bucket_for(sum(self._dummy_prefill_lens(tokens))) != tokens:
+                continue  # no dummy batch of this size: the bucket captures while serving
+            for _ in range(2):
+                self.profile_run(tokens)
+        torch.cuda.synchronize()
+        pw.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
+        captured = [b for b in pw.buckets if pw.state[b].graphs]
+        logger.info("captured piecewise graphs for %d-token buckets %s (%.0f MiB)",
+                    len(captured), captured, pw.pool_bytes / 2**20)
 
     def dummy_decode_batch(self, n: int) -> InputBatch:
         """n padding rows of one token each (CUDA-graph capture)."""
@@ -86,13 +112,18 @@ class ModelRunner:
             tables=self.tables,
         )
 
+    def _dummy_prefill_lens(self, num_tokens: int) -> list[int]:
+        """Prompt lengths of a dummy prefill of `num_tokens` tokens: rows of at most
+        max_model_len - 1 tokens, at most max_num_seqs of them."""
+        per = max(min(num_tokens, self.max_model_len - 1), 1)
+        lens = [per] * (num_tokens // per) + ([num_tokens % per] if num_tokens % per else [])
+        return lens[: self.config.scheduler.max_num_seqs]  # no real batch has more rows
+
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
         """A forward pass at `num_tokens` tokens (prefill rows of at most max_model_len - 1
         tokens) over the current caches, to measure peak activation memory."""
-        per = max(min(num_tokens, self.max_model_len - 1), 1)
-        lens = [per] * (num_tokens // per) + ([num_tokens % per] if num_tokens % per else [])
-        lens = lens[: self.config.scheduler.max_num_seqs]  # no real batch has more rows
+        lens = self._dummy_prefill_lens(num_tokens)
         st = self.states
         ids = []
         for j, n in enumerate(lens):

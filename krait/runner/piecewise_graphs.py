@@ -1,4 +1,5 @@
-"""Piecewise CUDA graphs for eager steps (prefills, mixed batches; opt-in, `KRAIT_PIECEWISE_GRAPHS=1`).
+"""Piecewise CUDA graphs for eager steps (prefills, mixed batches; on by default on the GPU,
+`KRAIT_PIECEWISE_GRAPHS=0` turns them off).
 
 An eager step is bound by the host below a few thousand tokens (docs/benchmarks.md, session 9:
 ~50 us of Python, dispatch and launcher per op, qwen3's 512-token prefill ~11 ms for 2 ms of
@@ -17,7 +18,8 @@ a recorder active it is a plain call. Under `PiecewiseGraphs`:
   mixer's inputs and output are consumed right away. Rows past T carry garbage through the
   row-local pieces and are never read;
 - a bucket's first step runs that padded forward eagerly (Triton compiles and tunes outside
-  any capture); its second captures: each piece is recorded, then replayed at once to feed the
+  any capture); its second captures (both at start-up, through dummy prefills:
+  `ModelRunner._capture_piecewise`; the memory profile keeps room for the pool): each piece is recorded, then replayed at once to feed the
   mixer that follows, so the capturing step's results are real; later steps replay piece 0,
   mixer 0, piece 1, ... with the step's metadata (`StepMetadata.<kind>`), the recorded
   activations (fixed addresses in the graphs' pool) and the recorded extra arguments.
@@ -46,8 +48,10 @@ PIECEWISE_MAX_TOKENS = 2048
 
 
 def piecewise_enabled() -> bool:
-    """`KRAIT_PIECEWISE_GRAPHS=1` (opt-in; session 9, unmeasured on the GPU)."""
-    return env("KRAIT_PIECEWISE_GRAPHS") == "1"
+    """On unless `KRAIT_PIECEWISE_GRAPHS=0` (the default since session 10: on the H200 a
+    one-request prefill of 128-2048 tokens went 15 -> 11.4 ms for qwen3-0.6b, 58 -> 31 ms for
+    granite-4.0-h-micro, 51-70 -> 18-25 ms for granite-4.0-h-tiny; docs/benchmarks.md)."""
+    return env("KRAIT_PIECEWISE_GRAPHS", "1") != "0"
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -152,6 +156,7 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.state = {b: _Bucket() for b in self.buckets}
         self.pool = None  # graph memory pool token, and the capture stream, at the first capture
+        self.pool_bytes = 0  # device memory the start-up captures took
         self.stream: torch.cuda.Stream | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
 

@@ -104,8 +104,8 @@ def test_mixer_activations_must_be_padded_rows():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid"])
 def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path, monkeypatch):
-    """On the GPU, float32: chunks of 7 tokens keep bucket 16 busy, so its first step runs
-    padded eagerly, the second captures and the rest replay."""
+    """On the GPU, float32: bucket 16 (steps of at most 7 tokens) is captured at start-up
+    through two dummy prefills; every chunk of the prompts then replays it."""
     d = (make_tiny_llama(tmp_path / arch, arch="qwen3") if arch == "qwen3"
          else make_tiny_hybrid(tmp_path / arch, arch))
 
@@ -115,6 +115,10 @@ def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path, monkeypa
         torch.cuda.empty_cache()
         llm = LLM(d, device="cuda", dtype="float32", max_num_batched_tokens=7, max_num_seqs=4,
                   max_model_len=128, gpu_memory_utilization=0.3)
+        pw = llm.llm_engine.runner.piecewise
+        if piecewise:  # captured at start-up, before any request
+            assert pw.buckets == [16] and pw.state[16].steps == 2 and pw.state[16].graphs
+            assert pw.pool_bytes > 0
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS],
             SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0),
@@ -132,3 +136,29 @@ def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path, monkeypa
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, a), (_, b) in zip(got, want):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
+
+
+def test_piecewise_default_and_largest_bucket(monkeypatch):
+    """On by default (KRAIT_PIECEWISE_GRAPHS=0 turns it off); the largest step it serves is
+    bounded by the step budget, PIECEWISE_MAX_TOKENS and what max_num_seqs rows can hold; off
+    without CUDA or with enforce_eager."""
+    from types import SimpleNamespace
+
+    from krait.runner.model_runner import ModelRunner
+    from krait.runner.piecewise_graphs import PIECEWISE_MAX_TOKENS, piecewise_enabled
+
+    monkeypatch.delenv("KRAIT_PIECEWISE_GRAPHS", raising=False)
+    assert piecewise_enabled()
+
+    def largest(device="cuda", eager=False, batched=8192, seqs=256, max_len=4096):
+        runner = SimpleNamespace(device=torch.device(device), max_model_len=max_len, config=SimpleNamespace(
+            enforce_eager=eager,
+            scheduler=SimpleNamespace(max_num_batched_tokens=batched, max_num_seqs=seqs)))
+        return ModelRunner.piecewise_max_tokens(runner)
+
+    assert largest() == PIECEWISE_MAX_TOKENS
+    assert largest(batched=512) == 512
+    assert largest(seqs=4, max_len=128) == 4 * 127
+    assert largest(device="cpu") == 0 and largest(eager=True) == 0
+    monkeypatch.setenv("KRAIT_PIECEWISE_GRAPHS", "0")
+    assert not piecewise_enabled() and largest() == 0
