@@ -175,6 +175,8 @@ case $what in
       KRAIT_PIECEWISE_GRAPHS=0 bench_latency $m "_eager" --batch-sizes 1 --prompt-lens 128,512,2048 \
         --max-num-seqs 1
       bench_latency $m "_piecewise" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 1
+      # the memory profile's room for the pool against what the start-up captures took
+      grep -h -E "memory:|captured piecewise" "$LOG/lat_${m}_piecewise.err"
     done
     ;;
   prefill)  # the default (piecewise) prefill of the four benchmarked configs (~3 min)
