@@ -103,7 +103,7 @@ class ModelRunner:
         torch.cuda.empty_cache()  # the eager runs' blocks: what stays is the graphs' pool
         pw.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
         captured = [b for b in pw.buckets if pw.state[b].graphs]
-        logger.info("captured piecewise graphs for %d-token buckets %s (%.0f MiB)",
+        logger.info("captured piecewise graphs for %d token buckets %s (%.0f MiB)",
                     len(captured), captured, pw.pool_bytes / 2**20)
 
     def dummy_decode_batch(self, n: int) -> InputBatch:

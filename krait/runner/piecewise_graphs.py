@@ -19,10 +19,11 @@ a recorder active it is a plain call. Under `PiecewiseGraphs`:
   row-local pieces and are never read;
 - a bucket's first step runs that padded forward eagerly (Triton compiles and tunes outside
   any capture); its second captures (both at start-up, through dummy prefills:
-  `ModelRunner._capture_piecewise`; the memory profile keeps room for the pool): each piece is recorded, then replayed at once to feed the
-  mixer that follows, so the capturing step's results are real; later steps replay piece 0,
-  mixer 0, piece 1, ... with the step's metadata (`StepMetadata.<kind>`), the recorded
-  activations (fixed addresses in the graphs' pool) and the recorded extra arguments.
+  `ModelRunner._capture_piecewise`; the memory profile keeps room for the pool): each piece
+  is recorded, then replayed at once to feed the mixer that follows, so the capturing step's
+  results are real; later steps replay piece 0, mixer 0, piece 1, ... with the step's
+  metadata (`StepMetadata.<kind>`), the recorded activations (fixed addresses in the graphs'
+  pool) and the recorded extra arguments.
 `record=False` keeps the pieces eager at every step (how CPU tests exercise the padding, the
 cut to T rows and the buffers); a bucket's later steps then serve each mixer through the
 `_Mixer` recorded at its first step, as a replay does (the step's metadata looked up by kind,
@@ -49,8 +50,8 @@ PIECEWISE_MAX_TOKENS = 2048
 
 def piecewise_enabled() -> bool:
     """On unless `KRAIT_PIECEWISE_GRAPHS=0` (the default since session 10: on the H200 a
-    one-request prefill of 128-2048 tokens went 15 -> 11.4 ms for qwen3-0.6b, 58 -> 31 ms for
-    granite-4.0-h-micro, 51-70 -> 18-25 ms for granite-4.0-h-tiny; docs/benchmarks.md)."""
+    one-request prefill of 128-512 tokens went 15 -> 6.2-6.8 ms for qwen3-0.6b, 59 -> 15.4 ms
+    for granite-4.0-h-micro, 51-70 -> 14.1-14.4 ms for granite-4.0-h-tiny; docs/benchmarks.md)."""
     return env("KRAIT_PIECEWISE_GRAPHS", "1") != "0"
 
 

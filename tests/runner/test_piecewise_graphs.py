@@ -151,9 +151,9 @@ def test_piecewise_default_and_largest_bucket(monkeypatch):
     assert piecewise_enabled()
 
     def largest(device="cuda", eager=False, batched=8192, seqs=256, max_len=4096):
-        runner = SimpleNamespace(device=torch.device(device), max_model_len=max_len, config=SimpleNamespace(
-            enforce_eager=eager,
-            scheduler=SimpleNamespace(max_num_batched_tokens=batched, max_num_seqs=seqs)))
+        sched = SimpleNamespace(max_num_batched_tokens=batched, max_num_seqs=seqs)
+        config = SimpleNamespace(enforce_eager=eager, scheduler=sched)
+        runner = SimpleNamespace(device=torch.device(device), max_model_len=max_len, config=config)
         return ModelRunner.piecewise_max_tokens(runner)
 
     assert largest() == PIECEWISE_MAX_TOKENS
