@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -177,6 +177,20 @@ case $what in
       bench_latency $m "_piecewise" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 1
       # the memory profile's room for the pool against what the start-up captures took
       grep -h -E "memory:|captured piecewise" "$LOG/lat_${m}_piecewise.err"
+    done
+    ;;
+  pwtp)  # offline throughput (krait only, 256 prompts x 256 in / 256 out) with piecewise graphs
+    # off, up to 2048 tokens (the default) and up to 8192 (the default step budget: the
+    # workload's prefill steps take them too); granite with the bf16 SSM state (~6 min)
+    for m in granite-4.0-h-micro qwen3-0.6b; do
+      extra=""; [ $m = granite-4.0-h-micro ] && extra="--mamba-ssm-cache-dtype bfloat16"
+      for arm in off 2048 8192; do
+        if [ $arm = off ]; then pw="KRAIT_PIECEWISE_GRAPHS=0"; else pw="KRAIT_PIECEWISE_MAX_TOKENS=$arm"; fi
+        env $pw timeout 150 python3 -m krait bench throughput --config $m --num-prompts 256 \
+          --input-len 256 --output-len 256 $extra > "$LOG/pwtp_${m}_$arm.json" 2> "$LOG/pwtp_${m}_$arm.err"
+        echo "== $m piecewise $arm"; grep -E "^krait:|memory:|captured piecewise" "$LOG/pwtp_${m}_$arm.err"
+        pack
+      done
     done
     ;;
   prefill)  # the default (piecewise) prefill of the four benchmarked configs (~3 min)

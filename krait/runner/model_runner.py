@@ -18,7 +18,11 @@ from krait.runner.device_tables import DeviceTables
 from krait.runner.input_batch import InputBatch, build_input_batch, host_to_device
 from krait.runner.model_states import create_model_state
 from krait.runner.penalties import PenaltyState
-from krait.runner.piecewise_graphs import PIECEWISE_MAX_TOKENS, PiecewiseGraphs, piecewise_enabled
+from krait.runner.piecewise_graphs import (
+    PiecewiseGraphs,
+    piecewise_enabled,
+    piecewise_max_tokens_knob,
+)
 from krait.runner.request_states import RequestStates
 from krait.runner.sampler import Sampler, SamplerOutput, SamplingRow, build_sampling_metadata
 
@@ -80,11 +84,11 @@ class ModelRunner:
     def piecewise_max_tokens(self) -> int:
         """The largest eager step piecewise graphs serve: 0 when off (KRAIT_PIECEWISE_GRAPHS=0,
         enforce_eager, or no CUDA), else the most tokens a step can hold, up to
-        PIECEWISE_MAX_TOKENS."""
+        PIECEWISE_MAX_TOKENS (or KRAIT_PIECEWISE_MAX_TOKENS)."""
         if self.device.type != "cuda" or self.config.enforce_eager or not piecewise_enabled():
             return 0
         sched = self.config.scheduler
-        return min(sched.max_num_batched_tokens, PIECEWISE_MAX_TOKENS,
+        return min(sched.max_num_batched_tokens, piecewise_max_tokens_knob(),
                    sched.max_num_seqs * (self.max_model_len - 1))
 
     def _capture_piecewise(self) -> None:

@@ -44,7 +44,8 @@ from krait.ops._dispatch import env
 logger = logging.getLogger(__name__)
 
 _recorder: _Recorder | None = None  # the forward being padded, captured or replayed
-# the largest bucket: past a few thousand tokens an eager step is bound by the device anyway
+# the largest bucket (KRAIT_PIECEWISE_MAX_TOKENS sets another): past a few thousand tokens an
+# eager step is bound by the device anyway
 PIECEWISE_MAX_TOKENS = 2048
 
 
@@ -53,6 +54,18 @@ def piecewise_enabled() -> bool:
     one-request prefill of 128-512 tokens went 15 -> 6.2-6.8 ms for qwen3-0.6b, 59 -> 15.4 ms
     for granite-4.0-h-micro, 51-70 -> 14.1-14.4 ms for granite-4.0-h-tiny; docs/benchmarks.md)."""
     return env("KRAIT_PIECEWISE_GRAPHS", "1") != "0"
+
+
+def piecewise_max_tokens_knob() -> int:
+    """KRAIT_PIECEWISE_MAX_TOKENS (a positive integer), else PIECEWISE_MAX_TOKENS: the most
+    tokens an eager step may have to take the piecewise graphs (an A/B knob: larger buckets
+    serve longer prefill steps for a larger pool)."""
+    value = env("KRAIT_PIECEWISE_MAX_TOKENS")
+    if not value:
+        return PIECEWISE_MAX_TOKENS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"KRAIT_PIECEWISE_MAX_TOKENS must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
