@@ -96,16 +96,19 @@ class ModelRunner:
         bucket's size each, the first run padded eagerly, the second captured. Done at start-up,
         so no step of a request pays a capture and the pool is in place before serving."""
         pw = self.piecewise
-        torch.cuda.empty_cache()
-        free_before = torch.cuda.mem_get_info()[0]
+        cuda = self.device.type == "cuda"  # else a CPU test's PiecewiseGraphs(record=False)
+        if cuda:
+            torch.cuda.empty_cache()
+            free_before = torch.cuda.mem_get_info()[0]
         for tokens in reversed(pw.buckets):
             if pw.bucket_for(sum(self._dummy_prefill_lens(tokens))) != tokens:
                 continue  # no dummy batch of this size: the bucket captures while serving
             for _ in range(2):
                 self.profile_run(tokens)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # the eager runs' blocks: what stays is the graphs' pool
-        pw.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the eager runs' blocks: what stays is the graphs' pool
+            pw.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
         captured = [b for b in pw.buckets if pw.state[b].graphs]
         logger.info("captured piecewise graphs for %d token buckets %s (%.0f MiB)",
                     len(captured), captured, pw.pool_bytes / 2**20)

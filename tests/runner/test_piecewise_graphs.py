@@ -78,6 +78,43 @@ def test_padded_piecewise_forward_matches_the_plain_one(arch, chunk, tmp_path, m
     assert served and max(served) <= 128 and min(served) < 16
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid"])
+def test_start_up_capture_through_dummy_prefills(arch, tmp_path, monkeypatch):
+    """What the engine does at start-up on the GPU (ModelRunner._capture_piecewise: two dummy
+    prefills a bucket, largest first), with the pieces eager: every bucket's mixers are
+    recorded from the dummy requests' steps, and the real requests after them (their state
+    slots and KV blocks written by the dummies before) get the plain forward's tokens through
+    those recorded mixers."""
+    d = (make_tiny_llama(tmp_path / arch, arch="qwen3") if arch == "qwen3"
+         else make_tiny_hybrid(tmp_path / arch, arch))
+    want, _ = _generate(d, False)
+    llm = LLM(d, device="cpu", dtype="float32", max_num_batched_tokens=64)
+    runner = llm.llm_engine.runner
+    runner.piecewise = pw.PiecewiseGraphs(runner.model, 64, runner.device, record=False,
+                                          poison=True)
+    runner._capture_piecewise()
+    recorded = {b: s.mixers for b, s in runner.piecewise.state.items()}
+    assert all(recorded.values()) and [s.steps for s in runner.piecewise.state.values()] == [2] * 3
+    replayed = []
+    real_run = pw._Mixer.run
+    monkeypatch.setattr(pw._Mixer, "run",
+                        lambda self, n, m: replayed.append(self) or real_run(self, n, m))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )
+    got = [(o.outputs[0].token_ids,
+            [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+           for o in outs]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, lp_got), (_, lp_want) in zip(got, want):
+        assert max(abs(a - b) for a, b in zip(lp_got, lp_want)) < 1e-4
+    # every mixer of the real steps was one recorded at start-up
+    starts = {id(m) for ms in recorded.values() for m in ms}
+    assert replayed and all(id(m) in starts for m in replayed)
+
+
 def test_steps_past_the_largest_bucket_run_the_plain_forward(tmp_path):
     d = make_tiny_llama(tmp_path / "q", arch="qwen3")
     llm = LLM(d, device="cpu", dtype="float32")
