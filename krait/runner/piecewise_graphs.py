@@ -112,8 +112,9 @@ class _Recorder:
     def begin_piece(self) -> None:
         if self.capture:
             graph = torch.cuda.CUDAGraph()
-            # every piece and bucket: one pool. Captures happen while serving: only this
-            # thread's CUDA calls are checked (a server thread's own work must not fail them)
+            # every piece and bucket: one pool. A bucket start-up could not capture captures
+            # while serving: only this thread's CUDA calls are checked (a server thread's own
+            # work must not fail them)
             graph.capture_begin(pool=self.owner.pool, capture_error_mode="thread_local")
             self.graphs.append(graph)
 
