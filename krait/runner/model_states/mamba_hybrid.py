@@ -7,6 +7,7 @@ import torch
 
 from krait.config import EngineConfig, resolve_dtype
 from krait.layers.mamba2 import MambaMetadata
+from krait.ops._dispatch import use_triton
 from krait.ops.num_accepted import fill_num_accepted
 from krait.runner.attention_metadata import StepMetadata
 from krait.runner.input_batch import InputBatch, host_to_device, to_device
@@ -120,7 +121,7 @@ class MambaHybridModelState(DefaultModelState):
             prefill_has_initial_state=init_t,
             device_i32=flat,
         )
-        if npf and dev.type == "cuda":
+        if npf and use_triton(slots_t):  # what the Triton launchers take, once a step
             from krait.ops.causal_conv1d import token_to_seq
             from krait.ops.mamba_ssd import chunk_layout
 
