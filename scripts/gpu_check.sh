@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -205,6 +205,16 @@ case $what in
       bench_latency $m "" --batch-sizes 1,64 --prompt-lens 2048 --num-steps 10
     done
     ;;
+  gemvwide)  # batch 1 with every one-row projection up to 20M elements on the GEMV
+    # (KRAIT_GEMV=wide: granite-micro's MLP down with its SiLU in the GEMV's prologue, one launch
+    # instead of SiLU + split-K cuBLAS + reduce) against the default, alternating twice (~3 min)
+    for i in 1 2; do
+      for m in granite-4.0-h-micro mamba2-1.3b; do
+        bench_latency $m "_default$i" --batch-sizes 1 --prompt-lens ""
+        KRAIT_GEMV=wide bench_latency $m "_wide$i" --batch-sizes 1 --prompt-lens ""
+      done
+    done
+    ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
@@ -224,6 +234,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in gemvwide|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack
