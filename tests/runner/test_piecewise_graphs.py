@@ -32,6 +32,18 @@ def test_mixer_call_is_a_plain_call_without_a_recorder():
     assert torch.equal(out, torch.ones(3)) and calls[0][1:] == ("meta", "extra")
 
 
+def _greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    """Each of PROMPTS' greedy tokens with their logprobs."""
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
+    )
+    return [(o.outputs[0].token_ids,
+             [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
 def _generate(model_dir: str, piecewise: bool, **engine_args):
     llm = LLM(model_dir, device="cpu", dtype="float32", **engine_args)
     runner = llm.llm_engine.runner
@@ -41,14 +53,7 @@ def _generate(model_dir: str, piecewise: bool, **engine_args):
                                               poison=True)
         real_run = runner.piecewise.run
         runner.piecewise.run = lambda *a: served.append(a[2]) or real_run(*a)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS],
-        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0),
-        use_tqdm=False,
-    )
-    got = [(o.outputs[0].token_ids,
-            [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-           for o in outs]
+    got = _greedy(llm)
     return got, served
 
 
@@ -99,14 +104,7 @@ def test_start_up_capture_through_dummy_prefills(arch, tmp_path, monkeypatch):
     real_run = pw._Mixer.run
     monkeypatch.setattr(pw._Mixer, "run",
                         lambda self, n, m: replayed.append(self) or real_run(self, n, m))
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS],
-        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0),
-        use_tqdm=False,
-    )
-    got = [(o.outputs[0].token_ids,
-            [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-           for o in outs]
+    got = _greedy(llm)
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, lp_got), (_, lp_want) in zip(got, want):
         assert max(abs(a - b) for a, b in zip(lp_got, lp_want)) < 1e-4
