@@ -34,10 +34,13 @@ def profile_free_memory(runner, config: EngineConfig) -> int:
     piecewise = runner.piecewise_max_tokens()
     piecewise_bytes = 0
     if piecewise:
-        torch.cuda.reset_peak_memory_stats()
-        runner.profile_run(piecewise)
-        torch.cuda.synchronize()
-        piecewise_bytes = int((torch.cuda.max_memory_allocated() - temp_cache) * _PIECEWISE_MARGIN)
+        piecewise_peak = peak  # the forward above, when it was already that size
+        if piecewise < max_tokens:
+            torch.cuda.reset_peak_memory_stats()
+            runner.profile_run(piecewise)
+            torch.cuda.synchronize()
+            piecewise_peak = torch.cuda.max_memory_allocated()
+        piecewise_bytes = int((piecewise_peak - temp_cache) * _PIECEWISE_MARGIN)
     free, total = torch.cuda.mem_get_info()
     non_torch = (total - free) - torch.cuda.memory_reserved()
     ms.allocate_caches(0, 0)  # drop the temporary cache
