@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -215,6 +215,24 @@ case $what in
       done
     done
     ;;
+  mlp)  # session 11's one-row dispatch (~8 min): the gate_up GEMV with silu-and-mul in its
+    # epilogue and Mamba's in_proj (N >= K, up to 20M) on the GEMV; its GPU tests, GPU parity
+    # at the new defaults, then batch 1 against session 10's rule (KRAIT_GEMV=small) and with
+    # granite's MLP down on the GEMV too (wide), alternating twice; qwen3 with one-tile splits
+    timeout 200 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -p no:cacheprovider 2>&1 \
+      | tail -3 | tee "$LOG/kernels_gemv.log"
+    run_parity; pack
+    for i in 1 2; do
+      for m in granite-4.0-h-micro qwen3-0.6b; do
+        KRAIT_GEMV=small bench_latency $m "_s10rule$i" --batch-sizes 1 --prompt-lens ""
+        bench_latency $m "_default$i" --batch-sizes 1 --prompt-lens ""
+        KRAIT_GEMV=wide bench_latency $m "_wide$i" --batch-sizes 1 --prompt-lens ""
+      done
+      KRAIT_GEMV=small bench_latency mamba2-1.3b "_s10rule$i" --batch-sizes 1 --prompt-lens ""
+      bench_latency mamba2-1.3b "_default$i" --batch-sizes 1 --prompt-lens ""
+    done
+    KRAIT_DECODE_SPLIT_KEYS=64 bench_latency qwen3-0.6b "_splitkeys64" --batch-sizes 1 --prompt-lens ""
+    ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
@@ -234,6 +252,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in gemvwide|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in gemvwide|mlp|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

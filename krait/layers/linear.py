@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from krait.ops.linear import linear, silu_mul_linear
+from krait.ops.linear import linear, silu_mlp
 
 
 class Linear(torch.nn.Linear):
@@ -15,10 +15,6 @@ class Linear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (fused for decode)."""
-        return silu_mul_linear(gate_up, self.weight, self.bias)
 
 
 class MergedLinear(torch.nn.Module):
@@ -39,3 +35,10 @@ class MergedLinear(torch.nn.Module):
         target = self.bias if is_bias else self.weight
         lo = self.offsets[shard]
         target.data[lo : lo + self.out_sizes[shard]].copy_(tensor)
+
+
+def gated_silu_mlp(x: torch.Tensor, gate_up: torch.nn.Module, down: torch.nn.Module
+                   ) -> torch.Tensor:
+    """down(silu_and_mul(gate_up(x))) for layers holding `weight` and `bias`: gate_up's weight
+    [2I, H] (gate rows, then up rows), down's [H, I]; the activation fused for decode."""
+    return silu_mlp(x, gate_up.weight, down.weight, gate_up.bias, down.bias)

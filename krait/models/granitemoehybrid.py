@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from krait.layers.attention import Attention
-from krait.layers.linear import Linear, MergedLinear
+from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp
 from krait.layers.mamba2 import Mamba2Mixer, mixer_weight_name
 from krait.layers.moe import FusedMoE
 from krait.layers.norm import RMSNorm
@@ -69,7 +69,7 @@ class GraniteMLP(torch.nn.Module):
         self.output_linear = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_linear.forward_silu_mul(self.input_linear(x))
+        return gated_silu_mlp(x, self.input_linear, self.output_linear)
 
 
 class GraniteMoE(torch.nn.Module):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from krait.layers.attention import Attention
-from krait.layers.linear import Linear, MergedLinear
+from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.decoder import lm_head_for, pre_norm, run_layers
@@ -55,7 +55,7 @@ class LlamaMLP(torch.nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
+        return gated_silu_mlp(x, self.gate_up_proj, self.down_proj)
 
 
 class LlamaDecoderLayer(torch.nn.Module):

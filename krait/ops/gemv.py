@@ -10,7 +10,9 @@ partials in slice order (deterministic), writes y and resets the counter for the
 launch, no memset, graph-safe.
 
 A prologue may transform the input row as it is loaded: silu(gate) * up (the down projection,
-one launch and no [M, K] intermediate).
+one launch and no [M, K] intermediate). An epilogue may instead finish a merged gate_up
+projection: each program computes its columns' gate and up dots and writes silu(gate) * up (the
+activation without its own launch or an [M, 2I] intermediate).
 
 Measured on the H200 (`scripts/bench_gemv.py`, docs/benchmarks.md) it wins at one row against a
 narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us); which calls come here is
@@ -37,39 +39,18 @@ PLAIN, SILU_MUL = 0, 1
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER_LATE: tl.constexpr,
-):
-    # PDL: the next kernel may launch once every program has triggered. Late (the default since
-    # session 6), after the weight loop; early (KRAIT_PDL_TRIGGER=early, an A/B knob), its
-    # programs can occupy SM slots while this grid still has programs to place
-    if not TRIGGER_LATE:
-        pdl_trigger(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PDL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
+    [k_lo, k_hi). Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded
+    broadcast over N (repeated reads hit L1) so that no layout conversion, and no shared-memory
+    round trip with barriers, sits in the loop; products accumulate elementwise and K is reduced
+    once. The next weight tile is loaded before the current one is used; the first before the
+    wait for the previous kernel (weights are constant: with PDL it streams while that one
+    drains)."""
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    # Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded broadcast over N
-    # (repeated reads hit L1) so that no layout conversion, and no shared-memory round trip
-    # with barriers, sits in the loop; products accumulate elementwise and K is reduced once.
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # [1, BLOCK_N, 1]
-    bcast_n = 0 * offs_n[None, :, None]
-    x_rows = x_ptr + offs_m[:, None, None] * stride_xm + bcast_n  # [M, N, 1]
-    w_ok = n_ok[None, :, None]
-    x_ok = m_ok[:, None, None] & w_ok
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # the next weight tile is loaded before the current one is used; the first before the wait
-    # for the previous kernel (weights are constant: with PDL it streams while that one drains)
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
@@ -87,28 +68,90 @@ def _gemv_kernel(
         w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
         acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
         w = w_next
+    return tl.sum(acc3, axis=2)
+
+
+@triton.jit
+def _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS: tl.constexpr,
+            EPILOGUE: tl.constexpr):
+    """The output tile in dtype dt: acc (+ bias), or with the SILU_MUL epilogue
+    silu(gate) * up of the two halves, each rounded to dt first as a separate gate_up GEMM and
+    silu_and_mul would."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if EPILOGUE != 0:
+            acc_up += tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if EPILOGUE == 0:
+        return acc.to(dt)
+    g = acc.to(dt).to(tl.float32)
+    return (g / (1.0 + tl.exp(-g)) * acc_up.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    TRIGGER_LATE: tl.constexpr, EPILOGUE: tl.constexpr = 0,
+):
+    """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
+    y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
+    same up rows."""
+    # PDL: the next kernel may launch once every program has triggered. Late (the default since
+    # session 6), after the weight loop; early (KRAIT_PDL_TRIGGER=early, an A/B knob), its
+    # programs can occupy SM slots while this grid still has programs to place
+    if not TRIGGER_LATE:
+        pdl_trigger(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # [1, BLOCK_N, 1]
+    bcast_n = 0 * offs_n[None, :, None]
+    x_rows = x_ptr + offs_m[:, None, None] * stride_xm + bcast_n  # [M, N, 1]
+    w_ok = n_ok[None, :, None]
+    x_ok = m_ok[:, None, None] & w_ok
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
+                    BLOCK_M, BLOCK_N, BLOCK_K, PDL)  # [M, N]
+    acc_up = acc
+    if EPILOGUE != 0:
+        up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
+        acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PDL)
     if TRIGGER_LATE:
         pdl_trigger(PDL)
-    acc = tl.sum(acc3, axis=2)  # [M, N]
     mn_ok = m_ok[:, None] & n_ok[None, :]
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    dt = y_ptr.dtype.element_ty
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mn_ok)
+        tl.store(out, _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE),
+                 mask=mn_ok)
     else:
-        # partials [SPLIT_K, M, N] in float32
-        part = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part + pid_k * M * N, acc, mask=mn_ok)
-        arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: orders the store above
+        # partials [SPLIT_K, M, W] in float32, W = N (the up half beside the gate's: 2N)
+        width = N if EPILOGUE == 0 else 2 * N
+        part = part_ptr + offs_m[:, None] * width + offs_n[None, :]
+        tl.store(part + pid_k * M * width, acc, mask=mn_ok)
+        if EPILOGUE != 0:
+            tl.store(part + pid_k * M * width + N, acc_up, mask=mn_ok)
+        arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: orders the stores above
         if arrived == SPLIT_K - 1:  # the last slice of this tile to finish sums them all
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(SPLIT_K):
-                total += tl.load(part + s * M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                total += tl.load(part + s * M * width, mask=mn_ok, other=0.0,
+                                 cache_modifier=".cg")
+                if EPILOGUE != 0:
+                    total_up += tl.load(part + s * M * width + N, mask=mn_ok, other=0.0,
+                                        cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mn_ok)
+            tl.store(out, _finish(total, total_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS,
+                                  EPILOGUE), mask=mn_ok)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -143,21 +186,29 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
 
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-                config: dict[str, int] | None = None, silu_mul: bool = False) -> Tensor:
+                config: dict[str, int] | None = None, silu_mul: bool = False,
+                silu_mul_out: bool = False) -> Tensor:
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
     With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
-    silu_and_mul: one launch and no [M, K] intermediate)."""
+    silu_and_mul: one launch and no [M, K] intermediate). With `silu_mul_out`, weight is
+    [2N, K] = [gate; up] (a merged gate_up projection) and the output [M, N] is
+    silu_and_mul of the projection's [M, 2N] (no [M, 2N] intermediate, no activation launch)."""
     prologue, k = (SILU_MUL, x.shape[1] // 2) if silu_mul else (PLAIN, x.shape[1])
-    m, n = x.shape[0], weight.shape[0]
+    m, rows = x.shape[0], weight.shape[0]
+    n = rows // 2 if silu_mul_out else rows
     if weight.shape[1] != k:
         raise ValueError(f"gemv_triton: weight is [N, {weight.shape[1]}], input gives K={k}")
+    if silu_mul_out and rows % 2:
+        raise ValueError(f"gemv_triton: a gate_up weight needs an even row count, got {rows}")
     if m > MAX_M:
         raise ValueError(f"gemv_triton serves at most {MAX_M} rows, got {m}")
     x = _rowwise(x)
     # PDL reads the weight before waiting for earlier kernels: only a parameter, never a copy
     pdl = use_pdl(x) and weight.stride(-1) == 1
     weight = _rowwise(weight)
-    cfg = dict(config or default_config(m, n, k, _num_sms(x.device)))
+    # each program of the epilogue streams its tile's gate rows and up rows: sized as a tile of
+    # twice the rows
+    cfg = dict(config or default_config(m, rows, k, _num_sms(x.device)))
     tiles = cdiv(n, cfg["BLOCK_N"])
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
@@ -168,7 +219,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     split = cfg["SPLIT_K"]
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     if split > 1:
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+        part = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)  # [S, M, W]
         counters = arrival_counters(_COUNTERS, x.device, tiles)
     else:
         part = counters = y
@@ -177,6 +228,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
         TRIGGER_LATE=pdl and env("KRAIT_PDL_TRIGGER") != "early",
+        EPILOGUE=SILU_MUL if silu_mul_out else PLAIN,
         **pdl_args(pdl), **cfg,
     )
     return y

@@ -1,6 +1,7 @@
 """Which decode projections go to the GEMV (krait/ops/gemv.py) and which to cuBLAS: `linear`,
-and `silu_mul_linear` (silu_and_mul fused into the GEMV's prologue). Both fall back to the
-torch ops, so callers never check the conditions themselves."""
+`silu_mul_linear` (silu_and_mul fused into the GEMV's prologue) and `silu_mlp` (a gated MLP,
+its activation in the gate_up GEMV's epilogue). All fall back to the torch ops, so callers never
+check the conditions themselves."""
 
 from __future__ import annotations
 
@@ -17,8 +18,13 @@ from krait.ops.gemv import MAX_M, gemv_triton
 # lm_heads (100M+) stay on cuBLAS
 ROW_GEMV_MAX_ELEMENTS = 20 << 20
 # the default rule's bound (session 6: with the late PDL trigger, every one-row projection up to
-# this size through the GEMV; granite's 17M in_proj and down lost there)
+# this size through the GEMV; granite's 17M in_proj and down lost there); weights with at least
+# as many rows as columns (Mamba's in_proj) go up to ROW_GEMV_MAX_ELEMENTS (session 11: mamba2
+# batch 1 -4% with its 17M in_proj on the GEMV, granite's 17M down lost 4 us a layer)
 ROW_GEMV_DEFAULT_MAX_ELEMENTS = 8 << 20
+# gate_up weights up to this size take the GEMV with the activation in its epilogue (granite's
+# 33.5M, llama-3.2-1b's 33.5M; each program streams its columns' gate rows and up rows)
+GATE_UP_GEMV_MAX_ELEMENTS = 64 << 20
 
 
 def _gemv_allowed(x: Tensor) -> bool:
@@ -30,12 +36,13 @@ def _gemv_allowed(x: Tensor) -> bool:
 
 def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     """A plain projection through the GEMV? KRAIT_GEMV=1: every call with M <= 8; =0: never;
-    unset: one row against a weight of at most 8M elements. With the GEMV's PDL trigger after
-    its weight loop (the default since session 6) this made qwen3's batch-1 step 8% faster on
-    the H200 (1.11-1.14 vs 1.22-1.25 ms: its qkv and gate_up join o and down). The A/B rules:
-    KRAIT_GEMV=narrow (session 5's default: only N <= K/2, at most 8M), =wide (at most 20M:
-    granite's in_proj and down too, 6% slower there). With more rows the GEMV re-reads W per
-    row tile and loses."""
+    unset: one row against a weight of at most 8M elements, or of at most 20M with N >= K. With
+    the GEMV's PDL trigger after its weight loop (the default since session 6) the 8M rule made
+    qwen3's batch-1 step 8% faster on the H200 (1.11-1.14 vs 1.22-1.25 ms: its qkv and gate_up
+    join o and down); the N >= K widening took mamba2's batch 1 from 1.442 to 1.384 ms (graph,
+    session 11). The A/B rules: KRAIT_GEMV=narrow (session 5's default: only N <= K/2, at most
+    8M), =small (session 6's: at most 8M, any shape), =wide (at most 20M, any shape: granite's
+    down too, 5% slower there). With more rows the GEMV re-reads W per row tile and loses."""
     if not _gemv_allowed(x):
         return False
     mode = env("KRAIT_GEMV")
@@ -48,7 +55,9 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
         return weight.numel() <= ROW_GEMV_MAX_ELEMENTS
     if mode == "narrow":
         return 2 * n <= k and n * k <= ROW_GEMV_DEFAULT_MAX_ELEMENTS
-    return n * k <= ROW_GEMV_DEFAULT_MAX_ELEMENTS
+    if n * k <= ROW_GEMV_DEFAULT_MAX_ELEMENTS:
+        return True
+    return mode != "small" and n >= k and n * k <= ROW_GEMV_MAX_ELEMENTS
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -64,3 +73,27 @@ def silu_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     if _use_gemv(x, weight):
         return gemv_triton(x, weight, bias, silu_mul=True)
     return F.linear(silu_and_mul(x), weight, bias)
+
+
+def _use_gate_up_epilogue(x: Tensor, gate_up: Tensor) -> bool:
+    """A gated MLP's activation in the gate_up GEMV's epilogue? One row (any row count up to 8
+    with KRAIT_GEMV=1) against a gate_up of at most GATE_UP_GEMV_MAX_ELEMENTS, unless
+    KRAIT_MLP_EPILOGUE=0 (the activation then rides in the down projection's prologue, or in
+    its own launch) or KRAIT_GEMV is narrow or small (the rules before session 11)."""
+    if not _gemv_allowed(x) or env("KRAIT_MLP_EPILOGUE") == "0":
+        return False
+    mode = env("KRAIT_GEMV")
+    if mode in ("narrow", "small"):
+        return False
+    return (x.shape[0] == 1 or mode == "1") and gate_up.numel() <= GATE_UP_GEMV_MAX_ELEMENTS
+
+
+def silu_mlp(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None = None,
+             down_bias: Tensor | None = None) -> Tensor:
+    """down(silu_and_mul(gate_up(x))): x [T, H], gate_up [2I, H] (the gate's rows, then the
+    up's), down [H, I] -> [T, H]. Decode rows `_use_gate_up_epilogue` picks run the gate_up
+    GEMV with the activation in its epilogue, then `linear`; the rest `silu_mul_linear`."""
+    if _use_gate_up_epilogue(x, gate_up):
+        act = gemv_triton(x, gate_up, gate_up_bias, silu_mul_out=True)  # [T, I]
+        return linear(act, down, down_bias)
+    return silu_mul_linear(linear(x, gate_up, gate_up_bias), down, down_bias)

@@ -116,20 +116,80 @@ def test_default_dispatch_takes_one_row_against_a_small_weight(monkeypatch):
     assert len(calls) == 2
     linear(torch.ones(2, 64), narrow)  # two rows: cuBLAS
     assert len(calls) == 2
-    # over 8M elements (qwen3's lm_head, mamba2's in_proj): cuBLAS (views: no memory behind)
-    big = torch.zeros(1, 64).expand((8 << 20) // 64 + 1, 64)
-    linear(torch.ones(1, 64), big)
-    assert len(calls) == 2
+    # over 8M elements with N >= K (mamba2's in_proj): the GEMV up to 20M; with N < K (granite's
+    # MLP down) cuBLAS (views: no memory behind)
+    tall = torch.zeros(1, 64).expand((8 << 20) // 64 + 1, 64)
+    flat = torch.zeros(1, (8 << 20) // 64 + 1).expand(64, (8 << 20) // 64 + 1)
+    linear(torch.ones(1, 64), tall)
+    assert len(calls) == 3
+    linear(torch.ones(1, flat.shape[1]), flat)
+    assert len(calls) == 3
+    head = torch.zeros(1, 64).expand(ROW_GEMV_MAX_ELEMENTS // 64 + 1, 64)  # an lm_head
+    linear(torch.ones(1, 64), head)
+    assert len(calls) == 3
+    monkeypatch.setenv("KRAIT_GEMV", "small")  # session 6's rule: at most 8M, any shape
+    linear(torch.ones(1, 64), tall)
+    linear(torch.ones(1, 24), wide)
+    assert len(calls) == 4
     monkeypatch.setenv("KRAIT_GEMV", "narrow")  # session 5's rule: N <= K/2 only
     linear(torch.ones(1, 64), narrow)
     linear(torch.ones(1, 24), wide)
-    assert len(calls) == 3
-    monkeypatch.setenv("KRAIT_GEMV", "wide")  # up to 20M elements
-    linear(torch.ones(1, 64), big)
-    assert len(calls) == 4
-    head = torch.zeros(1, 64).expand(ROW_GEMV_MAX_ELEMENTS // 64 + 1, 64)
+    assert len(calls) == 5
+    monkeypatch.setenv("KRAIT_GEMV", "wide")  # up to 20M elements, any shape
+    linear(torch.ones(1, 64), tall)
+    linear(torch.ones(1, flat.shape[1]), flat)
+    assert len(calls) == 7
     linear(torch.ones(1, 64), head)
-    assert len(calls) == 4
+    assert len(calls) == 7
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_gate_up_epilogue_matches_projection_then_silu_and_mul(split, bias):
+    x, w, b = _inputs(3, 2 * 20, 300, seed=21 + split, bias=bias)  # gate_up [2I, K], I = 20
+    want = silu_and_mul_ref(F.linear(x, w, b))  # [M, I]
+    cfg = dict(BLOCK_M=4, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    for _ in range(2):  # the second launch finds the counters back at zero
+        got = gemv_triton(x, w, b, config=cfg, silu_mul_out=True)
+        assert got.shape == (3, 20)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="even row count"):
+        gemv_triton(x, w[:39], silu_mul_out=True)
+
+
+def test_gemv_gate_up_epilogue_rounds_each_half_as_the_unfused_path_bf16():
+    x, w, _ = _inputs(1, 2 * 48, 256, torch.bfloat16, seed=5)
+    got = gemv_triton(x, w, silu_mul_out=True)
+    want = silu_and_mul_ref(F.linear(x.float(), w.float()).to(torch.bfloat16))
+    assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+
+
+def test_silu_mlp_dispatch(monkeypatch):
+    from krait.ops import linear as linear_mod
+    from krait.ops.linear import silu_mlp
+
+    x, gu, b = _inputs(1, 2 * 24, 48, seed=8, bias=True)  # [1, H], [2I, H]
+    _, down, db = _inputs(1, 48, 24, seed=9, bias=True)  # [H, I]
+    want = F.linear(silu_and_mul_ref(F.linear(x, gu, b)), down, db)
+    torch.testing.assert_close(silu_mlp(x, gu, down, b, db), want)  # reference path
+    calls = []
+    real = linear_mod.gemv_triton
+    monkeypatch.setattr(linear_mod, "gemv_triton",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.delenv("KRAIT_GEMV", raising=False)
+    torch.testing.assert_close(silu_mlp(x, gu, down, b, db), want, atol=1e-4, rtol=1e-4)
+    assert calls[0] == {"silu_mul_out": True} and len(calls) == 2  # gate_up, then down
+    calls.clear()
+    monkeypatch.setenv("KRAIT_MLP_EPILOGUE", "0")  # the activation in down's prologue
+    torch.testing.assert_close(silu_mlp(x, gu, down, b, db), want, atol=1e-4, rtol=1e-4)
+    assert {"silu_mul": True} in calls and all("silu_mul_out" not in c for c in calls)
+    calls.clear()
+    monkeypatch.delenv("KRAIT_MLP_EPILOGUE")
+    x2 = torch.cat([x, x])  # two rows: cuBLAS and the activation kernel
+    torch.testing.assert_close(silu_mlp(x2, gu, down, b, db), torch.cat([want, want]),
+                               atol=1e-4, rtol=1e-4)
+    assert calls == []
 
 
 @pytest.mark.gpu
@@ -141,3 +201,15 @@ def test_gemv_real_sizes_gpu(m, n, k):
     ref = F.linear(x.float(), w.float())
     assert ((y.float() - ref).norm() / ref.norm()) < 1e-2
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inter,hidden", [(3072, 1024), (8192, 2048)])  # qwen3, granite-micro
+def test_gemv_gate_up_epilogue_real_sizes_gpu(dtype, inter, hidden):
+    x, w, _ = (t.cuda() if t is not None else None
+               for t in _inputs(1, 2 * inter, hidden, dtype, seed=inter))
+    y = gemv_triton(x, w, silu_mul_out=True)  # [1, I]
+    ref = silu_and_mul_ref(F.linear(x.float(), w.float()))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert ((y.float() - ref).norm() / ref.norm()) < tol

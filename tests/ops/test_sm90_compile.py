@@ -13,7 +13,7 @@ BF, F32, I32 = "*bf16", "*fp32", "*i32"
 
 
 GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32)
-GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False)
+GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, EPILOGUE=0)
 
 
 @pytest.mark.parametrize("pdl,late", [(False, False), (True, False), (True, True)])
@@ -25,6 +25,17 @@ def test_gemv_compiles_without_spills(pdl, late):
     # the weight streams in 16-byte loads; with PDL the kernel waits for the previous one
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
     assert r["pdl"] == pdl
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_gemv_gate_up_epilogue_compiles_without_spills(split):
+    from krait.ops.gemv import PLAIN, SILU_MUL
+
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
+        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=PLAIN, EPILOGUE=SILU_MUL, PDL=True,
+        TRIGGER_LATE=True), num_warps=8)
+    assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
+    assert r["pdl"] and r["regs"] <= 128, r
 
 
 def test_pdl_kernels_compile():
