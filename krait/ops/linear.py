@@ -12,18 +12,20 @@ from krait.ops._dispatch import env, use_triton
 from krait.ops.activation import silu_and_mul
 from krait.ops.gemv import MAX_M, gemv_triton
 
-# one-row calls up to this many weight elements go to the GEMV with KRAIT_GEMV=wide: with the
-# one-row config of session 4 it beat cuBLAS at every projection shape up to 17M elements in
-# isolation on the H200 (docs/benchmarks.md, run 10) and lost at granite's gate_up (32M);
-# lm_heads (100M+) stay on cuBLAS
+# one-row calls up to this many weight elements go to the GEMV: every projection of the
+# benchmarked models but granite's gate_up (33.5M, which takes the GEMV with its activation
+# epilogue: GATE_UP_GEMV_MAX_ELEMENTS); lm_heads (100M+) stay on cuBLAS. Session 11 on the H200,
+# batch 1 graph ms against session 10's 8M bound: mamba2 1.442 -> 1.385 (its 17M in_proj),
+# granite-micro 2.682 -> 2.565 with the MLP epilogue (its in_proj and MLP down)
 ROW_GEMV_MAX_ELEMENTS = 20 << 20
-# the default rule's bound (session 6: with the late PDL trigger, every one-row projection up to
-# this size through the GEMV; granite's 17M in_proj and down lost there); weights with at least
-# as many rows as columns (Mamba's in_proj) go up to ROW_GEMV_MAX_ELEMENTS (session 11: mamba2
-# batch 1 -4% with its 17M in_proj on the GEMV, granite's 17M down lost 4 us a layer)
-ROW_GEMV_DEFAULT_MAX_ELEMENTS = 8 << 20
+# session 6's bound (KRAIT_GEMV=small): with the late PDL trigger every one-row projection up
+# to this size; granite's 17M in_proj and down lost then, the down with silu-and-mul in its
+# prologue (8 redundant exps per input element)
+ROW_GEMV_SMALL_MAX_ELEMENTS = 8 << 20
 # gate_up weights up to this size take the GEMV with the activation in its epilogue (granite's
-# 33.5M, llama-3.2-1b's 33.5M; each program streams its columns' gate rows and up rows)
+# 33.5M, llama-3.2-1b's 33.5M; each program streams its columns' gate rows and up rows).
+# Session 11, batch 1 graph ms: qwen3 1.013 -> 0.958, granite-micro 2.682 -> 2.605 (down still
+# on cuBLAS) -> 2.565 (down on the GEMV too)
 GATE_UP_GEMV_MAX_ELEMENTS = 64 << 20
 
 
@@ -36,13 +38,9 @@ def _gemv_allowed(x: Tensor) -> bool:
 
 def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     """A plain projection through the GEMV? KRAIT_GEMV=1: every call with M <= 8; =0: never;
-    unset: one row against a weight of at most 8M elements, or of at most 20M with N >= K. With
-    the GEMV's PDL trigger after its weight loop (the default since session 6) the 8M rule made
-    qwen3's batch-1 step 8% faster on the H200 (1.11-1.14 vs 1.22-1.25 ms: its qkv and gate_up
-    join o and down); the N >= K widening took mamba2's batch 1 from 1.442 to 1.384 ms (graph,
-    session 11). The A/B rules: KRAIT_GEMV=narrow (session 5's default: only N <= K/2, at most
-    8M), =small (session 6's: at most 8M, any shape), =wide (at most 20M, any shape: granite's
-    down too, 5% slower there). With more rows the GEMV re-reads W per row tile and loses."""
+    unset: one row against a weight of at most ROW_GEMV_MAX_ELEMENTS. The A/B rules:
+    KRAIT_GEMV=narrow (session 5's default: only N <= K/2, at most 8M), =small (session 6's:
+    at most 8M). With more rows the GEMV re-reads W per row tile and loses."""
     if not _gemv_allowed(x):
         return False
     mode = env("KRAIT_GEMV")
@@ -51,13 +49,11 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     if x.shape[0] != 1:
         return False
     n, k = weight.shape
-    if mode == "wide":
-        return weight.numel() <= ROW_GEMV_MAX_ELEMENTS
     if mode == "narrow":
-        return 2 * n <= k and n * k <= ROW_GEMV_DEFAULT_MAX_ELEMENTS
-    if n * k <= ROW_GEMV_DEFAULT_MAX_ELEMENTS:
-        return True
-    return mode != "small" and n >= k and n * k <= ROW_GEMV_MAX_ELEMENTS
+        return 2 * n <= k and n * k <= ROW_GEMV_SMALL_MAX_ELEMENTS
+    if mode == "small":
+        return n * k <= ROW_GEMV_SMALL_MAX_ELEMENTS
+    return n * k <= ROW_GEMV_MAX_ELEMENTS
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
