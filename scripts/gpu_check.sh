@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -233,6 +233,20 @@ case $what in
     done
     KRAIT_DECODE_SPLIT_KEYS=64 bench_latency qwen3-0.6b "_splitkeys64" --batch-sizes 1 --prompt-lens ""
     ;;
+  prefillgraphs)  # whole-forward graphs for one-prefill-row steps (KRAIT_PREFILL_GRAPHS=1,
+    # session 11; ~4 min): their GPU tests, then one-request prefill of qwen3 and mamba2 with
+    # and without them (piecewise graphs on in both arms, all captured at start-up)
+    timeout 110 python3 -m pytest -q -m gpu tests/runner/test_prefill_graphs.py -p no:cacheprovider 2>&1 \
+      | tail -5 | tee "$LOG/kernels_prefill_graphs.log"
+    pack
+    for m in ${MODELS:-qwen3-0.6b mamba2-1.3b}; do
+      KRAIT_PREFILL_GRAPHS=1 bench_latency $m "_prefillgraphs" --batch-sizes 1 --prompt-lens 128,512,2048 \
+        --max-num-seqs 8 --num-steps 4
+      grep -h -E "memory:|captured p" "$LOG/lat_${m}_prefillgraphs.err"
+      bench_latency $m "_piecewise" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 8 \
+        --num-steps 4
+    done
+    ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
@@ -252,6 +266,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in gemvwide|mlp|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in gemvwide|mlp|prefillgraphs|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

@@ -34,20 +34,27 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes), reverse=True)
 
 
-def _copy_tensors(dst, src) -> None:
-    """Copies every tensor reachable through dataclass fields of src into dst's, except those
-    already built in dst's memory. A block table narrower than the captured one fills its
-    leading columns: the kernels read no column past a row's length."""
+def copy_tensors(dst, src) -> None:
+    """Copies every tensor reachable through dataclass fields (and tuples of tensors in them)
+    of src into dst's, except those already built in dst's memory. A block table narrower than
+    the captured one fills its leading columns: the kernels read no column past a row's
+    length."""
     for f in dataclasses.fields(dst):
-        d, s = getattr(dst, f.name), getattr(src, f.name)
-        if isinstance(d, torch.Tensor):
-            if s.data_ptr() == d.data_ptr():
-                continue
-            if d.shape != s.shape and d.dim() == 2 and s.shape[0] == d.shape[0]:
-                d = d[:, : s.shape[1]]
-            d.copy_(s)
-        elif dataclasses.is_dataclass(d):
-            _copy_tensors(d, s)
+        _copy_value(getattr(dst, f.name), getattr(src, f.name))
+
+
+def _copy_value(d, s) -> None:
+    if isinstance(d, torch.Tensor):
+        if s.data_ptr() == d.data_ptr():
+            return
+        if d.shape != s.shape and d.dim() == 2 and s.shape[0] == d.shape[0]:
+            d = d[:, : s.shape[1]]
+        d.copy_(s)
+    elif isinstance(d, tuple):
+        for a, b in zip(d, s, strict=True):
+            _copy_value(a, b)
+    elif dataclasses.is_dataclass(d):
+        copy_tensors(d, s)
 
 
 class _Graph:
@@ -164,7 +171,7 @@ class CudaGraphRunner:
         if batch.input_ids.data_ptr() != g.batch.input_ids.data_ptr():
             g.batch.input_ids.copy_(batch.input_ids)
             g.batch.positions.copy_(batch.positions)
-        _copy_tensors(g.meta, meta)
+        copy_tensors(g.meta, meta)
         if g.graph is None:  # record=False
             g.logits, g.greedy = self._body(g.batch, g.meta)
         else:

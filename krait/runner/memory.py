@@ -7,6 +7,7 @@ import logging
 import torch
 
 from krait.config import EngineConfig
+from krait.runner.prefill_graphs import prefill_graphs_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -15,6 +16,9 @@ _RESERVE_BYTES = 1 << 30
 # the pool over the activation peak of one eager forward at its largest bucket: measured 3.0x
 # and 3.7x (qwen3-0.6b 182 MiB for 61, granite-4.0-h-tiny 318 MiB for 87; session 10, H200)
 _PIECEWISE_MARGIN = 4.0
+# with the prefill graphs (KRAIT_PREFILL_GRAPHS=1) in the same pool: one more forward's
+# activations (their own outputs and whatever their captures keep apart from the pieces')
+_PREFILL_GRAPHS_MARGIN = 1.0
 
 
 def profile_free_memory(runner, config: EngineConfig) -> int:
@@ -40,7 +44,8 @@ def profile_free_memory(runner, config: EngineConfig) -> int:
             runner.profile_run(piecewise)
             torch.cuda.synchronize()
             piecewise_peak = torch.cuda.max_memory_allocated()
-        piecewise_bytes = int((piecewise_peak - temp_cache) * _PIECEWISE_MARGIN)
+        margin = _PIECEWISE_MARGIN + (_PREFILL_GRAPHS_MARGIN if prefill_graphs_enabled() else 0)
+        piecewise_bytes = int((piecewise_peak - temp_cache) * margin)
     free, total = torch.cuda.mem_get_info()
     non_torch = (total - free) - torch.cuda.memory_reserved()
     ms.allocate_caches(0, 0)  # drop the temporary cache

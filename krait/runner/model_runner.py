@@ -23,6 +23,7 @@ from krait.runner.piecewise_graphs import (
     piecewise_enabled,
     piecewise_max_tokens_knob,
 )
+from krait.runner.prefill_graphs import PrefillGraphs, prefill_graphs_enabled
 from krait.runner.request_states import RequestStates
 from krait.runner.sampler import Sampler, SamplerOutput, SamplingRow, build_sampling_metadata
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.num_slots = 0
         self.cuda_graphs = None  # CudaGraphRunner once captured
         self.piecewise = None  # PiecewiseGraphs for eager steps (KRAIT_PIECEWISE_GRAPHS=0: off)
+        self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps (KRAIT_PREFILL_GRAPHS)
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -80,6 +82,10 @@ class ModelRunner:
         if tokens:
             self.piecewise = PiecewiseGraphs(self.model, tokens, self.device)
             self._capture_piecewise()
+            if prefill_graphs_enabled() and self.model_state.num_accepted_tokens is None:
+                self.prefill_graphs = PrefillGraphs(self, self.piecewise.buckets,
+                                                    pool=self.piecewise.pool)
+                self.prefill_graphs.capture_all()
 
     def piecewise_max_tokens(self) -> int:
         """The largest eager step piecewise graphs serve: 0 when off (KRAIT_PIECEWISE_GRAPHS=0,
@@ -235,8 +241,12 @@ class ModelRunner:
             n = batch.num_reqs
             # the graph wrote the greedy tokens into the device token table already
             return self._sample_and_update(batch, logits[:n], greedy[:n], self.tables is not None)
+        # a lone prefill row: its tokens padded to a captured prefill graph's bucket
+        padded = (self.prefill_graphs.bucket_for(num_scheduled, num_prefills)
+                  if self.prefill_graphs is not None else None)
         batch = build_input_batch(
-            self.states, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables
+            self.states, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables,
+            num_tokens_padded=padded,
         )
         hidden = self.forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -290,6 +300,8 @@ class ModelRunner:
 
     def forward(self, batch: InputBatch) -> torch.Tensor:
         meta = self.model_state.prepare_attn(batch, for_capture=False)
+        if self.prefill_graphs is not None and self.prefill_graphs.serves(batch):
+            return self.prefill_graphs.run(batch, meta)
         if self.piecewise is not None:
             hidden = self.piecewise.run(batch.input_ids, batch.positions, batch.num_tokens, meta)
             if hidden is not None:

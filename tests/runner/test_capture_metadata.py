@@ -46,7 +46,7 @@ def test_replay_copy_fills_leading_block_table_columns():
     import torch
 
     from krait.runner.attention_metadata import AttentionMetadata
-    from krait.runner.cuda_graphs import _copy_tensors
+    from krait.runner.cuda_graphs import copy_tensors
 
     def meta(width: int, fill: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -59,7 +59,7 @@ def test_replay_copy_fills_leading_block_table_columns():
         )
 
     captured, step = meta(6, 0), meta(2, 7)
-    _copy_tensors(captured, step)
+    copy_tensors(captured, step)
     assert captured.block_table[:, :2].eq(7).all() and captured.block_table[:, 2:].eq(0).all()
     assert captured.seq_lens.eq(7).all() and captured.slot_mapping.eq(7).all()
     assert captured.max_seq_len == 8  # ints stay as captured

@@ -14,7 +14,7 @@ from krait import LLM
 from krait.engine.kv_cache_manager import cdiv
 from krait.ops.prepare_inputs import prepare_inputs_ref, prepare_inputs_triton
 from krait.ops.write_tokens import write_tokens_ref, write_tokens_triton
-from krait.runner.cuda_graphs import _copy_tensors
+from krait.runner.cuda_graphs import copy_tensors
 from krait.runner.device_tables import DeviceTables
 from krait.runner.input_batch import build_input_batch
 from krait.runner.request_states import RequestStates
@@ -109,7 +109,7 @@ def test_hybrid_metadata_into_captured_and_copy_skips_own_memory(tmp_path):
     assert meta.mamba.state_indices.data_ptr() == captured.mamba.state_indices.data_ptr()
     assert captured.mamba.state_indices.tolist() == [int(states.state_slots[i, 0]), -1, -1, -1]
     before = captured.mamba.state_indices.clone()
-    _copy_tensors(captured, meta)  # nothing to copy for the Mamba part; attention is copied
+    copy_tensors(captured, meta)  # nothing to copy for the Mamba part; attention is copied
     assert torch.equal(captured.mamba.state_indices, before)
     assert torch.equal(captured.attn.seq_lens, meta.attn.seq_lens)
     states.remove("x")

@@ -125,10 +125,12 @@ class MambaHybridModelState(DefaultModelState):
             from krait.ops.causal_conv1d import token_to_seq
             from krait.ops.mamba_ssd import chunk_layout
 
-            meta.prefill_token_seq = token_to_seq(meta.prefill_query_start_loc, num_prefill_tokens)
+            # sized for the padded tokens (a prefill graph's bucket: those past the last row
+            # are in no sequence and no chunk), so that one layout serves every step of a bucket
+            padded = batch.num_tokens_padded - num_decode_tokens
+            meta.prefill_token_seq = token_to_seq(meta.prefill_query_start_loc, padded)
             meta.prefill_chunk_layout = chunk_layout(
-                meta.prefill_query_start_loc, meta.prefill_state_indices, self.chunk_size,
-                num_prefill_tokens,
+                meta.prefill_query_start_loc, meta.prefill_state_indices, self.chunk_size, padded,
             )
         if self.num_accepted_tokens is not None:
             meta.num_accepted_tokens = self.num_accepted_tokens

@@ -1,0 +1,141 @@
+"""Whole-forward graphs for steps of one prefill row (krait/runner/prefill_graphs.py). On the
+CPU with record=False: each lone prefill (and each chunk of one) runs the padded forward over the
+captured tensors, the step's inputs and metadata copied in, and gives the same tokens and
+logprobs as the plain forward, dense and hybrid, through the torch references and through the
+Triton kernels (interpreted). Steps with more rows, or with a decode row, never take them. The
+capture and replay themselves need a GPU (the `gpu` test, `gpu_check.sh prefillgraphs`)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from krait import LLM, SamplingParams
+from krait.runner.prefill_graphs import PrefillGraphs, prefill_graphs_enabled
+from tests.utils import make_tiny_hybrid, make_tiny_llama
+
+PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 50))]
+
+
+def _model(tmp_path, arch: str) -> str:
+    return (make_tiny_llama(tmp_path / arch, arch="qwen3") if arch == "qwen3"
+            else make_tiny_hybrid(tmp_path / arch, arch))
+
+
+def _one_by_one(llm: LLM, prompts=PROMPTS, max_tokens: int = 5
+                ) -> list[tuple[list[int], list[float]]]:
+    """Each prompt alone (every prefill step has one row): greedy tokens and their logprobs."""
+    got = []
+    for p in prompts:
+        (o,) = llm.generate([{"prompt_token_ids": p}], SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0),
+            use_tqdm=False)
+        c = o.outputs[0]
+        got.append((c.token_ids, [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)]))
+    return got
+
+
+def _close(got, want) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+@pytest.mark.parametrize("arch,chunk", [
+    (arch, chunk) for arch in ("qwen3", "granitemoehybrid", "mamba2", "nemotronh")
+    for chunk in (None, 7)] + [("granitemoehybrid+triton", 7)])
+def test_padded_prefill_graph_forward_matches_the_plain_one(arch, chunk, tmp_path, monkeypatch):
+    prompts, new = PROMPTS, 5
+    if arch.endswith("+triton"):  # the GPU's kernels (interpreted) over the padded tokens
+        arch = arch.removesuffix("+triton")
+        monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+        prompts, new = PROMPTS[1:2], 2  # interpreted kernels are slow: one prompt, 3 chunks
+    d = _model(tmp_path, arch)
+    args = {"max_num_batched_tokens": chunk} if chunk else {}
+    want = _one_by_one(LLM(d, device="cpu", dtype="float32", **args), prompts, new)
+    llm = LLM(d, device="cpu", dtype="float32", **args)
+    runner = llm.llm_engine.runner
+    runner.prefill_graphs = graphs = PrefillGraphs(runner, [16, 32, 64], record=False)
+    graphs.capture_all()
+    assert sorted(graphs.graphs) == [16, 32, 64]
+    served = []
+    real_run = graphs.run
+    graphs.run = lambda batch, meta: served.append(
+        (batch.num_tokens, batch.num_tokens_padded)) or real_run(batch, meta)
+    got = _one_by_one(llm, prompts, new)
+    _close(got, want)
+    # every prefill step (each chunk with max_num_batched_tokens=7) was served, padded to the
+    # smallest bucket that holds it; decode steps were not
+    lens = [len(p) for p in prompts]
+    steps = ([min(7, n - i) for n in lens for i in range(0, n, 7)] if chunk else lens)
+    assert [n for n, _ in served] == steps
+    assert all(b == next(x for x in (16, 32, 64) if x >= n) for n, b in served)
+
+
+def test_only_lone_prefill_rows_take_them(tmp_path):
+    d = _model(tmp_path, "granitemoehybrid")
+    llm = LLM(d, device="cpu", dtype="float32")
+    runner = llm.llm_engine.runner
+    runner.prefill_graphs = graphs = PrefillGraphs(runner, [16, 32, 64], record=False)
+    graphs.capture_all()
+    assert graphs.bucket_for([20], 1) == 32
+    assert graphs.bucket_for([65], 1) is None  # past the largest bucket
+    assert graphs.bucket_for([1], 0) is None  # a decode row
+    assert graphs.bucket_for([3, 20], 2) is None  # two prefill rows
+    assert graphs.bucket_for([1, 20], 1) is None  # a decode row beside the prefill
+    served = []
+    real_run = graphs.run
+    graphs.run = lambda batch, meta: served.append(batch.num_reqs) or real_run(batch, meta)
+    # three prompts at once: their first step holds three rows
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs) == 3 and served == []
+
+
+def test_buckets_stop_below_max_model_len(tmp_path):
+    d = _model(tmp_path, "qwen3")
+    llm = LLM(d, device="cpu", dtype="float32", max_model_len=40)
+    runner = llm.llm_engine.runner
+    assert PrefillGraphs(runner, [16, 32, 64], record=False).buckets == [16, 32]
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("KRAIT_PREFILL_GRAPHS", raising=False)
+    assert not prefill_graphs_enabled()
+    monkeypatch.setenv("KRAIT_PREFILL_GRAPHS", "1")
+    assert prefill_graphs_enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "mamba2"])
+def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path, monkeypatch):
+    """On the GPU, float32: buckets 16-128 captured at start-up; every lone prefill (and each
+    chunk of 24 tokens at most) replays one, with the state slots and KV written as eagerly."""
+    d = _model(tmp_path, arch)
+
+    def generate(on: bool):
+        monkeypatch.setenv("KRAIT_PREFILL_GRAPHS", "1" if on else "0")
+        gc.collect()  # the previous engine's cache
+        torch.cuda.empty_cache()
+        llm = LLM(d, device="cuda", dtype="float32", max_num_batched_tokens=24, max_num_seqs=4,
+                  max_model_len=128, gpu_memory_utilization=0.3)
+        graphs = llm.llm_engine.runner.prefill_graphs
+        served = []
+        if on:
+            assert graphs is not None and sorted(graphs.graphs) == [16, 32]
+            real_run = graphs.run
+            graphs.run = lambda batch, meta: served.append(batch.num_tokens) or real_run(batch,
+                                                                                        meta)
+        else:
+            assert graphs is None
+        return _one_by_one(llm), served
+
+    want, _ = generate(False)
+    got, served = generate(True)
+    assert served == [3, 20, 24, 23]  # the 47-token prompt in two chunks
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
