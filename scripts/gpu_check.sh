@@ -174,7 +174,8 @@ case $what in
     for m in ${MODELS:-qwen3-0.6b granite-4.0-h-micro granite-4.0-h-tiny}; do
       KRAIT_PIECEWISE_GRAPHS=0 bench_latency $m "_eager" --batch-sizes 1 --prompt-lens 128,512,2048 \
         --max-num-seqs 1
-      bench_latency $m "_piecewise" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 1
+      KRAIT_PREFILL_GRAPHS=0 bench_latency $m "_piecewise" --batch-sizes 1 --prompt-lens 128,512,2048 \
+        --max-num-seqs 1
       # the memory profile's room for the pool against what the start-up captures took
       grep -h -E "memory:|captured piecewise" "$LOG/lat_${m}_piecewise.err"
     done
@@ -233,18 +234,19 @@ case $what in
     done
     KRAIT_DECODE_SPLIT_KEYS=64 bench_latency qwen3-0.6b "_splitkeys64" --batch-sizes 1 --prompt-lens ""
     ;;
-  prefillgraphs)  # whole-forward graphs for one-prefill-row steps (KRAIT_PREFILL_GRAPHS=1,
+  prefillgraphs)  # whole-forward graphs for one-prefill-row steps (on by default since
     # session 11; ~4 min): their GPU tests, then one-request prefill of qwen3 and mamba2 with
-    # and without them (piecewise graphs on in both arms, all captured at start-up)
+    # and without them (KRAIT_PREFILL_GRAPHS=0; piecewise graphs on in both arms, all captured
+    # at start-up)
     timeout 110 python3 -m pytest -q -m gpu tests/runner/test_prefill_graphs.py -p no:cacheprovider 2>&1 \
       | tail -5 | tee "$LOG/kernels_prefill_graphs.log"
     pack
     for m in ${MODELS:-qwen3-0.6b mamba2-1.3b}; do
-      KRAIT_PREFILL_GRAPHS=1 bench_latency $m "_prefillgraphs" --batch-sizes 1 --prompt-lens 128,512,2048 \
+      bench_latency $m "_prefillgraphs" --batch-sizes 1 --prompt-lens 128,512,2048 \
         --max-num-seqs 8 --num-steps 4
       grep -h -E "memory:|captured p" "$LOG/lat_${m}_prefillgraphs.err"
-      bench_latency $m "_piecewise" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 8 \
-        --num-steps 4
+      KRAIT_PREFILL_GRAPHS=0 bench_latency $m "_piecewise" --batch-sizes 1 \
+        --prompt-lens 128,512,2048 --max-num-seqs 8 --num-steps 4
     done
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)

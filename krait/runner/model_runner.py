@@ -48,7 +48,7 @@ class ModelRunner:
         self.num_slots = 0
         self.cuda_graphs = None  # CudaGraphRunner once captured
         self.piecewise = None  # PiecewiseGraphs for eager steps (KRAIT_PIECEWISE_GRAPHS=0: off)
-        self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps (KRAIT_PREFILL_GRAPHS)
+        self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps (KRAIT_PREFILL_GRAPHS=0: off)
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:

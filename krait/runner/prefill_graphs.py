@@ -1,4 +1,5 @@
-"""Whole-forward CUDA graphs for steps of one prefill row (`KRAIT_PREFILL_GRAPHS=1`).
+"""Whole-forward CUDA graphs for steps of one prefill row (on by default on the GPU with the
+piecewise graphs; `KRAIT_PREFILL_GRAPHS=0` turns them off).
 
 A step whose only row is a prefill (a lone request's prompt, or a chunk of it) is an idle
 server's time to first token. Piecewise graphs (krait/runner/piecewise_graphs.py) take its
@@ -34,8 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 def prefill_graphs_enabled() -> bool:
-    """KRAIT_PREFILL_GRAPHS=1 turns them on (off by default until measured on the GPU)."""
-    return env("KRAIT_PREFILL_GRAPHS", "0") == "1"
+    """On unless KRAIT_PREFILL_GRAPHS=0 (the default since session 11: on the H200 a
+    one-request prefill of 128 / 512 tokens went 4.7 -> 2.3 / 4.8 -> 3.0 ms for qwen3-0.6b and
+    16.9 -> 6.1 / 17.9 -> 7.8 ms for mamba2-1.3b against the piecewise graphs alone;
+    docs/benchmarks.md)."""
+    return env("KRAIT_PREFILL_GRAPHS", "1") != "0"
 
 
 class _Graph:

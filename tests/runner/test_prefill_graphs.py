@@ -102,11 +102,11 @@ def test_buckets_stop_below_max_model_len(tmp_path):
     assert PrefillGraphs(runner, [16, 32, 64], record=False).buckets == [16, 32]
 
 
-def test_off_by_default(monkeypatch):
+def test_on_by_default(monkeypatch):
     monkeypatch.delenv("KRAIT_PREFILL_GRAPHS", raising=False)
-    assert not prefill_graphs_enabled()
-    monkeypatch.setenv("KRAIT_PREFILL_GRAPHS", "1")
     assert prefill_graphs_enabled()
+    monkeypatch.setenv("KRAIT_PREFILL_GRAPHS", "0")
+    assert not prefill_graphs_enabled()
 
 
 @pytest.mark.gpu
