@@ -85,7 +85,11 @@ class ModelRunner:
             if prefill_graphs_enabled() and self.model_state.num_accepted_tokens is None:
                 self.prefill_graphs = PrefillGraphs(self, self.piecewise.buckets,
                                                     pool=self.piecewise.pool)
-                self.prefill_graphs.capture_all()
+                try:
+                    self.prefill_graphs.capture_all()
+                except RuntimeError as e:  # a mixer that cannot be captured: piecewise serves
+                    logger.warning("prefill graphs off, their capture failed: %s", e)
+                    self.prefill_graphs = None
 
     def piecewise_max_tokens(self) -> int:
         """The largest eager step piecewise graphs serve: 0 when off (KRAIT_PIECEWISE_GRAPHS=0,
