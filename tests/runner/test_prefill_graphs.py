@@ -139,3 +139,28 @@ def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path, monkeypa
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, a), (_, b) in zip(got, want):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
+
+
+def test_a_prefix_cache_hit_replays_over_its_cached_context(tmp_path):
+    """The second request shares 32 tokens (two blocks) with the first: its lone prefill starts
+    past them (context > 0), through the same captured metadata."""
+    d = _model(tmp_path, "qwen3")
+    prompts = [list(range(3, 43)), list(range(3, 35)) + [7, 8, 9, 10, 11]]
+    opts = dict(device="cpu", dtype="float32", enable_prefix_caching=True, block_size=16)
+
+    def run(llm: LLM):
+        return [o.outputs[0].token_ids for p in prompts for o in llm.generate(
+            [{"prompt_token_ids": p}], SamplingParams(temperature=0.0, max_tokens=4,
+                                                      ignore_eos=True), use_tqdm=False)]
+
+    want = run(LLM(d, **opts))
+    llm = LLM(d, **opts)
+    runner = llm.llm_engine.runner
+    runner.prefill_graphs = graphs = PrefillGraphs(runner, [16, 32, 64], record=False)
+    graphs.capture_all()
+    computed = []
+    real_run = graphs.run
+    graphs.run = lambda batch, meta: computed.append(
+        int(batch.num_computed_tokens_np[0])) or real_run(batch, meta)
+    assert run(llm) == want
+    assert computed == [0, 32]  # the second prompt's first 32 tokens came from the cache
