@@ -196,7 +196,7 @@ case $what in
     ;;
   prefill)  # the default (piecewise) prefill of the four benchmarked configs (~3 min)
     for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro granite-4.0-h-tiny; do
-      bench_latency $m "_prefill" --batch-sizes 1 --prompt-lens 128,512,2048 --max-num-seqs 8
+      bench_latency $m "_prefill" --batch-sizes 1 --prompt-lens 128,512,2048
     done
     ;;
   others)  # the shipped configs without a target (first GPU run: session 8; ~4 min):
@@ -243,10 +243,21 @@ case $what in
     pack
     for m in ${MODELS:-qwen3-0.6b mamba2-1.3b}; do
       bench_latency $m "_prefillgraphs" --batch-sizes 1 --prompt-lens 128,512,2048 \
-        --max-num-seqs 8 --num-steps 4
+        --num-steps 4
       grep -h -E "memory:|captured p" "$LOG/lat_${m}_prefillgraphs.err"
       KRAIT_PREFILL_GRAPHS=0 bench_latency $m "_piecewise" --batch-sizes 1 \
-        --prompt-lens 128,512,2048 --max-num-seqs 8 --num-steps 4
+        --prompt-lens 128,512,2048 --num-steps 4
+    done
+    # graphs of 2 and 4 prefill rows: the engine starts with them (memory lines), and
+    # 8 x 256 prompts' first steps (4 rows each) take them
+    for m in ${MODELS:-qwen3-0.6b mamba2-1.3b}; do
+      for rows in 1 4; do
+        KRAIT_PREFILL_GRAPH_ROWS=$rows timeout 150 python3 -m krait bench throughput --config $m \
+          --num-prompts 8 --input-len 256 --output-len 8 --max-num-seqs 4 \
+          > "$LOG/pgrows_${m}_$rows.json" 2> "$LOG/pgrows_${m}_$rows.err"
+        echo "== $m prefill graph rows $rows"; grep -E "^krait:|memory:|captured p" "$LOG/pgrows_${m}_$rows.err"
+        pack
+      done
     done
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)

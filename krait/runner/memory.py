@@ -7,7 +7,7 @@ import logging
 import torch
 
 from krait.config import EngineConfig
-from krait.runner.prefill_graphs import prefill_graphs_enabled
+from krait.runner.prefill_graphs import prefill_graph_rows_knob, prefill_graphs_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,10 @@ def profile_free_memory(runner, config: EngineConfig) -> int:
             runner.profile_run(piecewise)
             torch.cuda.synchronize()
             piecewise_peak = torch.cuda.max_memory_allocated()
-        margin = _PIECEWISE_MARGIN + (_PREFILL_GRAPHS_MARGIN if prefill_graphs_enabled() else 0)
+        margin = _PIECEWISE_MARGIN
+        if prefill_graphs_enabled():  # one set of graphs per row count (1, 2, 4)
+            rows = prefill_graph_rows_knob()
+            margin += _PREFILL_GRAPHS_MARGIN * sum(1 for r in (1, 2, 4) if r <= rows)
         piecewise_bytes = int((piecewise_peak - temp_cache) * margin)
     free, total = torch.cuda.mem_get_info()
     non_torch = (total - free) - torch.cuda.memory_reserved()

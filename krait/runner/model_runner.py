@@ -23,7 +23,11 @@ from krait.runner.piecewise_graphs import (
     piecewise_enabled,
     piecewise_max_tokens_knob,
 )
-from krait.runner.prefill_graphs import PrefillGraphs, prefill_graphs_enabled
+from krait.runner.prefill_graphs import (
+    PrefillGraphs,
+    prefill_graph_rows_knob,
+    prefill_graphs_enabled,
+)
 from krait.runner.request_states import RequestStates
 from krait.runner.sampler import Sampler, SamplerOutput, SamplingRow, build_sampling_metadata
 
@@ -84,7 +88,8 @@ class ModelRunner:
             self._capture_piecewise()
             if prefill_graphs_enabled() and self.model_state.num_accepted_tokens is None:
                 self.prefill_graphs = PrefillGraphs(self, self.piecewise.buckets,
-                                                    pool=self.piecewise.pool)
+                                                    pool=self.piecewise.pool,
+                                                    max_rows=prefill_graph_rows_knob())
                 try:
                     self.prefill_graphs.capture_all()
                 except RuntimeError as e:  # a mixer that cannot be captured: piecewise serves
@@ -245,12 +250,12 @@ class ModelRunner:
             n = batch.num_reqs
             # the graph wrote the greedy tokens into the device token table already
             return self._sample_and_update(batch, logits[:n], greedy[:n], self.tables is not None)
-        # a lone prefill row: its tokens padded to a captured prefill graph's bucket
-        padded = (self.prefill_graphs.bucket_for(num_scheduled, num_prefills)
-                  if self.prefill_graphs is not None else None)
+        # prefill rows alone: tokens and rows padded to a captured prefill graph's
+        key = (self.prefill_graphs.bucket_for(num_scheduled, num_prefills)
+               if self.prefill_graphs is not None else None)
         batch = build_input_batch(
             self.states, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables,
-            num_tokens_padded=padded,
+            num_tokens_padded=key[0] if key else None, num_reqs_padded=key[1] if key else None,
         )
         hidden = self.forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])

@@ -42,6 +42,16 @@ def prefill_graphs_enabled() -> bool:
     return env("KRAIT_PREFILL_GRAPHS", "1") != "0"
 
 
+def prefill_graph_rows_knob() -> int:
+    """KRAIT_PREFILL_GRAPH_ROWS: the most prefill rows a step may have to take a prefill graph
+    (1, 2 or 4; 1 unless set). Steps of 2-4 rows (requests arriving together) get graphs of
+    2 or 4 rows, their spare rows empty: not yet measured on the GPU, so off by default."""
+    value = env("KRAIT_PREFILL_GRAPH_ROWS", "1")
+    if value not in ("1", "2", "4"):
+        raise ValueError(f"KRAIT_PREFILL_GRAPH_ROWS must be 1, 2 or 4, got {value!r}")
+    return int(value)
+
+
 class _Graph:
     def __init__(self, graph, batch: InputBatch, meta, hidden: torch.Tensor) -> None:
         self.graph = graph  # None with record=False
@@ -51,35 +61,44 @@ class _Graph:
 
 
 class PrefillGraphs:
-    """Captures and replays one-prefill-row graphs for one ModelRunner, per token bucket of
-    `buckets` (those a one-row prompt can fill: at most max_model_len - 1 tokens)."""
+    """Captures and replays prefill-only graphs for one ModelRunner, one per token bucket of
+    `buckets` (those a one-row prompt can fill: at most max_model_len - 1 tokens) and row count
+    (1 up to `max_rows`, powers of two; spare rows are empty padding rows)."""
 
-    def __init__(self, runner, buckets: list[int], pool=None, record: bool = True) -> None:
+    def __init__(self, runner, buckets: list[int], pool=None, record: bool = True,
+                 max_rows: int = 1) -> None:
         self.runner = runner
         self.buckets = [b for b in buckets if b <= runner.max_model_len - 1]
+        max_rows = min(max_rows, runner.config.scheduler.max_num_seqs)
+        self.rows = [r for r in (1, 2, 4) if r <= max_rows]
         self.record = record
         self.pool = pool
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, int], _Graph] = {}  # (tokens, rows) -> graph
         self.pool_bytes = 0
 
-    def bucket_for(self, num_scheduled: list[int], num_prefills: int) -> int | None:
-        """The captured bucket that serves a step of these rows (ordered decode rows first),
-        or None: one prefill row and no other."""
-        if len(num_scheduled) != 1 or num_prefills != 1:
+    def bucket_for(self, num_scheduled: list[int], num_prefills: int
+                   ) -> tuple[int, int] | None:
+        """(padded tokens, padded rows) of the captured graph that serves a step of these rows
+        (ordered decode rows first), or None: prefill rows only, at most max_rows of them."""
+        n = len(num_scheduled)
+        if n == 0 or num_prefills != n:
             return None
-        return next((b for b in self.buckets if b >= num_scheduled[0] and b in self.graphs),
+        rows = next((r for r in self.rows if r >= n), None)
+        if rows is None:
+            return None
+        total = sum(num_scheduled)
+        return next(((b, rows) for b in self.buckets if b >= total and (b, rows) in self.graphs),
                     None)
 
     def serves(self, batch: InputBatch) -> bool:
-        """The batch was built for a captured bucket (`bucket_for`)."""
-        return (batch.num_reqs == 1 and batch.num_decodes == 0
-                and batch.num_tokens_padded in self.graphs
-                and batch.num_tokens_padded > 0)
+        """The batch was built for a captured graph (`bucket_for`)."""
+        return (batch.num_decodes == 0 and batch.num_reqs > 0
+                and (batch.num_tokens_padded, batch.num_reqs_padded) in self.graphs)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Every bucket, largest first. The GC is paused during the captures (a collection
-        inside one could free an older graph's memory: a cudaFree that breaks it)."""
+        """Every bucket and row count, largest first. The GC is paused during the captures (a
+        collection inside one could free an older graph's memory: a cudaFree that breaks it)."""
         cuda = self.runner.device.type == "cuda" and self.record
         if cuda:
             gc.collect()
@@ -89,28 +108,35 @@ class PrefillGraphs:
         gc.disable()
         try:
             for tokens in reversed(self.buckets):
-                self._capture(tokens)
+                for rows in reversed(self.rows):
+                    if rows <= tokens:
+                        self._capture(tokens, rows)
         finally:
             if was_enabled:
                 gc.enable()
         if cuda:
             torch.cuda.synchronize()
             self.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("captured prefill graphs for %d token buckets %s (%.0f MiB)",
+        logger.info("captured prefill graphs for %d token buckets x rows %s (%.0f MiB)",
                     len(self.graphs), sorted(self.graphs), self.pool_bytes / 2**20)
 
-    def _capture(self, tokens: int) -> None:
+    def _capture(self, tokens: int, rows: int) -> None:
         r = self.runner
         st = r.states
-        rid = "__prefill_graph"
-        st.add(rid, [0] * tokens, tokens, 0, 0, None, [], [0] if r.num_slots else [], [])
+        # one long row and rows - 1 of one token each; own slots (rows <= max_num_seqs)
+        lens = [tokens - rows + 1] + [1] * (rows - 1)
+        ids = [f"__prefill_graph_{i}" for i in range(rows)]
+        for i, (rid, n) in enumerate(zip(ids, lens)):
+            st.add(rid, [0] * n, n, 0, 0, None, [], [i] if r.num_slots else [], [])
         try:
             # the widest block table: a replay copies narrower ones into its leading columns
-            batch = build_input_batch(st, [rid], [tokens], r.block_size, r.device,
+            batch = build_input_batch(st, ids, lens, r.block_size, r.device,
                                       full_block_table=True, tables=r.tables)
             meta = r.model_state.prepare_attn(batch)
+            if meta.attn is not None:  # query tiles for any row of up to `tokens` tokens
+                meta.attn.max_query_len = tokens
             if not self.record:
-                self.graphs[tokens] = _Graph(None, batch, meta, None)
+                self.graphs[(tokens, rows)] = _Graph(None, batch, meta, None)
                 return
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -122,14 +148,15 @@ class PrefillGraphs:
                 self.pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = r.model(batch.input_ids, batch.positions, meta)
-            self.graphs[tokens] = _Graph(graph, batch, meta, hidden)
+            self.graphs[(tokens, rows)] = _Graph(graph, batch, meta, hidden)
         finally:
-            st.remove(rid)
+            for rid in ids:
+                st.remove(rid)
 
     def run(self, batch: InputBatch, meta) -> torch.Tensor:
         """The step's hidden states [num_tokens, hidden]: its inputs and metadata copied into
-        the bucket's captured tensors, then the graph replayed."""
-        g = self.graphs[batch.num_tokens_padded]
+        the captured tensors of its (tokens, rows) graph, then the graph replayed."""
+        g = self.graphs[(batch.num_tokens_padded, batch.num_reqs_padded)]
         g.batch.input_ids.copy_(batch.input_ids)
         g.batch.positions.copy_(batch.positions)
         copy_tensors(g.meta, meta)

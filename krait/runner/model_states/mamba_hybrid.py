@@ -100,8 +100,11 @@ class MambaHybridModelState(DefaultModelState):
         qsl = batch.query_start_loc_np
         npf = n - nd
         if npf:
-            pqsl = (qsl[nd : n + 1] - qsl[nd]).astype(np.int32)
-            has_init = batch.num_computed_tokens_np[nd:n] > 0
+            # a prefill graph's spare rows (no tokens, slot -1) count as prefill rows, so that
+            # its metadata has one shape whatever the step's real row count
+            npf = npad - nd
+            pqsl = (qsl[nd : npad + 1] - qsl[nd]).astype(np.int32)
+            has_init = batch.num_computed_tokens_np[nd:npad] > 0
             num_prefill_tokens = int(qsl[n] - qsl[nd])
             num_decode_tokens = int(qsl[nd])
         else:
