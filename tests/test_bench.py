@@ -53,6 +53,14 @@ def test_latency_rows_carry_a_roofline(tmp_path):
         assert row["graph_ms"] is None  # no CUDA graphs on the CPU
         assert abs(row["ratio"] - row["step_ms"] / row["roofline_ms"]) < 1e-6
     assert r["prefill"] and r["prefill"][0]["prompt_len"] == 8
+    assert r["max_num_seqs"] == 2  # sized by the largest batch unless --max-num-seqs is larger
+
+
+def test_latency_engine_takes_a_larger_max_num_seqs(tmp_path):
+    d = make_tiny_llama(tmp_path / "m")
+    r = _bench("latency", "--model", str(d), "--batch-sizes", "1", "--context-len", "8",
+               "--prompt-lens", "", "--num-steps", "2", "--max-num-seqs", "8")
+    assert r["max_num_seqs"] == 8 and [row["batch"] for row in r["decode"]] == [1]
 
 
 def test_summarize_bench_reads_the_latency_files(tmp_path):

@@ -37,6 +37,8 @@ def add_cli_args(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("--config", default=None, choices=named_configs(),
                    help="a realistic configuration shipped with krait (implies dummy weights)")
     if kind == "latency":
+        # the engine's rows: at least the largest batch size, which is the default
+        p.set_defaults(max_num_seqs=None)
         p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
         p.add_argument("--context-len", type=int, default=1024)
         p.add_argument("--prompt-lens", default="512,2048,8192")
@@ -100,8 +102,8 @@ def bench_latency(args) -> dict:
     if need > max_len:
         raise ValueError(f"max_model_len {max_len} is too short for this run (needs {need})")
     engine = _engine(
-        args, _model_dir(args), max_model_len=max_len, max_num_seqs=max(batch_sizes),
-        max_num_batched_tokens=budget,
+        args, _model_dir(args), max_model_len=max_len,
+        max_num_seqs=max(args.max_num_seqs or 0, *batch_sizes), max_num_batched_tokens=budget,
     )
     dev = engine.config.device
     ceil = measure_ceilings(dev)
@@ -109,6 +111,7 @@ def bench_latency(args) -> dict:
     vocab = engine.config.model.vocab_size
     out = {"kind": "latency", "model": args.config or args.model, "device": _device_name(dev),
            "context_len": args.context_len, "max_model_len": max_len,
+           "max_num_seqs": engine.config.scheduler.max_num_seqs,
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "decode": [], "prefill": []}
     rows = [f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'ratio':>6} {'tok/s':>9} "
