@@ -9,6 +9,8 @@ a padding row (nothing computed or written, output rows unspecified); sequences 
 left alone. Internal math is float32; y is in x's dtype; the state tensor may be fp32 or bf16.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -315,6 +317,44 @@ def _block(cap: int, size: int, interp: bool) -> int:
     return full if interp else min(cap, full)
 
 
+@functools.lru_cache(maxsize=64)
+def _scan_plan(heads: int, head_dim: int, d_state: int, chunk_size: int, interp: bool,
+               precision: str) -> dict[str, dict]:
+    """Each kernel's constexprs and launch options for these dimensions (grids follow from
+    them and the step's chunk count): computed once per shape, not per layer and step (an
+    eager prefill pays the launcher's Python for every Mamba layer)."""
+    cfg = {k: ({} if interp else dict(v)) for k, v in GPU_CONFIG.items()}
+    block_cs = max(16, next_pow2(chunk_size))
+    kw = cfg["cumsum"]
+    block_h = next_pow2(heads) if interp else min(kw.pop("BLOCK_H"), heads)
+    cumsum = dict(BLOCK_H=next_pow2(block_h), BLOCK_CS=block_cs, **kw)
+    kw = cfg["state"]
+    state = dict(DOT_PRECISION=precision, BLOCK_P=_block(kw.pop("BLOCK_P", 0), head_dim, interp),
+                 BLOCK_N=_block(kw.pop("BLOCK_N", 0), d_state, interp),
+                 BLOCK_K=_block(kw.pop("BLOCK_K", 0), chunk_size, interp), **kw)
+    kw = cfg["passing"]
+    passing = dict(BLOCK=min(next_pow2(head_dim * d_state), kw.pop("BLOCK", 4096)), **kw)
+    kw = cfg["bmm"]
+    block_m = _block(kw.pop("BLOCK_M", 0), chunk_size, interp)
+    bmm = dict(DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_S=block_m,
+               BLOCK_N=_block(kw.pop("BLOCK_N", 0), d_state, interp), **kw)
+    kw = cfg["scan"]
+    scan = dict(DOT_PRECISION=precision, BLOCK_M=_block(kw.pop("BLOCK_M", 0), chunk_size, interp),
+                BLOCK_P=_block(kw.pop("BLOCK_P", 0), head_dim, interp),
+                BLOCK_N=max(16, next_pow2(d_state)),
+                BLOCK_K=_block(kw.pop("BLOCK_K", 0), chunk_size, interp), **kw)
+    return dict(
+        cumsum=cumsum, state=state, passing=passing, bmm=bmm, scan=scan,
+        grids=dict(  # per chunk, head or sequence: the step multiplies them out
+            cumsum=cdiv(heads, block_h),
+            state=cdiv(head_dim, state["BLOCK_P"]) * cdiv(d_state, state["BLOCK_N"]),
+            passing=cdiv(head_dim * d_state, passing["BLOCK"]),
+            bmm=cdiv(chunk_size, block_m) ** 2,
+            scan=cdiv(chunk_size, scan["BLOCK_M"]) * cdiv(head_dim, scan["BLOCK_P"]),
+        ),
+    )
+
+
 def mamba_chunk_scan_triton(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor,
     ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
@@ -343,68 +383,35 @@ def mamba_chunk_scan_triton(
     cb = torch.empty(max_chunks, groups, chunk_size, chunk_size, dtype=f32, device=dev)
     interp = interpreting()
     precision = "upcast" if interp else ("ieee" if x.dtype == f32 else "tf32")
-    cfg = {k: dict(v) for k, v in GPU_CONFIG.items()}
-    if interp:
-        cfg = {k: {} for k in cfg}
-    block_cs = max(16, next_pow2(chunk_size))
+    plan = _scan_plan(heads, head_dim, d_state, chunk_size, interp, precision)
+    grids = plan["grids"]
     clamp = dt_limit != (0.0, float("inf"))
+    xs, bs, cs = x.stride(), B.stride(), C.stride()  # one call each: strides are host calls
 
-    kw = cfg["cumsum"]
-    block_h = next_pow2(heads) if interp else min(kw.pop("BLOCK_H"), heads)
-    _chunk_cumsum_kernel[(max_chunks, cdiv(heads, block_h))](
+    _chunk_cumsum_kernel[(max_chunks, grids["cumsum"])](
         dt, dt_bias, A, dt_out, dA_cs, chunk_start, chunk_len,
         heads, chunk_size, max_chunks, float(dt_limit[0]), float(dt_limit[1]) if clamp else 0.0,
-        dt.stride(0), dt.stride(1),
-        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_H=next_pow2(block_h),
-        BLOCK_CS=block_cs, **kw,
+        *dt.stride()[:2], DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, **plan["cumsum"],
     )
-
-    kw = cfg["state"]
-    block_p = _block(kw.pop("BLOCK_P", 0), head_dim, interp)
-    block_n = _block(kw.pop("BLOCK_N", 0), d_state, interp)
-    block_k = _block(kw.pop("BLOCK_K", 0), chunk_size, interp)
-    grid = (heads, cdiv(head_dim, block_p) * cdiv(d_state, block_n), max_chunks)
-    _chunk_state_kernel[grid](
+    _chunk_state_kernel[(heads, grids["state"], max_chunks)](
         x, B, dt_out, dA_cs, states, chunk_start, chunk_len,
         heads, head_dim, d_state, heads // groups, chunk_size, max_chunks,
-        x.stride(0), x.stride(1), x.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        DOT_PRECISION=precision, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k, **kw,
+        *xs, *bs, **plan["state"],
     )
-
-    kw = cfg["passing"]
-    block = min(next_pow2(head_dim * d_state), kw.pop("BLOCK", 4096))
     # The scan multiplies the start states in C's dtype: store them so.
     start_states = torch.empty(states.shape, dtype=C.dtype, device=dev)  # [c, H, P, N]
-    _state_passing_kernel[(cdiv(head_dim * d_state, block), heads, num_seqs)](
+    _state_passing_kernel[(grids["passing"], heads, num_seqs)](
         states, start_states, dA_cs, ssm_states, seq_chunk_start, state_indices.to(torch.int32),
         has_initial_state.to(torch.int32), heads, head_dim, d_state, chunk_size, max_chunks,
-        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
-        BLOCK=block, **kw,
+        *ssm_states.stride(), **plan["passing"],
     )
-
-    kw = cfg["bmm"]
-    block_m = _block(kw.pop("BLOCK_M", 0), chunk_size, interp)
-    block_n = _block(kw.pop("BLOCK_N", 0), d_state, interp)
-    grid = (cdiv(chunk_size, block_m) ** 2, groups, max_chunks)
-    _bmm_chunk_kernel[grid](
-        C, B, cb, chunk_start, chunk_len, groups, d_state, chunk_size,
-        C.stride(0), C.stride(1), C.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_S=block_m, BLOCK_N=block_n, **kw,
+    _bmm_chunk_kernel[(grids["bmm"], groups, max_chunks)](
+        C, B, cb, chunk_start, chunk_len, groups, d_state, chunk_size, *cs, *bs, **plan["bmm"],
     )
-
-    kw = cfg["scan"]
-    block_m = _block(kw.pop("BLOCK_M", 0), chunk_size, interp)
-    block_p = _block(kw.pop("BLOCK_P", 0), head_dim, interp)
-    block_k = _block(kw.pop("BLOCK_K", 0), chunk_size, interp)
-    block_n = max(16, next_pow2(d_state))
-    grid = (heads, cdiv(chunk_size, block_m) * cdiv(head_dim, block_p), max_chunks)
-    _chunk_scan_kernel[grid](
+    _chunk_scan_kernel[(heads, grids["scan"], max_chunks)](
         x, C, cb, dt_out, dA_cs, start_states, D, y, chunk_start, chunk_len,
         heads, head_dim, d_state, groups, heads // groups, chunk_size, max_chunks,
-        x.stride(0), x.stride(1), x.stride(2), C.stride(0), C.stride(1), C.stride(2),
-        y.stride(0), y.stride(1),
-        DOT_PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_K=block_k, **kw,
+        *xs, *cs, *y.stride()[:2], **plan["scan"],
     )
     return y
 

@@ -149,3 +149,18 @@ def test_triton_matches_ref_real_size(state_dtype):
     keep[int(qsl[5]): int(qsl[6])] = False
     torch.testing.assert_close(tri[keep].float(), ref[keep].float(), atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(s_tri.float(), s_ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gpu_launch_plan_at_mamba2_shapes():
+    """The per-shape launch plan (cached) keeps the H200-swept configs, clipped to the problem:
+    mamba2-1.3b's 64 heads of 64, d_state 128, chunks of 256."""
+    from krait.ops.mamba_ssd import _scan_plan
+
+    plan = _scan_plan(64, 64, 128, 256, False, "tf32")
+    assert plan["state"] == dict(DOT_PRECISION="tf32", BLOCK_P=64, BLOCK_N=128, BLOCK_K=64,
+                                 num_warps=4, num_stages=3)
+    assert plan["scan"]["BLOCK_K"] == 32 and plan["bmm"]["BLOCK_S"] == plan["bmm"]["BLOCK_M"] == 64
+    assert plan["grids"] == dict(cumsum=8, state=1, passing=8, bmm=16, scan=4)
+    assert _scan_plan(64, 64, 128, 256, False, "tf32") is plan  # computed once per shape
+    small = _scan_plan(8, 16, 16, 32, False, "ieee")  # blocks clipped to the problem
+    assert small["state"]["BLOCK_N"] == 16 and small["cumsum"]["BLOCK_H"] == 8
