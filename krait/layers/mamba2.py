@@ -7,10 +7,16 @@ from dataclasses import dataclass
 import torch
 
 from krait.layers.linear import Linear
+from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.linear import gated_norm_in_gemv, gated_norm_linear
 from krait.ops.mamba_ssd import mamba_chunk_scan
-from krait.ops.selective_state_update import selective_state_update
+from krait.ops.selective_state_update import (
+    gated_part_size,
+    selective_state_update,
+    selective_state_update_triton,
+)
 from krait.runner.piecewise_graphs import mixer_call
 
 
@@ -117,8 +123,37 @@ class Mamba2Mixer(torch.nn.Module):
         """x [T, hidden] -> [T, hidden]."""
         d = self.d
         group = d.norm_group_size or d.intermediate // d.n_groups
+        if (x.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
+                and use_triton(x)):
+            part = gated_part_size(d.head_dim, d.d_state)
+            if gated_norm_in_gemv(x, self.out_proj.weight, group, part):
+                gate, xbc, dt = self._project(x)
+                packed = mixer_call(self._decode_gated, (xbc, dt, gate), meta, "mamba", part)
+                return gated_norm_linear(packed, self.out_proj.weight, self.out_proj.bias,
+                                         self.norm_weight, group, d.eps, part)
         y, gate = self.scan(x, meta)
         return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
+
+    def _decode_gated(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor,
+                      meta: MambaMetadata, part: int) -> torch.Tensor:
+        """One decode row's conv and state update, handing the gated norm's input over instead
+        of y: packed [1, I + I / part] float32 = [y * silu(gate) | sums of its squares over
+        runs of `part` channels] (`gated_norm_linear` takes it)."""
+        d = self.d
+        inter = d.intermediate
+        idx = meta.decode_state_indices[:1]
+        xbc_d = causal_conv1d_update(
+            xbc, self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
+            d.activation,
+        )
+        xs, B, C = self._split_xbc(xbc_d)
+        packed = torch.empty(1, inter + inter // part, dtype=torch.float32,
+                             device=xbc.device)  # [1, I + I / part]
+        selective_state_update_triton(
+            self.ssm_state, xs, dt, self.neg_A(), B, C, self.D, self.dt_bias, idx, True,
+            d.time_step_limit, gate=gate, g_out=packed[:, :inter], parts_out=packed[:, inter:],
+        )
+        return packed
 
     def scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing

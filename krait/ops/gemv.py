@@ -35,13 +35,33 @@ _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always 
 
 
 # prologue of the GEMV's input: what the x row is turned into before it meets W
-PLAIN, SILU_MUL = 0, 1
+PLAIN, SILU_MUL, NORM_GATED = 0, 1, 2
+
+
+@triton.jit
+def _norm_gated_tile(x_rows, x_ok, k, k_ok, k0, offs_m, m_ok, norm_ptr, part_ptr, stride_pm,
+                     group_size, parts_per_group, eps, dt, PARTS: tl.constexpr):
+    """NORM_GATED: x holds g = y * silu(z) in float32 (from the gated state update), part_ptr
+    each row's sums of g^2 over runs of group_size / parts_per_group channels; the input is
+    gated_rms_norm's output, weight * (g * rstd of its group).to(dt), in dt. The tile lies in
+    one group (group_size a multiple of BLOCK_K)."""
+    gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)  # [M, N, K] float32
+    j = tl.arange(0, PARTS)
+    first = (k0 // group_size) * parts_per_group
+    ps = tl.load(part_ptr + offs_m[:, None] * stride_pm + first + j[None, :],
+                 mask=m_ok[:, None] & (j < parts_per_group)[None, :], other=0.0)  # [M, PARTS]
+    rstd = tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)  # [M]
+    h = (gv * rstd[:, None, None]).to(dt).to(tl.float32)
+    w = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [1, 1, K]
+    return (w * h).to(dt)
 
 
 @triton.jit
 def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PDL: tl.constexpr):
+              PDL: tl.constexpr, offs_m=None, m_ok=None, norm_ptr=None, part_ptr=None,
+              stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
+              PARTS: tl.constexpr = 1):
     """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
     [k_lo, k_hi). Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded
     broadcast over N (repeated reads hit L1) so that no layout conversion, and no shared-memory
@@ -59,6 +79,10 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
         k_ok = k < k_hi
         if PROLOGUE == 0:
             x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
+        elif PROLOGUE == 2:
+            x = _norm_gated_tile(x_rows, x_ok, k, k_ok, k0, offs_m, m_ok, norm_ptr, part_ptr,
+                                 stride_pm, group_size, parts_per_group, eps,
+                                 w.dtype, PARTS)
         else:  # SILU_MUL: x holds [gate | up] of width 2K, the input is silu(gate) * up
             g = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_rows + K + k, mask=x_ok & k_ok, other=0.0)
@@ -95,6 +119,8 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     TRIGGER_LATE: tl.constexpr, EPILOGUE: tl.constexpr = 0,
+    norm_ptr=None, part_ptr2=None, stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
+    PARTS: tl.constexpr = 1,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -118,7 +144,8 @@ def _gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PDL)  # [M, N]
+                    BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_ptr, part_ptr2,
+                    stride_pm, group_size, parts_per_group, eps, PARTS)  # [M, N]
     acc_up = acc
     if EPILOGUE != 0:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
@@ -187,13 +214,24 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 config: dict[str, int] | None = None, silu_mul: bool = False,
-                silu_mul_out: bool = False) -> Tensor:
+                silu_mul_out: bool = False, norm_gated: tuple | None = None) -> Tensor:
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
     With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
     silu_and_mul: one launch and no [M, K] intermediate). With `silu_mul_out`, weight is
     [2N, K] = [gate; up] (a merged gate_up projection) and the output [M, N] is
-    silu_and_mul of the projection's [M, 2N] (no [M, 2N] intermediate, no activation launch)."""
+    silu_and_mul of the projection's [M, 2N] (no [M, 2N] intermediate, no activation launch).
+    With `norm_gated` = (norm weight [K], partials [M, K / part_size], group_size, eps,
+    part_size), x is g = y * silu(z) in float32 (`selective_state_update_triton(gate=...)`)
+    and the input is gated_rms_norm's output: the norm without a launch of its own (the
+    output is in the weight's dtype)."""
     prologue, k = (SILU_MUL, x.shape[1] // 2) if silu_mul else (PLAIN, x.shape[1])
+    norm_args: dict = {}
+    if norm_gated is not None:
+        norm_w, parts, group_size, eps, part_size = norm_gated
+        prologue = NORM_GATED
+        norm_args = dict(norm_ptr=norm_w, part_ptr2=parts, stride_pm=parts.stride(0),
+                         group_size=group_size, parts_per_group=group_size // part_size,
+                         eps=float(eps), PARTS=next_pow2(group_size // part_size))
     m, rows = x.shape[0], weight.shape[0]
     n = rows // 2 if silu_mul_out else rows
     if weight.shape[1] != k:
@@ -209,8 +247,12 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     # each program of the epilogue streams its tile's gate rows and up rows: sized as a tile of
     # twice the rows
     cfg = dict(config or default_config(m, rows, k, _num_sms(x.device)))
+    if norm_gated is not None and (group_size % cfg["BLOCK_K"] or group_size % part_size):
+        raise ValueError(f"gemv_triton: norm groups of {group_size} channels need a multiple "
+                         f"of BLOCK_K ({cfg['BLOCK_K']}) and of the partials' {part_size}")
     tiles = cdiv(n, cfg["BLOCK_N"])
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    y = torch.empty(m, n, dtype=weight.dtype if norm_gated else x.dtype,
+                    device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return y
     cfg.setdefault("SPLIT_K", 1)
@@ -229,7 +271,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
         TRIGGER_LATE=pdl and env("KRAIT_PDL_TRIGGER") != "early",
         EPILOGUE=SILU_MUL if silu_mul_out else PLAIN,
-        **pdl_args(pdl), **cfg,
+        **norm_args, **pdl_args(pdl), **cfg,
     )
     return y
 

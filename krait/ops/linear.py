@@ -10,7 +10,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import env, use_triton
 from krait.ops.activation import silu_and_mul
-from krait.ops.gemv import MAX_M, gemv_triton
+from krait.ops.gemv import MAX_M, default_config, gemv_triton
 
 # one-row calls up to this many weight elements go to the GEMV: every projection of the
 # benchmarked models but granite's gate_up (33.5M, which takes the GEMV with its activation
@@ -93,3 +93,32 @@ def silu_mlp(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | No
         act = gemv_triton(x, gate_up, gate_up_bias, silu_mul_out=True)  # [T, I]
         return linear(act, down, down_bias)
     return silu_mul_linear(linear(x, gate_up, gate_up_bias), down, down_bias)
+
+
+def _norm_config(weight: Tensor, group_size: int) -> dict[str, int] | None:
+    """The one-row GEMV config with K tiles inside one norm group (halved from the default
+    until they divide the group), or None below 16 columns a tile."""
+    cfg = default_config(1, weight.shape[0], weight.shape[1])
+    while group_size % cfg["BLOCK_K"]:
+        cfg["BLOCK_K"] //= 2
+    return cfg if cfg["BLOCK_K"] >= 16 else None
+
+
+def gated_norm_in_gemv(x: Tensor, weight: Tensor, group_size: int, part_size: int) -> bool:
+    """A Mamba mixer's gated RMSNorm in its out_proj GEMV's prologue, from the gated state
+    update's partial sums (KRAIT_MAMBA_NORM_PROLOGUE=1; off by default until measured on the
+    GPU: it saves the norm's launch a layer at batch 1)? x: a [rows, ...] stand-in for the
+    out_proj input; the GEMV must serve it, and the partials must tile the norm groups."""
+    if env("KRAIT_MAMBA_NORM_PROLOGUE") != "1" or not _use_gemv(x, weight):
+        return False
+    return group_size % part_size == 0 and _norm_config(weight, group_size) is not None
+
+
+def gated_norm_linear(packed: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor,
+                      group_size: int, eps: float, part_size: int) -> Tensor:
+    """linear(gated_rms_norm(y, z, norm_weight, eps, group_size), weight, bias) from packed
+    [1, I + I / part_size] float32 = [y * silu(z) | partial sums of its squares] (what the gated
+    state update writes): one GEMV launch, the norm in its prologue."""
+    inter = weight.shape[1]
+    return gemv_triton(packed[:, :inter], weight, bias, config=_norm_config(weight, group_size),
+                       norm_gated=(norm_weight, packed[:, inter:], group_size, eps, part_size))

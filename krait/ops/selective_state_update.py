@@ -44,6 +44,8 @@ def _ssu_kernel(
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
+    z_ptr=None, g_ptr=None, part_ptr=None, stride_z_b=0, stride_g_b=0, stride_part_b=0,
+    GATED: tl.constexpr = False,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -72,35 +74,65 @@ def _ssu_kernel(
                      dt_bias_ptr, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
         y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + b * stride_y_b + h * stride_y_h + offs_p, y, mask=p_ok)
+        if GATED:  # the gated norm's input y * silu(z) in float32 and its sum of squares
+            col = h * head_dim + offs_p  # channel within the row [H * P]
+            z = tl.load(z_ptr + b * stride_z_b + col, mask=p_ok, other=0.0).to(tl.float32)
+            gv = y.to(tl.float32) * (z * tl.sigmoid(z))
+            gv = tl.where(p_ok, gv, 0.0)
+            tl.store(g_ptr + b * stride_g_b + col, gv, mask=p_ok)
+            part = h * tl.num_programs(2) + tl.program_id(2)  # channel run col // BLOCK_P
+            tl.store(part_ptr + b * stride_part_b + part, tl.sum(gv * gv, axis=0))
+
+
+def _block_p(head_dim: int, d_state: int) -> int:
+    """State rows (of P) per program: all of them under the interpreter."""
+    if interpreting():
+        return next_pow2(head_dim)
+    return max(1, min(next_pow2(head_dim), 2048 // next_pow2(d_state)))
+
+
+def gated_part_size(head_dim: int, d_state: int) -> int:
+    """Channels per partial sum of `selective_state_update_triton(gate=...)`: its P block."""
+    return min(_block_p(head_dim, d_state), head_dim)
 
 
 def selective_state_update_triton(
     ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     D: Tensor, dt_bias: Tensor, state_indices: Tensor, dt_softplus: bool = True,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    dt_limit: tuple[float, float] = (0.0, float("inf")), gate: Tensor | None = None,
+    g_out: Tensor | None = None, parts_out: Tensor | None = None,
 ) -> Tensor:
-    """Triton launcher of `selective_state_update`."""
+    """Triton launcher of `selective_state_update`; returns y. With `gate` (z [B, H * P]) the
+    kernel also writes g_out [B, H * P] float32 = y * silu(z) (y rounded to x's dtype first, as
+    the gated norm reads it) and parts_out [B, H * P / part_size] float32, the sums of g^2 over
+    each run of `gated_part_size(P, N)` channels: what a consumer needs for the gated norm's
+    statistics without a pass of its own (row strides are followed, so both may be views)."""
     batch, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     y = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)  # [B, H, P]
     if batch == 0:
         return y
     block_n = next_pow2(d_state)
-    if interpreting():
-        block_p = next_pow2(head_dim)
-    else:
-        block_p = max(1, min(next_pow2(head_dim), 2048 // block_n))
+    block_p = _block_p(head_dim, d_state)
+    if gate is not None:
+        block_p = gated_part_size(head_dim, d_state)
+        if head_dim % block_p or gate.stride(-1) != 1 or g_out.stride(-1) != 1:
+            raise ValueError("gated state update: head_dim must be a multiple of its P block "
+                             "and the gate and g rows contiguous")
     clamp = dt_limit != (0.0, float("inf"))
     pdl = use_pdl(x)
+    gated = gate is not None
     _ssu_kernel[(batch, heads, cdiv(head_dim, block_p))](
         ssm_states, x, dt, A, B, C, D, dt_bias, y, state_indices.to(torch.int32),
         head_dim, d_state, heads // groups,
         float(dt_limit[0]), float(dt_limit[1]) if clamp else 0.0,
-        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), ssm_states.stride(3),
-        x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1),
-        B.stride(0), B.stride(1), B.stride(2), C.stride(0), C.stride(1), C.stride(2),
-        y.stride(0), y.stride(1),
-        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n, **pdl_args(pdl),
+        *ssm_states.stride(), *x.stride(), *dt.stride()[:2], *B.stride(), *C.stride(),
+        *y.stride()[:2],
+        DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p, BLOCK_N=block_n,
+        z_ptr=gate if gated else y, g_ptr=g_out if gated else y,
+        part_ptr=parts_out if gated else y, stride_z_b=gate.stride(0) if gated else 0,
+        stride_g_b=g_out.stride(0) if gated else 0,
+        stride_part_b=parts_out.stride(0) if gated else 0, GATED=gated, **pdl_args(pdl),
     )
     return y
 

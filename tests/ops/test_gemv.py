@@ -206,3 +206,58 @@ def test_gemv_gate_up_epilogue_real_sizes_gpu(dtype, inter, hidden):
     ref = silu_and_mul_ref(F.linear(x.float(), w.float()))
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert ((y.float() - ref).norm() / ref.norm()) < tol
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemv_norm_gated_prologue_matches_gated_rms_norm_then_linear(split):
+    from krait.ops.gated_rms_norm import gated_rms_norm_ref
+
+    g_ = torch.Generator().manual_seed(31)
+    m, k, n, group, part = 2, 128, 24, 64, 16
+    y = torch.randn(m, k, generator=g_)
+    z = torch.randn(m, k, generator=g_)
+    nw = torch.randn(k, generator=g_)
+    w = torch.randn(n, k, generator=g_) / k**0.5
+    want = F.linear(gated_rms_norm_ref(y, z, nw, 1e-5, group), w)
+    gv = y * F.silu(z)  # what the gated state update hands over, float32
+    parts = gv.square().view(m, k // part, part).sum(-1)  # [M, K / part]
+    cfg = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=split)
+    got = gemv_triton(gv, w, config=cfg, norm_gated=(nw, parts, group, 1e-5, part))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="norm groups"):
+        gemv_triton(gv, w, config=dict(cfg, BLOCK_K=128), norm_gated=(nw, parts, group, 1e-5,
+                                                                       part))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_gated_prologue_real_sizes_gpu(dtype):
+    """mamba2-1.3b's decode row: the gated state update's g and partials, then out_proj with the
+    norm in its prologue, against the state update, gated_rms_norm and F.linear."""
+    from krait.ops.gated_rms_norm import gated_rms_norm_ref
+    from krait.ops.linear import gated_norm_linear
+    from krait.ops.selective_state_update import gated_part_size, selective_state_update_triton
+
+    g_ = torch.Generator().manual_seed(5)
+    heads, p, n, hidden = 64, 64, 128, 2048
+    inter = heads * p
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g_) * scale).cuda()
+
+    states = r(2, heads, p, n)
+    x, dt, z = r(1, heads, p).to(dtype), r(1, heads).to(dtype), r(1, inter).to(dtype)
+    A, D, dt_bias = -r(heads).abs(), r(heads), r(heads, scale=0.1)
+    B, C = r(1, 1, n).to(dtype), r(1, 1, n).to(dtype)
+    slots = torch.tensor([1], dtype=torch.int32, device="cuda")
+    nw, w = r(inter).to(dtype), r(hidden, inter, scale=inter**-0.5).to(dtype)
+    y = selective_state_update_triton(states.clone(), x, dt, A, B, C, D, dt_bias, slots)
+    want = F.linear(gated_rms_norm_ref(y.reshape(1, inter), z, nw, 1e-5, inter).float(),
+                    w.float())
+    part = gated_part_size(p, n)
+    packed = torch.empty(1, inter + inter // part, device="cuda")
+    selective_state_update_triton(states.clone(), x, dt, A, B, C, D, dt_bias, slots, gate=z,
+                                  g_out=packed[:, :inter], parts_out=packed[:, inter:])
+    got = gated_norm_linear(packed, w, None, nw, inter, 1e-5, part)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    assert ((got.float() - want).norm() / want.norm()) < tol

@@ -113,3 +113,25 @@ def test_triton_matches_ref_real_size(state_dtype):
     rows = slots >= 0
     torch.testing.assert_close(tri[rows].float(), ref[rows].float(), atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(s_tri.float(), s_ref.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_output_and_partial_sums(dtype):
+    """gate=z: besides y (unchanged), g = y * silu(z) in float32 (y rounded to its dtype first)
+    and the sums of g^2 over each part_size run of channels."""
+    states, *args = _inputs(3, dtype=dtype, seed=4)
+    slots = torch.tensor([2, -1, 5], dtype=torch.int32)
+    z = torch.randn(3, HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(9)).to(dtype)
+    want_y = ssu.selective_state_update_triton(states.clone(), *args, slots)
+    part_size = ssu.gated_part_size(HEAD_DIM, D_STATE)
+    # both outputs views of one packed buffer, as the Mamba mixer hands them over
+    packed = torch.empty(3, HEADS * HEAD_DIM + HEADS * HEAD_DIM // part_size)
+    g, parts = packed[:, : HEADS * HEAD_DIM], packed[:, HEADS * HEAD_DIM :]
+    y = ssu.selective_state_update_triton(states.clone(), *args, slots, gate=z, g_out=g,
+                                          parts_out=parts)
+    rows = slots >= 0  # a skipped row's outputs are unspecified
+    assert torch.equal(y[rows], want_y[rows]) and HEAD_DIM % part_size == 0
+    want_g = y.reshape(3, -1).float() * F.silu(z.float())
+    torch.testing.assert_close(g[rows], want_g[rows], atol=1e-6, rtol=1e-6)
+    want_parts = want_g.square().view(3, -1, part_size).sum(-1)
+    torch.testing.assert_close(parts[rows], want_parts[rows], atol=1e-5, rtol=1e-5)

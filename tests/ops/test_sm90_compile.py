@@ -13,7 +13,8 @@ BF, F32, I32 = "*bf16", "*fp32", "*i32"
 
 
 GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32)
-GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, EPILOGUE=0)
+GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, EPILOGUE=0,
+                  PARTS=1)
 
 
 @pytest.mark.parametrize("pdl,late", [(False, False), (True, False), (True, True)])
@@ -36,6 +37,16 @@ def test_gemv_gate_up_epilogue_compiles_without_spills(split):
         TRIGGER_LATE=True), num_warps=8)
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
     assert r["pdl"] and r["regs"] <= 128, r
+
+
+def test_gemv_norm_gated_prologue_compiles_without_spills():
+    from krait.ops.gemv import NORM_GATED
+
+    types = dict(GEMV_TYPES, x_ptr=F32, norm_ptr=BF, part_ptr2=F32, eps="fp32")
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
+        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=NORM_GATED, PDL=True, TRIGGER_LATE=True, PARTS=256),
+        num_warps=8)
+    assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
 
 
 def test_pdl_kernels_compile():
@@ -82,7 +93,13 @@ def test_pdl_mamba_decode_kernels_compile():
     types = dict(state_ptr=F32, x_ptr=BF, dt_ptr=BF, A_ptr=F32, B_ptr=BF, C_ptr=BF, D_ptr=F32,
                  dt_bias_ptr=F32, y_ptr=BF, slots_ptr=I32, dt_min="fp32", dt_max="fp32")
     r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel", types, dict(
-        DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True))
+        DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True, GATED=False))
+    assert r["pdl"] and r["local"] == 0, r
+    # the gated output for the norm in out_proj's prologue (KRAIT_MAMBA_NORM_PROLOGUE=1)
+    r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel",
+                     dict(types, z_ptr=BF, g_ptr=F32, part_ptr=F32), dict(
+                         DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True,
+                         GATED=True))
     assert r["pdl"] and r["local"] == 0, r
     types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, states_ptr=BF, out_ptr=BF, slots_ptr=I32)
     r = compile_sm90("krait.ops.causal_conv1d", "_conv_update_kernel", types, dict(
