@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|normprologue|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -260,6 +260,23 @@ case $what in
       done
     done
     ;;
+  normprologue)  # the Mamba gated norm in out_proj's GEMV prologue (KRAIT_MAMBA_NORM_PROLOGUE=1,
+    # session 11, CPU-tested only; ~5 min): its GPU test at mamba2 sizes, GPU parity with it on,
+    # then batch 1 against the default, alternating twice (mamba2, granite-micro)
+    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k norm_gated -p no:cacheprovider 2>&1 \
+      | tail -3 | tee "$LOG/kernels_normprologue.log"
+    if [ -d .parity ]; then
+      KRAIT_MAMBA_NORM_PROLOGUE=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
+        | grep -v Warn | tail -12 | tee "$LOG/parity_normprologue.log"
+    fi
+    pack
+    for i in 1 2; do
+      for m in mamba2-1.3b granite-4.0-h-micro; do
+        bench_latency $m "_default$i" --batch-sizes 1 --prompt-lens ""
+        KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency $m "_normprologue$i" --batch-sizes 1 --prompt-lens ""
+      done
+    done
+    ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
@@ -279,6 +296,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in gemvwide|mlp|prefillgraphs|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in gemvwide|mlp|prefillgraphs|normprologue|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack
