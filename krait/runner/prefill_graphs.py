@@ -1,5 +1,6 @@
-"""Whole-forward CUDA graphs for steps of one prefill row (on by default on the GPU with the
-piecewise graphs; `KRAIT_PREFILL_GRAPHS=0` turns them off).
+"""Whole-forward CUDA graphs for steps of prefill rows only: one row by default, 2-4 rows with
+`KRAIT_PREFILL_GRAPH_ROWS` (on by default on the GPU with the piecewise graphs;
+`KRAIT_PREFILL_GRAPHS=0` turns them off).
 
 A step whose only row is a prefill (a lone request's prompt, or a chunk of it) is an idle
 server's time to first token. Piecewise graphs (krait/runner/piecewise_graphs.py) take its
@@ -7,12 +8,13 @@ projections, norms and MLPs, but leave the sequence mixers eager: on the H200 a 
 seven Triton launches and an attention mixer two, and their host time (~150-300 us a layer) is
 most of a short prompt's prefill (mamba2-1.3b 18 ms for 128 tokens, docs/benchmarks.md).
 
-Such a step has one metadata layout per token bucket: one row whose tokens are padded to the
-bucket, the padded tokens outside every row (slot -1, past the row's query end, in no Mamba
-chunk), every length and offset in device tensors. So the whole forward, mixers included, is
-captured once per bucket from a dummy one-row prefill of the bucket's size (at start-up, after
-the piecewise graphs, in their memory pool), and a step replays it after copying its inputs and
-metadata into the captured tensors. The capture's host values (the maximum query length = the
+Such a step has one metadata layout per token bucket and row count: its tokens padded to the
+bucket, the padded tokens outside every row (slot -1, past the last row's query end, in no
+Mamba chunk), its rows padded with empty ones (slot -1, no tokens), every length and offset in
+device tensors. So the whole forward, mixers included, is captured once per bucket and row
+count from a dummy prefill of that shape (at start-up, after the piecewise graphs, in their
+memory pool), and a step replays it after copying its inputs and metadata into the captured
+tensors. docs/cuda_graphs.md has the rules every graph kind keeps. The capture's host values (the maximum query length = the
 bucket) only size launch grids, and those grids cover any row of at most the bucket's tokens;
 the kernels skip the rest from the device metadata.
 
