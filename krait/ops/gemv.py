@@ -10,7 +10,8 @@ partials in slice order (deterministic), writes y and resets the counter for the
 launch, no memset, graph-safe.
 
 A prologue may transform the input row as it is loaded: silu(gate) * up (the down projection,
-one launch and no [M, K] intermediate). An epilogue may instead finish a merged gate_up
+one launch and no [M, K] intermediate), or a Mamba mixer's gated RMSNorm from the statistics
+its state update already summed (NORM_GATED: the norm without a launch of its own). An epilogue may instead finish a merged gate_up
 projection: each program computes its columns' gate and up dots and writes silu(gate) * up (the
 activation without its own launch or an [M, 2I] intermediate).
 
