@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import time
 
 import torch
 
@@ -116,6 +117,7 @@ class CudaGraphRunner:
             for n in self.sizes:
                 self._capture(n)
             return
+        start = time.perf_counter()
         gc.collect()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
@@ -129,7 +131,8 @@ class CudaGraphRunner:
                 gc.enable()
         torch.cuda.synchronize()
         used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
-        logger.info("captured %d decode CUDA graphs (%.0f MiB)", len(self.sizes), used)
+        logger.info("captured %d decode CUDA graphs (%.0f MiB, %.1f s)", len(self.sizes), used,
+                    time.perf_counter() - start)
 
     def _capture(self, n: int) -> None:
         r = self.runner

@@ -112,6 +112,7 @@ class ModelRunner:
         so no step of a request pays a capture and the pool is in place before serving."""
         pw = self.piecewise
         cuda = self.device.type == "cuda"  # else a CPU test's PiecewiseGraphs(record=False)
+        start = time.perf_counter()
         if cuda:
             torch.cuda.empty_cache()
             free_before = torch.cuda.mem_get_info()[0]
@@ -125,8 +126,8 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the eager runs' blocks: what stays is the graphs' pool
             pw.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
         captured = [b for b in pw.buckets if pw.state[b].graphs]
-        logger.info("captured piecewise graphs for %d token buckets %s (%.0f MiB)",
-                    len(captured), captured, pw.pool_bytes / 2**20)
+        logger.info("captured piecewise graphs for %d token buckets %s (%.0f MiB, %.1f s)",
+                    len(captured), captured, pw.pool_bytes / 2**20, time.perf_counter() - start)
 
     def dummy_decode_batch(self, n: int) -> InputBatch:
         """n padding rows of one token each (CUDA-graph capture)."""

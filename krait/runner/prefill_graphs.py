@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import torch
 
@@ -102,6 +103,7 @@ class PrefillGraphs:
         """Every bucket and row count, largest first. The GC is paused during the captures (a
         collection inside one could free an older graph's memory: a cudaFree that breaks it)."""
         cuda = self.runner.device.type == "cuda" and self.record
+        start = time.perf_counter()
         if cuda:
             gc.collect()
             torch.cuda.synchronize()
@@ -119,8 +121,9 @@ class PrefillGraphs:
         if cuda:
             torch.cuda.synchronize()
             self.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("captured prefill graphs for %d token buckets x rows %s (%.0f MiB)",
-                    len(self.graphs), sorted(self.graphs), self.pool_bytes / 2**20)
+        logger.info("captured prefill graphs for %d token buckets x rows %s (%.0f MiB, %.1f s)",
+                    len(self.graphs), sorted(self.graphs), self.pool_bytes / 2**20,
+                    time.perf_counter() - start)
 
     def _capture(self, tokens: int, rows: int) -> None:
         r = self.runner
