@@ -263,10 +263,10 @@ case $what in
   normprologue)  # the Mamba gated norm in out_proj's GEMV prologue (KRAIT_MAMBA_NORM_PROLOGUE=1,
     # session 11, CPU-tested only; ~5 min): its GPU test at mamba2 sizes, GPU parity with it on,
     # then batch 1 against the default, alternating twice (mamba2, granite-micro)
-    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k norm_gated -p no:cacheprovider 2>&1 \
+    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k "norm_gated or fold" -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_normprologue.log"
     if [ -d .parity ]; then
-      KRAIT_MAMBA_NORM_PROLOGUE=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
+      KRAIT_MAMBA_NORM_PROLOGUE=1 KRAIT_NORM_PROLOGUE=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
         | grep -v Warn | tail -12 | tee "$LOG/parity_normprologue.log"
     fi
     pack
@@ -275,6 +275,10 @@ case $what in
         bench_latency $m "_default$i" --batch-sizes 1 --prompt-lens ""
         KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency $m "_normprologue$i" --batch-sizes 1 --prompt-lens ""
       done
+      # mamba2 blocks also folding the residual add and RMSNorm into their GEMVs
+      KRAIT_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_fold$i" --batch-sizes 1 --prompt-lens ""
+      KRAIT_NORM_PROLOGUE=1 KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_foldboth$i" \
+        --batch-sizes 1 --prompt-lens ""
     done
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from krait.layers.linear import Linear
+from krait.layers.norm import FoldedResidual, NormedInput
 from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.linear import gated_norm_in_gemv, gated_norm_linear
+from krait.ops.gemv import gemv_triton
+from krait.ops.linear import gated_norm_in_gemv, gated_norm_linear, norm_linear
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import (
     gated_part_size,
@@ -119,20 +121,30 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         return (d.conv_dim, d.d_conv - 1), (d.num_heads, d.head_dim, d.d_state)
 
-    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor | NormedInput, meta: MambaMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor | FoldedResidual:
+        """x [T, hidden] -> [T, hidden]. Decode rows of one token may come as a NormedInput (the
+        in_proj GEMV applies the block's RMSNorm) and with the block's `residual`, which the
+        out_proj GEMV then adds: a FoldedResidual comes back (`residual_fold_ok`)."""
         d = self.d
         group = d.norm_group_size or d.intermediate // d.n_groups
-        if (x.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
-                and use_triton(x)):
+        rows = x.h if isinstance(x, NormedInput) else x
+        if (rows.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
+                and use_triton(rows)):
             part = gated_part_size(d.head_dim, d.d_state)
-            if gated_norm_in_gemv(x, self.out_proj.weight, group, part):
+            if gated_norm_in_gemv(rows, self.out_proj.weight, group, part):
                 gate, xbc, dt = self._project(x)
                 packed = mixer_call(self._decode_gated, (xbc, dt, gate), meta, "mamba", part)
-                return gated_norm_linear(packed, self.out_proj.weight, self.out_proj.bias,
-                                         self.norm_weight, group, d.eps, part)
-        y, gate = self.scan(x, meta)
-        return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
+                out = gated_norm_linear(packed, self.out_proj.weight, self.out_proj.bias,
+                                        self.norm_weight, group, d.eps, part, residual)
+                return out if residual is None else FoldedResidual(*out)
+        gate, xbc, dt = self._project(x)
+        y = mixer_call(self._ssm, (xbc, dt), meta, "mamba")
+        normed = gated_rms_norm(y, gate, self.norm_weight, d.eps, group)
+        if residual is None:
+            return self.out_proj(normed)
+        return FoldedResidual(*gemv_triton(normed, self.out_proj.weight, self.out_proj.bias,
+                                           residual=residual))
 
     def _decode_gated(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor,
                       meta: MambaMetadata, part: int) -> torch.Tensor:
@@ -168,10 +180,17 @@ class Mamba2Mixer(torch.nn.Module):
         y_pre = self._prefill_ssm(xbc, dt, meta) if meta.num_prefills else None
         return self._join(xbc, nd, y_dec, y_pre)
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views."""
+    def _project(self, x: torch.Tensor | NormedInput
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views (a
+        NormedInput normalized in the GEMV's prologue)."""
         d = self.d
-        return self.in_proj(x).split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
+        if isinstance(x, NormedInput):
+            proj = norm_linear(x.h, x.parts, x.weight, x.eps, self.in_proj.weight,
+                               self.in_proj.bias)
+        else:
+            proj = self.in_proj(x)
+        return proj.split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
 
     def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Conv update and state update of the decode rows: y [num_decode_tokens, heads, P]."""

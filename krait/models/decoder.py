@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from krait.layers.linear import Linear
-from krait.layers.norm import RMSNorm
+from krait.layers.norm import FoldedResidual, RMSNorm
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -17,7 +17,9 @@ def pre_norm(
     norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, x_scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(s), s) for s = x * x_scale + residual; the first layer has no residual yet (its x is
-    the embedding, never scaled): (norm(x), x)."""
+    the embedding, never scaled): (norm(x), x). A FoldedResidual x already holds s."""
+    if isinstance(x, FoldedResidual):
+        return norm(x.h), x.h
     if residual is None:
         return norm(x), x
     return norm(x, residual, x_scale)

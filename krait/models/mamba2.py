@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
-from krait.layers.norm import RMSNorm
+from krait.layers.norm import FoldedResidual, NormedInput, RMSNorm
 from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import load_named_weights
+from krait.ops.linear import residual_fold_ok
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -40,8 +41,14 @@ class Mamba2Block(torch.nn.Module):
         self.mixer = Mamba2Mixer(mamba2_dims(cfg))
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        x, residual = pre_norm(self.norm, x, residual)
-        return self.mixer(x, meta.mamba), residual
+        if isinstance(x, FoldedResidual):  # the block before added the residual and summed h^2
+            normed, residual = NormedInput(x.h, x.parts, self.norm.weight, self.norm.eps), x.h
+        else:
+            normed, residual = pre_norm(self.norm, x, residual)
+        fold = (meta.mamba.num_prefills == 0
+                and residual_fold_ok(residual, self.mixer.out_proj.weight,
+                                     self.mixer.in_proj.weight))
+        return self.mixer(normed, meta.mamba, residual if fold else None), residual
 
 
 class Mamba2ForCausalLM(torch.nn.Module):

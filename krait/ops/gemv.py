@@ -35,8 +35,10 @@ MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
 
 
-# prologue of the GEMV's input: what the x row is turned into before it meets W
-PLAIN, SILU_MUL, NORM_GATED = 0, 1, 2
+# prologue of the GEMV's input: what the x row is turned into before it meets W; epilogue:
+# what the output becomes (SILU_MUL: a gate_up's activation; RESIDUAL_NORM: the residual added,
+# and each tile's sum of squares of the sum written for the next RMSNorm)
+PLAIN, SILU_MUL, NORM_GATED, RESIDUAL_NORM = 0, 1, 2, 3
 
 
 @triton.jit
@@ -104,12 +106,29 @@ def _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS: tl.constexpr,
     silu_and_mul would."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if EPILOGUE != 0:
+        if EPILOGUE == 1:
             acc_up += tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if EPILOGUE == 0:
+    if EPILOGUE != 1:
         return acc.to(dt)
     g = acc.to(dt).to(tl.float32)
     return (g / (1.0 + tl.exp(-g)) * acc_up.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _store_tile(out, val, mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok,
+                offs_n, pid_n, EPILOGUE: tl.constexpr):
+    """Writes the output tile val [M, N] (dt); RESIDUAL_NORM writes h = val + residual instead
+    (rounded to dt, as a separate add would) and the tile's sum of h^2 per row at column pid_n
+    of rpart."""
+    if EPILOGUE == 3:
+        res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_ok,
+                      other=0.0)
+        h = (val.to(tl.float32) + res.to(tl.float32)).to(val.dtype)
+        tl.store(out, h, mask=mn_ok)
+        hf = tl.where(mn_ok, h.to(tl.float32), 0.0)
+        tl.store(rpart_ptr + offs_m * stride_rpm + pid_n, tl.sum(hf * hf, axis=1), mask=m_ok)
+    else:
+        tl.store(out, val, mask=mn_ok)
 
 
 @triton.jit
@@ -121,7 +140,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     TRIGGER_LATE: tl.constexpr, EPILOGUE: tl.constexpr = 0,
     norm_ptr=None, part_ptr2=None, stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
-    PARTS: tl.constexpr = 1,
+    PARTS: tl.constexpr = 1, res_ptr=None, stride_rm=0, rpart_ptr=None, stride_rpm=0,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -148,7 +167,7 @@ def _gemv_kernel(
                     BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_ptr, part_ptr2,
                     stride_pm, group_size, parts_per_group, eps, PARTS)  # [M, N]
     acc_up = acc
-    if EPILOGUE != 0:
+    if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                            BLOCK_M, BLOCK_N, BLOCK_K, PDL)
@@ -158,14 +177,15 @@ def _gemv_kernel(
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     dt = y_ptr.dtype.element_ty
     if SPLIT_K == 1:
-        tl.store(out, _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE),
-                 mask=mn_ok)
+        _store_tile(out, _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE),
+                    mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok, offs_n,
+                    pid_n, EPILOGUE)
     else:
         # partials [SPLIT_K, M, W] in float32, W = N (the up half beside the gate's: 2N)
-        width = N if EPILOGUE == 0 else 2 * N
+        width = N if EPILOGUE != 1 else 2 * N
         part = part_ptr + offs_m[:, None] * width + offs_n[None, :]
         tl.store(part + pid_k * M * width, acc, mask=mn_ok)
-        if EPILOGUE != 0:
+        if EPILOGUE == 1:
             tl.store(part + pid_k * M * width + N, acc_up, mask=mn_ok)
         arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: orders the stores above
         if arrived == SPLIT_K - 1:  # the last slice of this tile to finish sums them all
@@ -174,12 +194,13 @@ def _gemv_kernel(
             for s in range(SPLIT_K):
                 total += tl.load(part + s * M * width, mask=mn_ok, other=0.0,
                                  cache_modifier=".cg")
-                if EPILOGUE != 0:
+                if EPILOGUE == 1:
                     total_up += tl.load(part + s * M * width + N, mask=mn_ok, other=0.0,
                                         cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            tl.store(out, _finish(total, total_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS,
-                                  EPILOGUE), mask=mn_ok)
+            _store_tile(out, _finish(total, total_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS,
+                                     EPILOGUE), mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm,
+                        offs_m, m_ok, offs_n, pid_n, EPILOGUE)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -215,7 +236,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 config: dict[str, int] | None = None, silu_mul: bool = False,
-                silu_mul_out: bool = False, norm_gated: tuple | None = None) -> Tensor:
+                silu_mul_out: bool = False, norm_gated: tuple | None = None,
+                residual: Tensor | None = None):
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
     With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
     silu_and_mul: one launch and no [M, K] intermediate). With `silu_mul_out`, weight is
@@ -224,7 +246,10 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     With `norm_gated` = (norm weight [K], partials [M, K / part_size], group_size, eps,
     part_size), x is g = y * silu(z) in float32 (`selective_state_update_triton(gate=...)`)
     and the input is gated_rms_norm's output: the norm without a launch of its own (the
-    output is in the weight's dtype)."""
+    output is in the weight's dtype). With `residual` [M, N] it returns (h, partials): h = y +
+    residual (the residual stream's next value) and partials [M, N / BLOCK_N] float32, each
+    tile's sum of h^2 per row (a following GEMV's RMSNorm prologue reads them:
+    `norm_gated=(norm weight, partials, N, eps, BLOCK_N)` with h as its input)."""
     prologue, k = (SILU_MUL, x.shape[1] // 2) if silu_mul else (PLAIN, x.shape[1])
     norm_args: dict = {}
     if norm_gated is not None:
@@ -254,13 +279,21 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     tiles = cdiv(n, cfg["BLOCK_N"])
     y = torch.empty(m, n, dtype=weight.dtype if norm_gated else x.dtype,
                     device=x.device)  # [M, N]
+    if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"gemv_triton: the residual must be [{m}, {n}] with unit stride")
     if m == 0 or n == 0:
-        return y
+        return y if residual is None else (y, torch.zeros(m, tiles, device=x.device))
     cfg.setdefault("SPLIT_K", 1)
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     split = cfg["SPLIT_K"]
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    res_args: dict = {}
+    rparts = None
+    if residual is not None:
+        rparts = torch.empty(m, tiles, dtype=torch.float32, device=x.device)  # [M, tiles]
+        res_args = dict(res_ptr=residual, stride_rm=residual.stride(0), rpart_ptr=rparts,
+                        stride_rpm=rparts.stride(0))
     if split > 1:
         part = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)  # [S, M, W]
         counters = arrival_counters(_COUNTERS, x.device, tiles)
@@ -271,10 +304,10 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
         TRIGGER_LATE=pdl and env("KRAIT_PDL_TRIGGER") != "early",
-        EPILOGUE=SILU_MUL if silu_mul_out else PLAIN,
-        **norm_args, **pdl_args(pdl), **cfg,
+        EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else PLAIN),
+        **norm_args, **res_args, **pdl_args(pdl), **cfg,
     )
-    return y
+    return y if residual is None else (y, rparts)
 
 
 def _rowwise(t: Tensor) -> Tensor:

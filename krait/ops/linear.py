@@ -115,10 +115,41 @@ def gated_norm_in_gemv(x: Tensor, weight: Tensor, group_size: int, part_size: in
 
 
 def gated_norm_linear(packed: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor,
-                      group_size: int, eps: float, part_size: int) -> Tensor:
+                      group_size: int, eps: float, part_size: int,
+                      residual: Tensor | None = None):
     """linear(gated_rms_norm(y, z, norm_weight, eps, group_size), weight, bias) from packed
     [1, I + I / part_size] float32 = [y * silu(z) | partial sums of its squares] (what the gated
-    state update writes): one GEMV launch, the norm in its prologue."""
+    state update writes): one GEMV launch, the norm in its prologue. With `residual`: (h,
+    partials) as gemv_triton(residual=...) returns them."""
     inter = weight.shape[1]
     return gemv_triton(packed[:, :inter], weight, bias, config=_norm_config(weight, group_size),
-                       norm_gated=(norm_weight, packed[:, inter:], group_size, eps, part_size))
+                       norm_gated=(norm_weight, packed[:, inter:], group_size, eps, part_size),
+                       residual=residual)
+
+
+# columns a GEMV tile sums its squares over (the one-row config's BLOCK_N): the partials' run
+RESIDUAL_PART = 8
+
+
+def residual_fold_ok(x: Tensor, out_weight: Tensor, in_weight: Tensor) -> bool:
+    """Fold a block's residual add and its next RMSNorm's statistics into the block's output
+    GEMV (epilogue) and the next block's input GEMV (prologue) (KRAIT_NORM_PROLOGUE=1; off
+    until measured on the GPU: it saves the RMSNorm launch a layer at batch 1)? x: a one-row
+    stand-in; both GEMVs must serve it, and the input GEMV's K tiles must tile the hidden size."""
+    if env("KRAIT_NORM_PROLOGUE") != "1" or x.shape[0] != 1:
+        return False
+    if not (_use_gemv(x, out_weight) and _use_gemv(x, in_weight)):
+        return False
+    hidden = in_weight.shape[1]
+    return (default_config(1, *out_weight.shape)["BLOCK_N"] == RESIDUAL_PART
+            and hidden % RESIDUAL_PART == 0 and _norm_config(in_weight, hidden) is not None)
+
+
+def norm_linear(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                bias: Tensor | None) -> Tensor:
+    """linear(rms_norm(h, norm_weight, eps), weight, bias) for one row h [1, H] whose sums of
+    squares per run of RESIDUAL_PART columns are `parts` (a residual-folding GEMV wrote both):
+    the norm in the GEMV's prologue."""
+    hidden = h.shape[1]
+    return gemv_triton(h, weight, bias, config=_norm_config(weight, hidden),
+                       norm_gated=(norm_weight, parts, hidden, eps, RESIDUAL_PART))

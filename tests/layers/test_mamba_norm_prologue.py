@@ -1,7 +1,9 @@
-"""The Mamba mixer's gated RMSNorm in its out_proj GEMV's prologue (KRAIT_MAMBA_NORM_PROLOGUE=1):
-a batch-1 decode row's state update hands over y * silu(z) and partial sums of its squares, and
-the GEMV normalizes from them (one launch fewer a layer). Through the Triton kernels on CPU
-(interpreted), greedy tokens and logprobs equal the unfused path's."""
+"""Norms folded into the Mamba GEMVs at batch 1, through the Triton kernels on CPU (interpreted):
+greedy tokens and logprobs equal the unfused path's.
+- KRAIT_MAMBA_NORM_PROLOGUE=1: the state update hands over y * silu(z) and partial sums of its
+  squares, and out_proj's GEMV applies the gated RMSNorm from them;
+- KRAIT_NORM_PROLOGUE=1 (mamba2 blocks): out_proj's GEMV adds the residual and sums each
+  tile's squares, and the next block's in_proj GEMV applies the RMSNorm from them."""
 
 from __future__ import annotations
 
@@ -9,33 +11,64 @@ import pytest
 
 from krait import LLM, SamplingParams
 from krait.layers import mamba2 as mamba2_layer
+from krait.models import mamba2 as mamba2_model
 from tests.utils import make_tiny_hybrid
 
 PROMPTS = [[5, 6, 7, 8], list(range(3, 20))]
 
 
-def _run(model_dir: str, monkeypatch, fused: bool) -> tuple[list, int]:
-    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "1" if fused else "0")
-    calls = []
-    real = mamba2_layer.gated_norm_linear
-    monkeypatch.setattr(mamba2_layer, "gated_norm_linear",
-                        lambda *a: calls.append(a[0].shape) or real(*a))
-    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=1)  # batch-1 decodes
+def _batch1(model_dir: str) -> list[tuple[list[int], list[float]]]:
+    """PROMPTS' greedy tokens and logprobs, every decode step one row."""
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(
         temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0), use_tqdm=False)
-    got = [(o.outputs[0].token_ids,
-            [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-           for o in outs]
-    return got, len(calls)
+    return [(o.outputs[0].token_ids,
+             [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "granitemoehybrid"])
-def test_norm_in_out_proj_prologue_matches_the_unfused_decode(arch, tmp_path, monkeypatch):
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    d = make_tiny_hybrid(tmp_path / arch, arch)
-    want, none = _run(d, monkeypatch, False)
-    got, calls = _run(d, monkeypatch, True)
-    assert none == 0 and calls > 0  # the decode steps of every Mamba layer took it
+def _close(got, want) -> None:
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, a), (_, b) in zip(got, want):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def _count(monkeypatch, module, name: str, taken=lambda result: True) -> list:
+    """Wraps module.name, recording each call whose result `taken` accepts."""
+    calls = []
+    real = getattr(module, name)
+
+    def wrapped(*args):
+        result = real(*args)
+        if taken(result):
+            calls.append(1)
+        return result
+
+    monkeypatch.setattr(module, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "granitemoehybrid"])
+def test_gated_norm_in_out_proj_prologue(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    d = make_tiny_hybrid(tmp_path / arch, arch)
+    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "0")
+    want = _batch1(d)
+    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "1")
+    calls = _count(monkeypatch, mamba2_layer, "gated_norm_linear")
+    _close(_batch1(d), want)
+    assert calls  # the decode steps of every Mamba layer took it
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_folded_residual_and_rms_norm_in_in_proj_prologue(gated, tmp_path, monkeypatch):
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    d = make_tiny_hybrid(tmp_path / "m", "mamba2")
+    monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "0")
+    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "0")
+    want = _batch1(d)
+    monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "1")
+    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "1" if gated else "0")
+    folds = _count(monkeypatch, mamba2_model, "residual_fold_ok", taken=bool)
+    _close(_batch1(d), want)
+    assert folds  # every block of the decode steps folded

@@ -261,3 +261,54 @@ def test_norm_gated_prologue_real_sizes_gpu(dtype):
     got = gated_norm_linear(packed, w, None, nw, inter, 1e-5, part)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
     assert ((got.float() - want).norm() / want.norm()) < tol
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_residual_epilogue_then_norm_prologue_chain(split):
+    """A producing GEMV adds the residual and sums each tile's squares; the next GEMV's RMSNorm
+    prologue reads them: rms_norm(y + residual) -> linear, without a norm pass of its own."""
+    from krait.ops.rms_norm import rms_norm_ref
+
+    g_ = torch.Generator().manual_seed(41)
+    m, k, hidden, n = 2, 96, 64, 40
+    x = torch.randn(m, k, generator=g_)
+    w1 = torch.randn(hidden, k, generator=g_) / k**0.5  # producer: [hidden, K]
+    res = torch.randn(m, hidden, generator=g_)
+    nw = torch.randn(hidden, generator=g_)
+    w2 = torch.randn(n, hidden, generator=g_) / hidden**0.5  # consumer: [N, hidden]
+    cfg1 = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=split)
+    h, parts = gemv_triton(x, w1, config=cfg1, residual=res)
+    want_h = F.linear(x, w1) + res
+    torch.testing.assert_close(h, want_h, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(parts, want_h.square().view(m, hidden // 8, 8).sum(-1),
+                               atol=1e-4, rtol=1e-4)
+    cfg2 = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=1)
+    got = gemv_triton(h, w2, config=cfg2, norm_gated=(nw, parts, hidden, 1e-6, 8))
+    want = F.linear(rms_norm_ref(want_h, nw, 1e-6), w2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_triton(x, w1, config=cfg1, residual=res[:, :10])
+
+
+@pytest.mark.gpu
+def test_residual_fold_chain_real_sizes_gpu():
+    """mamba2-1.3b's block boundary in bf16: out_proj adds the residual and sums squares, the
+    next in_proj normalizes from them; against F.linear, the add and rms_norm."""
+    from krait.ops.linear import RESIDUAL_PART, norm_linear
+    from krait.ops.rms_norm import rms_norm_ref
+
+    g_ = torch.Generator().manual_seed(6)
+    hidden, inter, proj = 2048, 4096, 8512
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g_) * scale).to(torch.bfloat16).cuda()
+
+    y, res, nw = r(1, inter), r(1, hidden), r(hidden)
+    w_out, w_in = r(hidden, inter, scale=inter**-0.5), r(proj, hidden, scale=hidden**-0.5)
+    h, parts = gemv_triton(y, w_out, residual=res)
+    want_h = (F.linear(y.float(), w_out.float()).to(torch.bfloat16).float() + res.float())
+    assert ((h.float() - want_h).norm() / want_h.norm()) < 1e-2
+    assert parts.shape == (1, hidden // RESIDUAL_PART)
+    got = norm_linear(h, parts, nw, 1e-5, w_in, None)
+    want = F.linear(rms_norm_ref(h, nw, 1e-5).float(), w_in.float())
+    assert ((got.float() - want).norm() / want.norm()) < 1e-2

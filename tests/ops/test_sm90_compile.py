@@ -49,6 +49,21 @@ def test_gemv_norm_gated_prologue_compiles_without_spills():
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
 
 
+@pytest.mark.parametrize("x_type,prologue", [(F32, "NORM_GATED"), (BF, "NORM_GATED"),
+                                             (BF, "PLAIN")])
+def test_gemv_residual_epilogue_compiles_without_spills(x_type, prologue):
+    # KRAIT_NORM_PROLOGUE: out_proj adds the residual and sums squares (after the gated norm
+    # prologue, or a plain input); in_proj's RMSNorm prologue reads a bf16 row
+    from krait.ops import gemv
+
+    types = dict(GEMV_TYPES, x_ptr=x_type, norm_ptr=BF, part_ptr2=F32, eps="fp32", res_ptr=BF,
+                 rpart_ptr=F32)
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
+        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), PDL=True, TRIGGER_LATE=True,
+        PARTS=256, EPILOGUE=gemv.RESIDUAL_NORM), num_warps=8)
+    assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
+
+
 def test_pdl_kernels_compile():
     # the grid-dependency instructions (KRAIT_PDL=1) in kernels of the decode chain
     types = dict(x_ptr=BF, res_ptr=BF, w_ptr=BF, out_ptr=BF, sum_ptr=BF, eps="fp32",
