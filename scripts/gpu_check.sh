@@ -260,9 +260,10 @@ case $what in
       done
     done
     ;;
-  normprologue)  # the Mamba gated norm in out_proj's GEMV prologue (KRAIT_MAMBA_NORM_PROLOGUE=1,
-    # session 11, CPU-tested only; ~5 min): its GPU test at mamba2 sizes, GPU parity with it on,
-    # then batch 1 against the default, alternating twice (mamba2, granite-micro)
+  normprologue)  # norms in the GEMVs' prologues (session 11, CPU-tested only; ~7 min): the
+    # Mamba gated norm in out_proj's (KRAIT_MAMBA_NORM_PROLOGUE=1) and the block RMSNorms
+    # folded (KRAIT_NORM_PROLOGUE=1); GPU tests at mamba2 sizes, GPU parity with both on, then
+    # batch 1 against the default, alternating twice (mamba2, granite-micro, qwen3)
     timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k "norm_gated or fold" -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_normprologue.log"
     if [ -d .parity ]; then
@@ -275,10 +276,12 @@ case $what in
         bench_latency $m "_default$i" --batch-sizes 1 --prompt-lens ""
         KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency $m "_normprologue$i" --batch-sizes 1 --prompt-lens ""
       done
-      # mamba2 blocks also folding the residual add and RMSNorm into their GEMVs
+      # blocks also folding the residual add and RMSNorm into their GEMVs (mamba2, qwen3)
       KRAIT_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_fold$i" --batch-sizes 1 --prompt-lens ""
       KRAIT_NORM_PROLOGUE=1 KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_foldboth$i" \
         --batch-sizes 1 --prompt-lens ""
+      bench_latency qwen3-0.6b "_default$i" --batch-sizes 1 --prompt-lens ""
+      KRAIT_NORM_PROLOGUE=1 bench_latency qwen3-0.6b "_fold$i" --batch-sizes 1 --prompt-lens ""
     done
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from krait.ops.linear import linear, silu_mlp
+from krait.layers.norm import FoldedResidual, NormedInput
+from krait.ops.gemv import gemv_triton
+from krait.ops.linear import linear, norm_linear, norm_silu_mlp, silu_mlp
 
 
 class Linear(torch.nn.Linear):
@@ -37,8 +39,30 @@ class MergedLinear(torch.nn.Module):
         target.data[lo : lo + self.out_sizes[shard]].copy_(tensor)
 
 
-def gated_silu_mlp(x: torch.Tensor, gate_up: torch.nn.Module, down: torch.nn.Module
-                   ) -> torch.Tensor:
+def gated_silu_mlp(x: torch.Tensor | NormedInput, gate_up: torch.nn.Module,
+                   down: torch.nn.Module, residual: torch.Tensor | None = None
+                   ) -> torch.Tensor | FoldedResidual:
     """down(silu_and_mul(gate_up(x))) for layers holding `weight` and `bias`: gate_up's weight
-    [2I, H] (gate rows, then up rows), down's [H, I]; the activation fused for decode."""
+    [2I, H] (gate rows, then up rows), down's [H, I]; the activation fused for decode. A
+    NormedInput x with the block's `residual` (KRAIT_NORM_PROLOGUE, `block_fold_ok`) gives a
+    FoldedResidual: the norm in gate_up's prologue, the residual in down's epilogue."""
+    if isinstance(x, NormedInput):
+        return FoldedResidual(*norm_silu_mlp(x.h, x.parts, x.weight, x.eps, gate_up.weight,
+                                             down.weight, gate_up.bias, down.bias, residual))
     return silu_mlp(x, gate_up.weight, down.weight, gate_up.bias, down.bias)
+
+
+def project(layer: torch.nn.Module, x: torch.Tensor | NormedInput) -> torch.Tensor:
+    """layer(x), or for a NormedInput the GEMV with the RMSNorm in its prologue."""
+    if isinstance(x, NormedInput):
+        return norm_linear(x.h, x.parts, x.weight, x.eps, layer.weight, layer.bias)
+    return layer(x)
+
+
+def project_folding(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> torch.Tensor | FoldedResidual:
+    """layer(x), or with `residual` a FoldedResidual: the residual added and each tile's sum
+    of squares written by the GEMV's epilogue."""
+    if residual is None:
+        return layer(x)
+    return FoldedResidual(*gemv_triton(x, layer.weight, layer.bias, residual=residual))

@@ -170,7 +170,8 @@ def _gemv_kernel(
     if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
-                           BLOCK_M, BLOCK_N, BLOCK_K, PDL)
+                           BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_ptr, part_ptr2,
+                           stride_pm, group_size, parts_per_group, eps, PARTS)
     if TRIGGER_LATE:
         pdl_trigger(PDL)
     mn_ok = m_ok[:, None] & n_ok[None, :]

@@ -153,3 +153,36 @@ def norm_linear(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, weigh
     hidden = h.shape[1]
     return gemv_triton(h, weight, bias, config=_norm_config(weight, hidden),
                        norm_gated=(norm_weight, parts, hidden, eps, RESIDUAL_PART))
+
+
+def block_fold_ok(x: Tensor, normed_inputs: list[Tensor], outputs: list[Tensor],
+                  gate_up: Tensor | None = None) -> bool:
+    """Residual folding through a decoder block (KRAIT_NORM_PROLOGUE=1; see
+    `residual_fold_ok`): every weight that takes a normalized input (`normed_inputs`) applies
+    the RMSNorm in its GEMV's prologue, every weight whose output adds the residual (`outputs`)
+    folds it in its epilogue, and a gated MLP's gate_up (in normed_inputs too) keeps its
+    activation epilogue."""
+    if env("KRAIT_NORM_PROLOGUE") != "1" or x.shape[0] != 1:
+        return False
+    if gate_up is not None and not _use_gate_up_epilogue(x, gate_up):
+        return False
+    for w in normed_inputs:
+        if w is not gate_up and not _use_gemv(x, w):
+            return False
+        if w.shape[1] % RESIDUAL_PART or _norm_config(w, w.shape[1]) is None:
+            return False
+    return all(_use_gemv(x, w) and default_config(1, *w.shape)["BLOCK_N"] == RESIDUAL_PART
+               for w in outputs)
+
+
+def norm_silu_mlp(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, gate_up: Tensor,
+                  down: Tensor, gate_up_bias: Tensor | None, down_bias: Tensor | None,
+                  residual: Tensor) -> tuple[Tensor, Tensor]:
+    """A gated MLP over rms_norm(h) for one row, the residual added after it: the gate_up GEMV
+    with the norm in its prologue and the activation in its epilogue, then the down GEMV
+    folding `residual` (returns gemv_triton(residual=...)'s (h', partials))."""
+    hidden = h.shape[1]
+    act = gemv_triton(h, gate_up, gate_up_bias, config=_norm_config(gate_up, hidden),
+                      silu_mul_out=True,
+                      norm_gated=(norm_weight, parts, hidden, eps, RESIDUAL_PART))  # [1, I]
+    return gemv_triton(act, down, down_bias, residual=residual)

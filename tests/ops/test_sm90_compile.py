@@ -64,6 +64,17 @@ def test_gemv_residual_epilogue_compiles_without_spills(x_type, prologue):
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
 
 
+def test_gemv_norm_prologue_with_gate_up_epilogue_compiles():
+    # KRAIT_NORM_PROLOGUE through a llama MLP: gate_up normalizes its input and activates
+    from krait.ops import gemv
+
+    types = dict(GEMV_TYPES, norm_ptr=BF, part_ptr2=F32, eps="fp32")
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
+        GEMV_PLAIN, SPLIT_K=1, PROLOGUE=gemv.NORM_GATED, PDL=True, TRIGGER_LATE=True,
+        PARTS=128, EPILOGUE=gemv.SILU_MUL), num_warps=8)
+    assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
+
+
 def test_pdl_kernels_compile():
     # the grid-dependency instructions (KRAIT_PDL=1) in kernels of the decode chain
     types = dict(x_ptr=BF, res_ptr=BF, w_ptr=BF, out_ptr=BF, sum_ptr=BF, eps="fp32",

@@ -1,18 +1,21 @@
-"""Norms folded into the Mamba GEMVs at batch 1, through the Triton kernels on CPU (interpreted):
-greedy tokens and logprobs equal the unfused path's.
+"""Norms folded into the GEMVs at batch 1, through the Triton kernels on CPU (interpreted): greedy
+tokens and logprobs equal the unfused path's.
 - KRAIT_MAMBA_NORM_PROLOGUE=1: the state update hands over y * silu(z) and partial sums of its
   squares, and out_proj's GEMV applies the gated RMSNorm from them;
-- KRAIT_NORM_PROLOGUE=1 (mamba2 blocks): out_proj's GEMV adds the residual and sums each
-  tile's squares, and the next block's in_proj GEMV applies the RMSNorm from them."""
+- KRAIT_NORM_PROLOGUE=1 (mamba2 blocks, llama-family layers): the GEMV that ends a residual
+  branch (out_proj; o_proj, down) adds the residual and sums each tile's squares, and the next
+  GEMV that reads the stream (in_proj; qkv, gate_up) applies the RMSNorm from them."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from krait import LLM, SamplingParams
 from krait.layers import mamba2 as mamba2_layer
+from krait.models import llama as llama_model
 from krait.models import mamba2 as mamba2_model
-from tests.utils import make_tiny_hybrid
+from tests.utils import make_tiny_hybrid, make_tiny_llama
 
 PROMPTS = [[5, 6, 7, 8], list(range(3, 20))]
 
@@ -20,6 +23,12 @@ PROMPTS = [[5, 6, 7, 8], list(range(3, 20))]
 def _batch1(model_dir: str) -> list[tuple[list[int], list[float]]]:
     """PROMPTS' greedy tokens and logprobs, every decode step one row."""
     llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=1)
+    # the checkpoints' norm weights are all ones: make each its own, so that a norm applied
+    # with another's weight would show (the same values in every engine of a test)
+    g = torch.Generator().manual_seed(0)
+    for name, p in sorted(llm.llm_engine.runner.model.named_parameters()):
+        if "norm" in name:
+            p.data = 1 + 0.5 * torch.randn(p.shape, generator=g)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(
         temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0), use_tqdm=False)
     return [(o.outputs[0].token_ids,
@@ -38,8 +47,8 @@ def _count(monkeypatch, module, name: str, taken=lambda result: True) -> list:
     calls = []
     real = getattr(module, name)
 
-    def wrapped(*args):
-        result = real(*args)
+    def wrapped(*args, **kwargs):
+        result = real(*args, **kwargs)
         if taken(result):
             calls.append(1)
         return result
@@ -72,3 +81,15 @@ def test_folded_residual_and_rms_norm_in_in_proj_prologue(gated, tmp_path, monke
     folds = _count(monkeypatch, mamba2_model, "residual_fold_ok", taken=bool)
     _close(_batch1(d), want)
     assert folds  # every block of the decode steps folded
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_folded_residual_through_llama_layers(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    d = make_tiny_llama(tmp_path / arch, arch=arch)
+    monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "0")
+    want = _batch1(d)
+    monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "1")
+    folds = _count(monkeypatch, llama_model, "block_fold_ok", taken=bool)
+    _close(_batch1(d), want)
+    assert folds  # every layer of the decode steps folded
