@@ -12,6 +12,7 @@ any prefill row, or with a row whose token is not its last known one, never come
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -56,6 +57,39 @@ def _copy_value(d, s) -> None:
             _copy_value(a, b)
     elif dataclasses.is_dataclass(d):
         copy_tensors(d, s)
+
+
+@dataclasses.dataclass
+class CaptureCost:
+    """What a `capture_window` took: device bytes (0 without CUDA) and seconds."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def capture_window(cuda: bool):
+    """Around a series of graph captures: Python's cyclic GC collects first and is paused
+    inside (collecting an earlier engine's graphs there frees their memory pool, a cudaFree
+    that invalidates the capture: seen once as a GPU parity run whose later models all
+    failed); yields a CaptureCost filled in at the end (device memory taken, with `cuda`)."""
+    cost = CaptureCost()
+    start = time.perf_counter()
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield cost
+    finally:
+        if was_enabled:
+            gc.enable()
+    if cuda:
+        torch.cuda.synchronize()
+        cost.bytes = free_before - torch.cuda.mem_get_info()[0]
+    cost.seconds = time.perf_counter() - start
 
 
 class _Graph:
@@ -110,29 +144,15 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        # Python's cyclic GC must not run inside a capture: collecting an earlier engine's
-        # graphs there frees their memory pool, a cudaFree that invalidates the capture (seen
-        # once as a GPU parity run whose later models all failed): collect first, then pause it
         if not self.record:
             for n in self.sizes:
                 self._capture(n)
             return
-        start = time.perf_counter()
-        gc.collect()
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with capture_window(cuda=True) as cost:
             for n in self.sizes:  # largest first: later graphs reuse its pool
                 self._capture(n)
-        finally:
-            if was_enabled:
-                gc.enable()
-        torch.cuda.synchronize()
-        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
-        logger.info("captured %d decode CUDA graphs (%.0f MiB, %.1f s)", len(self.sizes), used,
-                    time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (%.0f MiB, %.1f s)", len(self.sizes),
+                    cost.bytes / 2**20, cost.seconds)
 
     def _capture(self, n: int) -> None:
         r = self.runner

@@ -24,14 +24,12 @@ the kernels skip the rest from the device metadata.
 
 from __future__ import annotations
 
-import gc
 import logging
-import time
 
 import torch
 
 from krait.ops._dispatch import env
-from krait.runner.cuda_graphs import copy_tensors
+from krait.runner.cuda_graphs import capture_window, copy_tensors
 from krait.runner.input_batch import InputBatch, build_input_batch
 
 logger = logging.getLogger(__name__)
@@ -100,30 +98,15 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Every bucket and row count, largest first. The GC is paused during the captures (a
-        collection inside one could free an older graph's memory: a cudaFree that breaks it)."""
-        cuda = self.runner.device.type == "cuda" and self.record
-        start = time.perf_counter()
-        if cuda:
-            gc.collect()
-            torch.cuda.synchronize()
-            free_before = torch.cuda.mem_get_info()[0]
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        """Every bucket and row count, largest first, inside one `capture_window`."""
+        with capture_window(self.runner.device.type == "cuda" and self.record) as cost:
             for tokens in reversed(self.buckets):
                 for rows in reversed(self.rows):
                     if rows <= tokens:
                         self._capture(tokens, rows)
-        finally:
-            if was_enabled:
-                gc.enable()
-        if cuda:
-            torch.cuda.synchronize()
-            self.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
+        self.pool_bytes = cost.bytes
         logger.info("captured prefill graphs for %d token buckets x rows %s (%.0f MiB, %.1f s)",
-                    len(self.graphs), sorted(self.graphs), self.pool_bytes / 2**20,
-                    time.perf_counter() - start)
+                    len(self.graphs), sorted(self.graphs), cost.bytes / 2**20, cost.seconds)
 
     def _capture(self, tokens: int, rows: int) -> None:
         r = self.runner
