@@ -125,7 +125,7 @@ class Mamba2Mixer(torch.nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor | FoldedResidual:
         """x [T, hidden] -> [T, hidden]. Decode rows of one token may come as a NormedInput (the
         in_proj GEMV applies the block's RMSNorm) and with the block's `residual`, which the
-        out_proj GEMV then adds: a FoldedResidual comes back (`residual_fold_ok`)."""
+        out_proj GEMV then adds: a FoldedResidual comes back (`block_fold_ok`)."""
         d = self.d
         group = d.norm_group_size or d.intermediate // d.n_groups
         rows = x.h if isinstance(x, NormedInput) else x

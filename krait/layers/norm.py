@@ -34,6 +34,10 @@ class FoldedResidual:
     h: torch.Tensor
     parts: torch.Tensor
 
+    def normed(self, norm: RMSNorm) -> NormedInput:
+        """norm(h), left to the GEMV that consumes it."""
+        return NormedInput(self.h, self.parts, norm.weight, norm.eps)
+
 
 @dataclass
 class NormedInput:

@@ -79,12 +79,12 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def forward(self, positions, x, residual, meta):
         if isinstance(x, FoldedResidual):  # the layer before added the residual, summed h^2
-            x, residual = _normed(x, self.input_layernorm), x.h
+            x, residual = x.normed(self.input_layernorm), x.h
         else:
             x, residual = pre_norm(self.input_layernorm, x, residual)
         if self._fold(residual):  # batch 1: no RMSNorm launch, the GEMVs take them (see ops)
             h = self.self_attn(x, positions, meta, residual)
-            out = self.mlp(_normed(h, self.post_attention_layernorm), h.h)
+            out = self.mlp(h.normed(self.post_attention_layernorm), h.h)
             return out, out.h
         x = self.self_attn(x, positions, meta)
         x, residual = self.post_attention_layernorm(x, residual)
@@ -96,9 +96,6 @@ class LlamaDecoderLayer(torch.nn.Module):
             residual, [attn.qkv_proj.weight, mlp.gate_up_proj.weight],
             [attn.o_proj.weight, mlp.down_proj.weight], gate_up=mlp.gate_up_proj.weight)
 
-
-def _normed(x: FoldedResidual, norm: RMSNorm) -> NormedInput:
-    return NormedInput(x.h, x.parts, norm.weight, norm.eps)
 
 
 class LlamaForCausalLM(torch.nn.Module):

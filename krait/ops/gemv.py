@@ -10,10 +10,12 @@ partials in slice order (deterministic), writes y and resets the counter for the
 launch, no memset, graph-safe.
 
 A prologue may transform the input row as it is loaded: silu(gate) * up (the down projection,
-one launch and no [M, K] intermediate), or a Mamba mixer's gated RMSNorm from the statistics
-its state update already summed (NORM_GATED: the norm without a launch of its own). An epilogue may instead finish a merged gate_up
-projection: each program computes its columns' gate and up dots and writes silu(gate) * up (the
-activation without its own launch or an [M, 2I] intermediate).
+one launch and no [M, K] intermediate), or an RMSNorm from sums of squares the row's producer
+already wrote (NORM: a Mamba mixer's gated norm after its state update, a block's norm after the
+GEMV that added the residual; the norm without a launch of its own). An epilogue may finish a
+merged gate_up projection: each program computes its columns' gate and up dots and writes
+silu(gate) * up (the activation without its own launch or an [M, 2I] intermediate); or add
+the residual and write each tile's sum of squares for the next NORM prologue (RESIDUAL_NORM).
 
 Measured on the H200 (`scripts/bench_gemv.py`, docs/benchmarks.md) it wins at one row against a
 narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us); which calls come here is
@@ -38,16 +40,17 @@ _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always 
 # prologue of the GEMV's input: what the x row is turned into before it meets W; epilogue:
 # what the output becomes (SILU_MUL: a gate_up's activation; RESIDUAL_NORM: the residual added,
 # and each tile's sum of squares of the sum written for the next RMSNorm)
-PLAIN, SILU_MUL, NORM_GATED, RESIDUAL_NORM = 0, 1, 2, 3
+PLAIN, SILU_MUL, NORM, RESIDUAL_NORM = 0, 1, 2, 3
 
 
 @triton.jit
-def _norm_gated_tile(x_rows, x_ok, k, k_ok, k0, offs_m, m_ok, norm_ptr, part_ptr, stride_pm,
+def _norm_tile(x_rows, x_ok, k, k_ok, k0, offs_m, m_ok, norm_ptr, part_ptr, stride_pm,
                      group_size, parts_per_group, eps, dt, PARTS: tl.constexpr):
-    """NORM_GATED: x holds g = y * silu(z) in float32 (from the gated state update), part_ptr
-    each row's sums of g^2 over runs of group_size / parts_per_group channels; the input is
-    gated_rms_norm's output, weight * (g * rstd of its group).to(dt), in dt. The tile lies in
-    one group (group_size a multiple of BLOCK_K)."""
+    """NORM: x holds the rows to normalize (g = y * silu(z) in float32 from the gated state
+    update, or a residual stream row), part_ptr each row's sums of x^2 over runs of
+    group_size / parts_per_group channels; the input is the (gated) RMSNorm's output,
+    weight * (x * rstd of its group).to(dt), in dt. The tile lies in one group (group_size a
+    multiple of BLOCK_K)."""
     gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)  # [M, N, K] float32
     j = tl.arange(0, PARTS)
     first = (k0 // group_size) * parts_per_group
@@ -83,7 +86,7 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
         if PROLOGUE == 0:
             x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
         elif PROLOGUE == 2:
-            x = _norm_gated_tile(x_rows, x_ok, k, k_ok, k0, offs_m, m_ok, norm_ptr, part_ptr,
+            x = _norm_tile(x_rows, x_ok, k, k_ok, k0, offs_m, m_ok, norm_ptr, part_ptr,
                                  stride_pm, group_size, parts_per_group, eps,
                                  w.dtype, PARTS)
         else:  # SILU_MUL: x holds [gate | up] of width 2K, the input is silu(gate) * up
@@ -237,25 +240,26 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
 
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 config: dict[str, int] | None = None, silu_mul: bool = False,
-                silu_mul_out: bool = False, norm_gated: tuple | None = None,
+                silu_mul_out: bool = False, norm: tuple | None = None,
                 residual: Tensor | None = None):
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
     With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
     silu_and_mul: one launch and no [M, K] intermediate). With `silu_mul_out`, weight is
     [2N, K] = [gate; up] (a merged gate_up projection) and the output [M, N] is
     silu_and_mul of the projection's [M, 2N] (no [M, 2N] intermediate, no activation launch).
-    With `norm_gated` = (norm weight [K], partials [M, K / part_size], group_size, eps,
-    part_size), x is g = y * silu(z) in float32 (`selective_state_update_triton(gate=...)`)
-    and the input is gated_rms_norm's output: the norm without a launch of its own (the
-    output is in the weight's dtype). With `residual` [M, N] it returns (h, partials): h = y +
+    With `norm` = (norm weight [K], partials [M, K / part_size], group_size, eps, part_size),
+    the input is the RMSNorm (per group of channels) of x, from the sums of squares in
+    `partials` (x: g = y * silu(z) in float32 from `selective_state_update_triton(gate=...)`,
+    or a row h of `residual=...` below): the norm without a launch of its own (the output is in
+    the weight's dtype). With `residual` [M, N] it returns (h, partials): h = y +
     residual (the residual stream's next value) and partials [M, N / BLOCK_N] float32, each
     tile's sum of h^2 per row (a following GEMV's RMSNorm prologue reads them:
-    `norm_gated=(norm weight, partials, N, eps, BLOCK_N)` with h as its input)."""
+    `norm=(norm weight, partials, N, eps, BLOCK_N)` with h as its input)."""
     prologue, k = (SILU_MUL, x.shape[1] // 2) if silu_mul else (PLAIN, x.shape[1])
     norm_args: dict = {}
-    if norm_gated is not None:
-        norm_w, parts, group_size, eps, part_size = norm_gated
-        prologue = NORM_GATED
+    if norm is not None:
+        norm_w, parts, group_size, eps, part_size = norm
+        prologue = NORM
         norm_args = dict(norm_ptr=norm_w, part_ptr2=parts, stride_pm=parts.stride(0),
                          group_size=group_size, parts_per_group=group_size // part_size,
                          eps=float(eps), PARTS=next_pow2(group_size // part_size))
@@ -274,11 +278,11 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     # each program of the epilogue streams its tile's gate rows and up rows: sized as a tile of
     # twice the rows
     cfg = dict(config or default_config(m, rows, k, _num_sms(x.device)))
-    if norm_gated is not None and (group_size % cfg["BLOCK_K"] or group_size % part_size):
+    if norm is not None and (group_size % cfg["BLOCK_K"] or group_size % part_size):
         raise ValueError(f"gemv_triton: norm groups of {group_size} channels need a multiple "
                          f"of BLOCK_K ({cfg['BLOCK_K']}) and of the partials' {part_size}")
     tiles = cdiv(n, cfg["BLOCK_N"])
-    y = torch.empty(m, n, dtype=weight.dtype if norm_gated else x.dtype,
+    y = torch.empty(m, n, dtype=weight.dtype if norm else x.dtype,
                     device=x.device)  # [M, N]
     if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"gemv_triton: the residual must be [{m}, {n}] with unit stride")

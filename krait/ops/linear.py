@@ -123,26 +123,12 @@ def gated_norm_linear(packed: Tensor, weight: Tensor, bias: Tensor | None, norm_
     partials) as gemv_triton(residual=...) returns them."""
     inter = weight.shape[1]
     return gemv_triton(packed[:, :inter], weight, bias, config=_norm_config(weight, group_size),
-                       norm_gated=(norm_weight, packed[:, inter:], group_size, eps, part_size),
+                       norm=(norm_weight, packed[:, inter:], group_size, eps, part_size),
                        residual=residual)
 
 
 # columns a GEMV tile sums its squares over (the one-row config's BLOCK_N): the partials' run
 RESIDUAL_PART = 8
-
-
-def residual_fold_ok(x: Tensor, out_weight: Tensor, in_weight: Tensor) -> bool:
-    """Fold a block's residual add and its next RMSNorm's statistics into the block's output
-    GEMV (epilogue) and the next block's input GEMV (prologue) (KRAIT_NORM_PROLOGUE=1; off
-    until measured on the GPU: it saves the RMSNorm launch a layer at batch 1)? x: a one-row
-    stand-in; both GEMVs must serve it, and the input GEMV's K tiles must tile the hidden size."""
-    if env("KRAIT_NORM_PROLOGUE") != "1" or x.shape[0] != 1:
-        return False
-    if not (_use_gemv(x, out_weight) and _use_gemv(x, in_weight)):
-        return False
-    hidden = in_weight.shape[1]
-    return (default_config(1, *out_weight.shape)["BLOCK_N"] == RESIDUAL_PART
-            and hidden % RESIDUAL_PART == 0 and _norm_config(in_weight, hidden) is not None)
 
 
 def norm_linear(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
@@ -152,16 +138,17 @@ def norm_linear(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, weigh
     the norm in the GEMV's prologue."""
     hidden = h.shape[1]
     return gemv_triton(h, weight, bias, config=_norm_config(weight, hidden),
-                       norm_gated=(norm_weight, parts, hidden, eps, RESIDUAL_PART))
+                       norm=(norm_weight, parts, hidden, eps, RESIDUAL_PART))
 
 
 def block_fold_ok(x: Tensor, normed_inputs: list[Tensor], outputs: list[Tensor],
                   gate_up: Tensor | None = None) -> bool:
-    """Residual folding through a decoder block (KRAIT_NORM_PROLOGUE=1; see
-    `residual_fold_ok`): every weight that takes a normalized input (`normed_inputs`) applies
-    the RMSNorm in its GEMV's prologue, every weight whose output adds the residual (`outputs`)
-    folds it in its epilogue, and a gated MLP's gate_up (in normed_inputs too) keeps its
-    activation epilogue."""
+    """Fold a block's residual adds and RMSNorms into its GEMVs (KRAIT_NORM_PROLOGUE=1; off
+    until measured on the GPU: it saves the RMSNorm launches at batch 1)? x: a one-row
+    stand-in. Every weight that takes a normalized input (`normed_inputs`) applies the RMSNorm
+    in its GEMV's prologue, every weight whose output adds the residual (`outputs`) folds it in
+    its epilogue and sums each tile's squares, and a gated MLP's gate_up (in normed_inputs too)
+    keeps its activation epilogue."""
     if env("KRAIT_NORM_PROLOGUE") != "1" or x.shape[0] != 1:
         return False
     if gate_up is not None and not _use_gate_up_epilogue(x, gate_up):
@@ -184,5 +171,5 @@ def norm_silu_mlp(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, gat
     hidden = h.shape[1]
     act = gemv_triton(h, gate_up, gate_up_bias, config=_norm_config(gate_up, hidden),
                       silu_mul_out=True,
-                      norm_gated=(norm_weight, parts, hidden, eps, RESIDUAL_PART))  # [1, I]
+                      norm=(norm_weight, parts, hidden, eps, RESIDUAL_PART))  # [1, I]
     return gemv_triton(act, down, down_bias, residual=residual)

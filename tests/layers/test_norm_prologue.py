@@ -78,7 +78,7 @@ def test_folded_residual_and_rms_norm_in_in_proj_prologue(gated, tmp_path, monke
     want = _batch1(d)
     monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "1")
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "1" if gated else "0")
-    folds = _count(monkeypatch, mamba2_model, "residual_fold_ok", taken=bool)
+    folds = _count(monkeypatch, mamba2_model, "block_fold_ok", taken=bool)
     _close(_batch1(d), want)
     assert folds  # every block of the decode steps folded
 

@@ -222,10 +222,10 @@ def test_gemv_norm_gated_prologue_matches_gated_rms_norm_then_linear(split):
     gv = y * F.silu(z)  # what the gated state update hands over, float32
     parts = gv.square().view(m, k // part, part).sum(-1)  # [M, K / part]
     cfg = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=split)
-    got = gemv_triton(gv, w, config=cfg, norm_gated=(nw, parts, group, 1e-5, part))
+    got = gemv_triton(gv, w, config=cfg, norm=(nw, parts, group, 1e-5, part))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="norm groups"):
-        gemv_triton(gv, w, config=dict(cfg, BLOCK_K=128), norm_gated=(nw, parts, group, 1e-5,
+        gemv_triton(gv, w, config=dict(cfg, BLOCK_K=128), norm=(nw, parts, group, 1e-5,
                                                                        part))
 
 
@@ -283,7 +283,7 @@ def test_gemv_residual_epilogue_then_norm_prologue_chain(split):
     torch.testing.assert_close(parts, want_h.square().view(m, hidden // 8, 8).sum(-1),
                                atol=1e-4, rtol=1e-4)
     cfg2 = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=1)
-    got = gemv_triton(h, w2, config=cfg2, norm_gated=(nw, parts, hidden, 1e-6, 8))
+    got = gemv_triton(h, w2, config=cfg2, norm=(nw, parts, hidden, 1e-6, 8))
     want = F.linear(rms_norm_ref(want_h, nw, 1e-6), w2)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="residual"):

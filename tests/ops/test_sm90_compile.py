@@ -40,16 +40,16 @@ def test_gemv_gate_up_epilogue_compiles_without_spills(split):
 
 
 def test_gemv_norm_gated_prologue_compiles_without_spills():
-    from krait.ops.gemv import NORM_GATED
+    from krait.ops.gemv import NORM
 
     types = dict(GEMV_TYPES, x_ptr=F32, norm_ptr=BF, part_ptr2=F32, eps="fp32")
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
-        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=NORM_GATED, PDL=True, TRIGGER_LATE=True, PARTS=256),
+        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=NORM, PDL=True, TRIGGER_LATE=True, PARTS=256),
         num_warps=8)
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
 
 
-@pytest.mark.parametrize("x_type,prologue", [(F32, "NORM_GATED"), (BF, "NORM_GATED"),
+@pytest.mark.parametrize("x_type,prologue", [(F32, "NORM"), (BF, "NORM"),
                                              (BF, "PLAIN")])
 def test_gemv_residual_epilogue_compiles_without_spills(x_type, prologue):
     # KRAIT_NORM_PROLOGUE: out_proj adds the residual and sums squares (after the gated norm
@@ -70,7 +70,7 @@ def test_gemv_norm_prologue_with_gate_up_epilogue_compiles():
 
     types = dict(GEMV_TYPES, norm_ptr=BF, part_ptr2=F32, eps="fp32")
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
-        GEMV_PLAIN, SPLIT_K=1, PROLOGUE=gemv.NORM_GATED, PDL=True, TRIGGER_LATE=True,
+        GEMV_PLAIN, SPLIT_K=1, PROLOGUE=gemv.NORM, PDL=True, TRIGGER_LATE=True,
         PARTS=128, EPILOGUE=gemv.SILU_MUL), num_warps=8)
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
 
