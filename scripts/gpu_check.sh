@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|normprologue|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normprologue|normhoist|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -260,6 +260,17 @@ case $what in
       done
     done
     ;;
+  bigengine)  # a one-request 512-token prefill by engine size (session 12; ~3 min): a large
+    # engine with no decode batches first, one after 256-row decode batches, a one-row engine;
+    # prefill graphs on, then the second arm with them off
+    for m in ${MODELS:-mamba2-1.3b}; do
+      bench_latency $m "_big" --batch-sizes 1 --max-num-seqs 256 --prompt-lens 512 --num-steps 4
+      bench_latency $m "_afterdecode" --batch-sizes 1,256 --prompt-lens 512 --num-steps 4
+      bench_latency $m "_small" --batch-sizes 1 --prompt-lens 512 --num-steps 4
+      KRAIT_PREFILL_GRAPHS=0 bench_latency $m "_afterdecode_piecewise" --batch-sizes 1,256 \
+        --prompt-lens 512 --num-steps 4
+    done
+    ;;
   normprologue)  # norms in the GEMVs' prologues (session 11, CPU-tested only; ~7 min): the
     # Mamba gated norm in out_proj's (KRAIT_MAMBA_NORM_PROLOGUE=1) and the block RMSNorms
     # folded (KRAIT_NORM_PROLOGUE=1); GPU tests at mamba2 sizes, GPU parity with both on, then
@@ -284,6 +295,19 @@ case $what in
       KRAIT_NORM_PROLOGUE=1 bench_latency qwen3-0.6b "_fold$i" --batch-sizes 1 --prompt-lens ""
     done
     ;;
+  normhoist)  # session 12: normprologue after hoisting each program's norm statistics out of
+    # its K loop (one sum per program, not per K tile); GPU tests, one round of batch 1 (~4 min)
+    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k "norm_gated or fold" -p no:cacheprovider 2>&1 \
+      | tail -3 | tee "$LOG/kernels_normhoist.log"
+    pack
+    bench_latency mamba2-1.3b "_default" --batch-sizes 1 --prompt-lens ""
+    KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_normprologue" --batch-sizes 1 --prompt-lens ""
+    KRAIT_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_fold" --batch-sizes 1 --prompt-lens ""
+    KRAIT_NORM_PROLOGUE=1 KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_foldboth" \
+      --batch-sizes 1 --prompt-lens ""
+    bench_latency qwen3-0.6b "_default" --batch-sizes 1 --prompt-lens ""
+    KRAIT_NORM_PROLOGUE=1 bench_latency qwen3-0.6b "_fold" --batch-sizes 1 --prompt-lens ""
+    ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
@@ -303,6 +327,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in gemvwide|mlp|prefillgraphs|normprologue|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in gemvwide|mlp|prefillgraphs|bigengine|normprologue|normhoist|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

@@ -44,20 +44,24 @@ PLAIN, SILU_MUL, NORM, RESIDUAL_NORM = 0, 1, 2, 3
 
 
 @triton.jit
-def _norm_tile(x_rows, x_ok, k, k_ok, k0, offs_m, m_ok, norm_ptr, part_ptr, stride_pm,
-                     group_size, parts_per_group, eps, dt, PARTS: tl.constexpr):
-    """NORM: x holds the rows to normalize (g = y * silu(z) in float32 from the gated state
-    update, or a residual stream row), part_ptr each row's sums of x^2 over runs of
-    group_size / parts_per_group channels; the input is the (gated) RMSNorm's output,
-    weight * (x * rstd of its group).to(dt), in dt. The tile lies in one group (group_size a
-    multiple of BLOCK_K)."""
-    gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)  # [M, N, K] float32
+def _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_group, eps,
+                PARTS: tl.constexpr):
+    """[M, 1, 1] float32: 1 / rms of each row's group of channels holding column k0, from the
+    group's sums of squares (runs of group_size / parts_per_group channels), in fixed order."""
     j = tl.arange(0, PARTS)
     first = (k0 // group_size) * parts_per_group
     ps = tl.load(part_ptr + offs_m[:, None] * stride_pm + first + j[None, :],
                  mask=m_ok[:, None] & (j < parts_per_group)[None, :], other=0.0)  # [M, PARTS]
-    rstd = tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)  # [M]
-    h = (gv * rstd[:, None, None]).to(dt).to(tl.float32)
+    return tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None, None]
+
+
+@triton.jit
+def _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_ptr, dt):
+    """NORM: x holds the rows to normalize (g = y * silu(z) in float32 from the gated state
+    update, or a residual stream row), rstd [M, 1, 1] their group's 1 / rms (`_group_rstd`);
+    the input is the (gated) RMSNorm's output, weight * (x * rstd).to(dt), in dt."""
+    gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)  # [M, N, K] float32
+    h = (gv * rstd).to(dt).to(tl.float32)
     w = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [1, 1, K]
     return (w * h).to(dt)
 
@@ -67,28 +71,34 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr, offs_m=None, m_ok=None, norm_ptr=None, part_ptr=None,
               stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
-              PARTS: tl.constexpr = 1):
+              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False):
     """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
     [k_lo, k_hi). Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded
     broadcast over N (repeated reads hit L1) so that no layout conversion, and no shared-memory
     round trip with barriers, sits in the loop; products accumulate elementwise and K is reduced
     once. The next weight tile is loaded before the current one is used; the first before the
     wait for the previous kernel (weights are constant: with PDL it streams while that one
-    drains)."""
+    drains). NORM with ONE_GROUP (the columns [k_lo, k_hi) lie in one norm group): the group's
+    statistics are summed once, before the loop, not per K tile."""
     offs_k = tl.arange(0, BLOCK_K)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
+    rstd = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
+    if PROLOGUE == 2 and ONE_GROUP:
+        rstd = _group_rstd(k_lo, offs_m, m_ok, part_ptr, stride_pm, group_size,
+                           parts_per_group, eps, PARTS)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = (k0 + offs_k)[None, None, :]
         k_ok = k < k_hi
         if PROLOGUE == 0:
             x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
         elif PROLOGUE == 2:
-            x = _norm_tile(x_rows, x_ok, k, k_ok, k0, offs_m, m_ok, norm_ptr, part_ptr,
-                                 stride_pm, group_size, parts_per_group, eps,
-                                 w.dtype, PARTS)
+            if not ONE_GROUP:
+                rstd = _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size,
+                                   parts_per_group, eps, PARTS)
+            x = _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_ptr, w.dtype)
         else:  # SILU_MUL: x holds [gate | up] of width 2K, the input is silu(gate) * up
             g = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_rows + K + k, mask=x_ok & k_ok, other=0.0)
@@ -144,6 +154,7 @@ def _gemv_kernel(
     TRIGGER_LATE: tl.constexpr, EPILOGUE: tl.constexpr = 0,
     norm_ptr=None, part_ptr2=None, stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
     PARTS: tl.constexpr = 1, res_ptr=None, stride_rm=0, rpart_ptr=None, stride_rpm=0,
+    ONE_GROUP: tl.constexpr = False,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -168,13 +179,13 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                     BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_ptr, part_ptr2,
-                    stride_pm, group_size, parts_per_group, eps, PARTS)  # [M, N]
+                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)  # [M, N]
     acc_up = acc
     if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                            BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_ptr, part_ptr2,
-                           stride_pm, group_size, parts_per_group, eps, PARTS)
+                           stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)
     if TRIGGER_LATE:
         pdl_trigger(PDL)
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -293,6 +304,8 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         cfg.pop("num_warps", None)
     split = cfg["SPLIT_K"]
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    if norm is not None:  # each program's columns in one group: its statistics summed once
+        norm_args["ONE_GROUP"] = group_size >= k or group_size % k_per_split == 0
     res_args: dict = {}
     rparts = None
     if residual is not None:

@@ -14,7 +14,7 @@ BF, F32, I32 = "*bf16", "*fp32", "*i32"
 
 GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32)
 GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, EPILOGUE=0,
-                  PARTS=1)
+                  PARTS=1, ONE_GROUP=False)
 
 
 @pytest.mark.parametrize("pdl,late", [(False, False), (True, False), (True, True)])
@@ -39,13 +39,14 @@ def test_gemv_gate_up_epilogue_compiles_without_spills(split):
     assert r["pdl"] and r["regs"] <= 128, r
 
 
-def test_gemv_norm_gated_prologue_compiles_without_spills():
+@pytest.mark.parametrize("one_group", [True, False])
+def test_gemv_norm_gated_prologue_compiles_without_spills(one_group):
     from krait.ops.gemv import NORM
 
     types = dict(GEMV_TYPES, x_ptr=F32, norm_ptr=BF, part_ptr2=F32, eps="fp32")
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
-        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=NORM, PDL=True, TRIGGER_LATE=True, PARTS=256),
-        num_warps=8)
+        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=NORM, PDL=True, TRIGGER_LATE=True, PARTS=256,
+        ONE_GROUP=one_group), num_warps=8)
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
 
 
@@ -60,7 +61,7 @@ def test_gemv_residual_epilogue_compiles_without_spills(x_type, prologue):
                  rpart_ptr=F32)
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
         GEMV_PLAIN, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), PDL=True, TRIGGER_LATE=True,
-        PARTS=256, EPILOGUE=gemv.RESIDUAL_NORM), num_warps=8)
+        PARTS=256, EPILOGUE=gemv.RESIDUAL_NORM, ONE_GROUP=True), num_warps=8)
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
 
 
@@ -71,7 +72,7 @@ def test_gemv_norm_prologue_with_gate_up_epilogue_compiles():
     types = dict(GEMV_TYPES, norm_ptr=BF, part_ptr2=F32, eps="fp32")
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
         GEMV_PLAIN, SPLIT_K=1, PROLOGUE=gemv.NORM, PDL=True, TRIGGER_LATE=True,
-        PARTS=128, EPILOGUE=gemv.SILU_MUL), num_warps=8)
+        PARTS=128, EPILOGUE=gemv.SILU_MUL, ONE_GROUP=True), num_warps=8)
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
 
 
