@@ -307,6 +307,13 @@ case $what in
       --batch-sizes 1 --prompt-lens ""
     bench_latency qwen3-0.6b "_default" --batch-sizes 1 --prompt-lens ""
     KRAIT_NORM_PROLOGUE=1 bench_latency qwen3-0.6b "_fold" --batch-sizes 1 --prompt-lens ""
+    if [ -d .parity ]; then  # GPU parity with both knobs on, the models they change
+      rm -rf /tmp/parity_fold && mkdir -p /tmp/parity_fold
+      cp -r .parity/mamba2 .parity/mamba2-g1 .parity/qwen3 .parity/llama /tmp/parity_fold/
+      KRAIT_MAMBA_NORM_PROLOGUE=1 KRAIT_NORM_PROLOGUE=1 timeout 120 python3 scripts/gpu_parity.py \
+        check /tmp/parity_fold 2>&1 | grep -v Warn | tail -14 | tee "$LOG/parity_normhoist.log"
+    fi
+    pack
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"

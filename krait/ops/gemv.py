@@ -44,14 +44,22 @@ PLAIN, SILU_MUL, NORM, RESIDUAL_NORM = 0, 1, 2, 3
 
 
 @triton.jit
-def _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_group, eps,
-                PARTS: tl.constexpr):
-    """[M, 1, 1] float32: 1 / rms of each row's group of channels holding column k0, from the
-    group's sums of squares (runs of group_size / parts_per_group channels), in fixed order."""
+def _group_parts(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_group,
+                 PARTS: tl.constexpr):
+    """[M, PARTS] float32: each row's sums of squares over the runs of group_size /
+    parts_per_group channels of the norm group holding column k0 (zeros past the group)."""
     j = tl.arange(0, PARTS)
     first = (k0 // group_size) * parts_per_group
-    ps = tl.load(part_ptr + offs_m[:, None] * stride_pm + first + j[None, :],
-                 mask=m_ok[:, None] & (j < parts_per_group)[None, :], other=0.0)  # [M, PARTS]
+    return tl.load(part_ptr + offs_m[:, None] * stride_pm + first + j[None, :],
+                   mask=m_ok[:, None] & (j < parts_per_group)[None, :], other=0.0)
+
+
+@triton.jit
+def _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_group, eps,
+                PARTS: tl.constexpr):
+    """[M, 1, 1] float32: 1 / rms of each row's group of channels holding column k0, summed from
+    the group's partials in fixed order."""
+    ps = _group_parts(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_group, PARTS)
     return tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None, None]
 
 
@@ -78,27 +86,33 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
     round trip with barriers, sits in the loop; products accumulate elementwise and K is reduced
     once. The next weight tile is loaded before the current one is used; the first before the
     wait for the previous kernel (weights are constant: with PDL it streams while that one
-    drains). NORM with ONE_GROUP (the columns [k_lo, k_hi) lie in one norm group): the group's
-    statistics are summed once, before the loop, not per K tile."""
+    drains). NORM with ONE_GROUP (the columns [k_lo, k_hi) lie in one norm group): the loop
+    takes norm weight * x in float32 and the dots are scaled by the group's 1 / rms at the end;
+    its partials are loaded before the loop and summed after it, so their latency hides behind
+    the weight stream (the normalized input is not rounded to the weight dtype first, as a
+    separate RMSNorm's output would be: equal in float32, within bf16 rounding otherwise)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
-    rstd = tl.zeros([BLOCK_M, 1, 1], dtype=tl.float32)
+    ps = tl.zeros([BLOCK_M, PARTS], dtype=tl.float32)
     if PROLOGUE == 2 and ONE_GROUP:
-        rstd = _group_rstd(k_lo, offs_m, m_ok, part_ptr, stride_pm, group_size,
-                           parts_per_group, eps, PARTS)
+        ps = _group_parts(k_lo, offs_m, m_ok, part_ptr, stride_pm, group_size,
+                          parts_per_group, PARTS)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = (k0 + offs_k)[None, None, :]
         k_ok = k < k_hi
         if PROLOGUE == 0:
             x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
         elif PROLOGUE == 2:
-            if not ONE_GROUP:
+            if ONE_GROUP:
+                gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
+                x = gv * tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            else:
                 rstd = _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size,
                                    parts_per_group, eps, PARTS)
-            x = _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_ptr, w.dtype)
+                x = _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_ptr, w.dtype)
         else:  # SILU_MUL: x holds [gate | up] of width 2K, the input is silu(gate) * up
             g = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_rows + K + k, mask=x_ok & k_ok, other=0.0)
@@ -108,7 +122,10 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
         w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
         acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
         w = w_next
-    return tl.sum(acc3, axis=2)
+    dots = tl.sum(acc3, axis=2)
+    if PROLOGUE == 2 and ONE_GROUP:
+        dots = dots * tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None]
+    return dots
 
 
 @triton.jit
