@@ -93,3 +93,23 @@ def test_folded_residual_through_llama_layers(arch, tmp_path, monkeypatch):
     folds = _count(monkeypatch, llama_model, "block_fold_ok", taken=bool)
     _close(_batch1(d), want)
     assert folds  # every layer of the decode steps folded
+
+
+def test_gated_norm_prologue_default_takes_only_the_one_group_form(monkeypatch):
+    """On by default where every out_proj GEMV program streams one norm group (the form measured
+    faster on the H200); 4 groups of 1024 under programs of 2048 columns each (out_proj
+    [2048, 4096] splits K in two) take it only when asked (KRAIT_MAMBA_NORM_PROLOGUE=1); =0
+    turns it off."""
+    from krait.ops.linear import gated_norm_in_gemv
+
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.delenv("KRAIT_MAMBA_NORM_PROLOGUE", raising=False)
+    row = torch.empty(1, 8, dtype=torch.bfloat16)
+    mamba2_out = torch.empty(2048, 4096, dtype=torch.bfloat16)  # mamba2-1.3b, one group
+    assert gated_norm_in_gemv(row, mamba2_out, 4096, 16)
+    assert not gated_norm_in_gemv(row, mamba2_out, 1024, 16)
+    assert not gated_norm_in_gemv(row, mamba2_out, 4096, 24)  # partials must tile the group
+    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "1")
+    assert gated_norm_in_gemv(row, mamba2_out, 1024, 16)
+    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "0")
+    assert not gated_norm_in_gemv(row, mamba2_out, 4096, 16)
