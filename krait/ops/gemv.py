@@ -64,20 +64,23 @@ def _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_gro
 
 
 @triton.jit
-def _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_ptr, dt):
+def _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_rows, norm_ok, dt):
     """NORM: x holds the rows to normalize (g = y * silu(z) in float32 from the gated state
     update, or a residual stream row), rstd [M, 1, 1] their group's 1 / rms (`_group_rstd`);
-    the input is the (gated) RMSNorm's output, weight * (x * rstd).to(dt), in dt."""
+    the input is the (gated) RMSNorm's output, weight * (x * rstd).to(dt), in dt. norm_rows:
+    the norm weight broadcast over N ([1, N, 1] pointers), so that its tile is born in the
+    loop's [M, N, K] layout (a [1, 1, K] load costs a shared-memory conversion with barriers
+    in every K step)."""
     gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)  # [M, N, K] float32
     h = (gv * rstd).to(dt).to(tl.float32)
-    w = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [1, 1, K]
+    w = tl.load(norm_rows + k, mask=norm_ok & k_ok, other=0.0).to(tl.float32)  # [1, N, K]
     return (w * h).to(dt)
 
 
 @triton.jit
 def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PDL: tl.constexpr, offs_m=None, m_ok=None, norm_ptr=None, part_ptr=None,
+              PDL: tl.constexpr, offs_m=None, m_ok=None, norm_rows=None, part_ptr=None,
               stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
               PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False):
     """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
@@ -108,11 +111,12 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
         elif PROLOGUE == 2:
             if ONE_GROUP:
                 gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
-                x = gv * tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                nw = tl.load(norm_rows + k, mask=w_ok & k_ok, other=0.0)  # [1, N, K]
+                x = gv * nw.to(tl.float32)
             else:
                 rstd = _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size,
                                    parts_per_group, eps, PARTS)
-                x = _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_ptr, w.dtype)
+                x = _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_rows, w_ok, w.dtype)
         else:  # SILU_MUL: x holds [gate | up] of width 2K, the input is silu(gate) * up
             g = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_rows + K + k, mask=x_ok & k_ok, other=0.0)
@@ -192,16 +196,19 @@ def _gemv_kernel(
     x_rows = x_ptr + offs_m[:, None, None] * stride_xm + bcast_n  # [M, N, 1]
     w_ok = n_ok[None, :, None]
     x_ok = m_ok[:, None, None] & w_ok
+    norm_rows = norm_ptr
+    if PROLOGUE == 2:  # the norm weight broadcast over N, as x: [1, N, 1]
+        norm_rows = norm_ptr + bcast_n
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_ptr, part_ptr2,
+                    BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
                     stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)  # [M, N]
     acc_up = acc
     if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
-                           BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_ptr, part_ptr2,
+                           BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
                            stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)
     if TRIGGER_LATE:
         pdl_trigger(PDL)

@@ -22,9 +22,9 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
     unnamed non-constexpr arguments are 'i32'. Pointers and integers are taken as multiples of 16
     (as Triton specializes a real launch with such values: what lets it vectorize loads) except
     the integers named in `odd`. Returns {'regs', 'local', 'shared', 'vector_loads',
-    'scalar_loads', 'shared_byte_loads', 'pdl', 'wgmma'} (global loads of 16 bytes and of one
-    element, loads of one byte from shared memory, grid-dependency waits, Hopper's warpgroup
-    MMA, in the PTX). Runs in a child
+    'scalar_loads', 'shared_byte_loads', 'pdl', 'wgmma', 'loop_barriers'} (global loads of 16
+    bytes and of one element, loads of one byte from shared memory, grid-dependency waits,
+    Hopper's warpgroup MMA, in the PTX; barriers inside innermost loops). Runs in a child
     process: under TRITON_INTERPRET=1 (the test suite) kernels are not compilable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd)])
@@ -61,7 +61,18 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
             "vector_loads": len(re.findall(r"ld\.global[.\w]*\.v4\.b32", ptx)),
             "scalar_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx)),
             "shared_byte_loads": len(re.findall(r"ld\.shared(?:\.\w+)*\.[bsu]8 ", ptx)),
-            "pdl": "griddepcontrol.wait" in ptx, "wgmma": "wgmma.mma_async" in ptx}
+            "pdl": "griddepcontrol.wait" in ptx, "wgmma": "wgmma.mma_async" in ptx,
+            "loop_barriers": _loop_barriers(ptx)}
+
+
+def _loop_barriers(ptx: str) -> int:
+    """bar.sync instructions inside the innermost loops' bodies (from each loop header to its
+    back branch): a layout conversion through shared memory in a streaming loop shows here."""
+    count = 0
+    for body in re.findall(r"Inner Loop Header(.*?)\bbra(?:\.uni)?\s+\$L__BB\d+_\d+;", ptx,
+                           re.S):
+        count += body.count("bar.sync")
+    return count
 
 
 def sm90_available() -> bool:
