@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normprologue|normhoist|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -271,47 +271,25 @@ case $what in
         --prompt-lens 512 --num-steps 4
     done
     ;;
-  normprologue)  # norms in the GEMVs' prologues (session 11, CPU-tested only; ~7 min): the
-    # Mamba gated norm in out_proj's (KRAIT_MAMBA_NORM_PROLOGUE=1) and the block RMSNorms
-    # folded (KRAIT_NORM_PROLOGUE=1); GPU tests at mamba2 sizes, GPU parity with both on, then
-    # batch 1 against the default, alternating twice (mamba2, granite-micro, qwen3)
-    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k "norm_gated or fold" -p no:cacheprovider 2>&1 \
-      | tail -3 | tee "$LOG/kernels_normprologue.log"
-    if [ -d .parity ]; then
-      KRAIT_MAMBA_NORM_PROLOGUE=1 KRAIT_NORM_PROLOGUE=1 timeout 300 python3 scripts/gpu_parity.py check .parity 2>&1 \
-        | grep -v Warn | tail -12 | tee "$LOG/parity_normprologue.log"
-    fi
-    pack
-    for i in 1 2; do
-      for m in mamba2-1.3b granite-4.0-h-micro; do
-        bench_latency $m "_default$i" --batch-sizes 1 --prompt-lens ""
-        KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency $m "_normprologue$i" --batch-sizes 1 --prompt-lens ""
-      done
-      # blocks also folding the residual add and RMSNorm into their GEMVs (mamba2, qwen3)
-      KRAIT_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_fold$i" --batch-sizes 1 --prompt-lens ""
-      KRAIT_NORM_PROLOGUE=1 KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_foldboth$i" \
-        --batch-sizes 1 --prompt-lens ""
-      bench_latency qwen3-0.6b "_default$i" --batch-sizes 1 --prompt-lens ""
-      KRAIT_NORM_PROLOGUE=1 bench_latency qwen3-0.6b "_fold$i" --batch-sizes 1 --prompt-lens ""
-    done
-    ;;
-  normhoist)  # session 12: normprologue after hoisting each program's norm statistics out of
-    # its K loop (one sum per program, not per K tile); GPU tests, one round of batch 1 (~4 min)
+  normhoist)  # norms in the GEMVs' prologues (session 12; ~4 min): the Mamba gated norm in
+    # out_proj's (default on since c956af2; KRAIT_MAMBA_NORM_PROLOGUE=0 the unfused arm) and the
+    # residual fold (KRAIT_NORM_PROLOGUE=1); GPU tests, one round of batch 1, GPU parity of the
+    # changed models with the fold on
     timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k "norm_gated or fold" -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_normhoist.log"
     pack
-    bench_latency mamba2-1.3b "_default" --batch-sizes 1 --prompt-lens ""
-    KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_normprologue" --batch-sizes 1 --prompt-lens ""
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      KRAIT_MAMBA_NORM_PROLOGUE=0 bench_latency $m "_unfused" --batch-sizes 1 --prompt-lens ""
+      bench_latency $m "_default" --batch-sizes 1 --prompt-lens ""
+    done
     KRAIT_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_fold" --batch-sizes 1 --prompt-lens ""
-    KRAIT_NORM_PROLOGUE=1 KRAIT_MAMBA_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_foldboth" \
-      --batch-sizes 1 --prompt-lens ""
     bench_latency qwen3-0.6b "_default" --batch-sizes 1 --prompt-lens ""
     KRAIT_NORM_PROLOGUE=1 bench_latency qwen3-0.6b "_fold" --batch-sizes 1 --prompt-lens ""
-    if [ -d .parity ]; then  # GPU parity with both knobs on, the models they change
+    if [ -d .parity ]; then  # GPU parity with the fold on, the models it changes
       rm -rf /tmp/parity_fold && mkdir -p /tmp/parity_fold
       cp -r .parity/mamba2 .parity/mamba2-g1 .parity/qwen3 .parity/llama /tmp/parity_fold/
-      KRAIT_MAMBA_NORM_PROLOGUE=1 KRAIT_NORM_PROLOGUE=1 timeout 120 python3 scripts/gpu_parity.py \
-        check /tmp/parity_fold 2>&1 | grep -v Warn | tail -14 | tee "$LOG/parity_normhoist.log"
+      KRAIT_NORM_PROLOGUE=1 timeout 120 python3 scripts/gpu_parity.py check /tmp/parity_fold 2>&1 \
+        | grep -v Warn | tail -14 | tee "$LOG/parity_normhoist.log"
     fi
     pack
     ;;
@@ -334,6 +312,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in gemvwide|mlp|prefillgraphs|bigengine|normprologue|normhoist|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in gemvwide|mlp|prefillgraphs|bigengine|normhoist|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack
