@@ -283,6 +283,9 @@ case $what in
       bench_latency $m "_default" --batch-sizes 1 --prompt-lens ""
     done
     KRAIT_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_fold" --batch-sizes 1 --prompt-lens ""
+    # the MoE route GEMVs with x born in the weight tile's layout (session 12, unmeasured):
+    # against session 12 run 3's graph 2.772-2.780 ms at batch 1, session 9's 4.97 at batch 8
+    bench_latency granite-4.0-h-tiny "_default" --batch-sizes 1,8 --prompt-lens ""
     bench_latency qwen3-0.6b "_default" --batch-sizes 1 --prompt-lens ""
     KRAIT_NORM_PROLOGUE=1 bench_latency qwen3-0.6b "_fold" --batch-sizes 1 --prompt-lens ""
     if [ -d .parity ]; then  # GPU parity with the fold on, the models it changes

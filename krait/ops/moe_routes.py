@@ -139,18 +139,22 @@ def route_topk(
 @triton.jit
 def _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, row0, x_row, N, K,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w[expert, row0 + n, :] . x_row for the BLOCK_N rows n of this program: fp32 [BLOCK_N]."""
+    """w[expert, row0 + n, :] . x_row for the BLOCK_N rows n of this program: fp32 [BLOCK_N].
+    x is loaded broadcast over the rows ([BLOCK_N, BLOCK_K] pointers, repeated reads hit L1), so
+    that it is born in the weight tile's layout: a [BLOCK_K] load broadcast later costs a
+    shared-memory conversion with barriers in every K step."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     rows = w_ptr + expert * stride_we + (row0 + offs_n).to(tl.int64)[:, None] * stride_wn
+    x_rows = x_row + 0 * offs_n[:, None]  # [BLOCK_N, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
+        k = (k0 + offs_k)[None, :]
         k_ok = k < K
-        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        x = tl.load(x_rows + k, mask=k_ok, other=0.0)  # [BLOCK_N, BLOCK_K]
+        w = tl.load(rows + k, mask=n_ok[:, None] & k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)
     return tl.sum(acc, 1)
 
 

@@ -198,5 +198,6 @@ def test_moe_route_kernels_compile_without_spills():
                         dict(mid_ptr=BF, w_ptr=BF, ids_ptr=I32, tw_ptr=F32, add_ptr=BF,
                              out_ptr=BF),
                         dict(TOPK=6, HAS_ADD=True, BLOCK_N=16, BLOCK_K=256, PDL=True))
-    for r in (up, down):  # the expert rows stream in 16-byte loads
+    for r in (up, down):  # the expert rows stream in 16-byte loads; x is born in their layout
         assert r["pdl"] and r["local"] == 0 and r["vector_loads"] > 0, r
+        assert r["loop_barriers"] == 0, r
