@@ -271,27 +271,33 @@ case $what in
         --prompt-lens 512 --num-steps 4
     done
     ;;
-  normhoist)  # norms in the GEMVs' prologues (session 12; ~4 min): the Mamba gated norm in
-    # out_proj's (default on since c956af2; KRAIT_MAMBA_NORM_PROLOGUE=0 the unfused arm) and the
-    # residual fold (KRAIT_NORM_PROLOGUE=1); GPU tests, one round of batch 1, GPU parity of the
-    # changed models with the fold on
-    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k "norm_gated or fold" -p no:cacheprovider 2>&1 \
+  normhoist)  # norms and the conv in the GEMVs (session 12; ~5 min): the Mamba gated norm in
+    # out_proj's prologue (default on since c956af2; KRAIT_MAMBA_NORM_PROLOGUE=0 the unfused
+    # arm), the residual fold (KRAIT_NORM_PROLOGUE=1) and the decode conv in in_proj's epilogue
+    # (KRAIT_CONV_EPILOGUE=1); GPU tests, one round of batch 1, GPU parity of the changed models
+    # with both opt-ins on
+    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -k "norm_gated or fold or conv_epilogue" -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_normhoist.log"
     pack
     for m in mamba2-1.3b granite-4.0-h-micro; do
       KRAIT_MAMBA_NORM_PROLOGUE=0 bench_latency $m "_unfused" --batch-sizes 1 --prompt-lens ""
       bench_latency $m "_default" --batch-sizes 1 --prompt-lens ""
+      KRAIT_CONV_EPILOGUE=1 bench_latency $m "_conv" --batch-sizes 1 --prompt-lens ""
     done
     KRAIT_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_fold" --batch-sizes 1 --prompt-lens ""
+    KRAIT_NORM_PROLOGUE=1 KRAIT_CONV_EPILOGUE=1 bench_latency mamba2-1.3b "_foldconv" \
+      --batch-sizes 1 --prompt-lens ""
     # the MoE route GEMVs with x born in the weight tile's layout (session 12, unmeasured):
     # against session 12 run 3's graph 2.772-2.780 ms at batch 1, session 9's 4.97 at batch 8
     bench_latency granite-4.0-h-tiny "_default" --batch-sizes 1,8 --prompt-lens ""
     bench_latency qwen3-0.6b "_default" --batch-sizes 1 --prompt-lens ""
     KRAIT_NORM_PROLOGUE=1 bench_latency qwen3-0.6b "_fold" --batch-sizes 1 --prompt-lens ""
-    if [ -d .parity ]; then  # GPU parity with the fold on, the models it changes
+    if [ -d .parity ]; then  # GPU parity with the opt-ins on, the models they change
       rm -rf /tmp/parity_fold && mkdir -p /tmp/parity_fold
-      cp -r .parity/mamba2 .parity/mamba2-g1 .parity/qwen3 .parity/llama /tmp/parity_fold/
-      KRAIT_NORM_PROLOGUE=1 timeout 120 python3 scripts/gpu_parity.py check /tmp/parity_fold 2>&1 \
+      cp -r .parity/mamba2 .parity/mamba2-g1 .parity/qwen3 .parity/llama .parity/granitemoehybrid \
+        /tmp/parity_fold/
+      KRAIT_NORM_PROLOGUE=1 KRAIT_CONV_EPILOGUE=1 timeout 150 python3 scripts/gpu_parity.py \
+        check /tmp/parity_fold 2>&1 \
         | grep -v Warn | tail -14 | tee "$LOG/parity_normhoist.log"
     fi
     pack

@@ -12,7 +12,7 @@ from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.ops.gemv import gemv_triton
-from krait.ops.linear import gated_norm_in_gemv, gated_norm_linear, norm_linear
+from krait.ops.linear import conv_in_gemv, gated_norm_in_gemv, gated_norm_linear, norm_linear
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import (
     gated_part_size,
@@ -129,32 +129,45 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         group = d.norm_group_size or d.intermediate // d.n_groups
         rows = x.h if isinstance(x, NormedInput) else x
+        conv = None
         if (rows.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
                 and use_triton(rows)):
+            conv = self._conv_epilogue(rows, meta)
             part = gated_part_size(d.head_dim, d.d_state)
             if gated_norm_in_gemv(rows, self.out_proj.weight, group, part):
-                gate, xbc, dt = self._project(x)
-                packed = mixer_call(self._decode_gated, (xbc, dt, gate), meta, "mamba", part)
+                gate, xbc, dt = self._project(x, conv)
+                packed = mixer_call(self._decode_gated, (xbc, dt, gate), meta, "mamba", part,
+                                    conv is not None)
                 out = gated_norm_linear(packed, self.out_proj.weight, self.out_proj.bias,
                                         self.norm_weight, group, d.eps, part, residual)
                 return out if residual is None else FoldedResidual(*out)
-        gate, xbc, dt = self._project(x)
-        y = mixer_call(self._ssm, (xbc, dt), meta, "mamba")
+        gate, xbc, dt = self._project(x, conv)
+        y = mixer_call(self._ssm, (xbc, dt), meta, "mamba", conv is not None)
         normed = gated_rms_norm(y, gate, self.norm_weight, d.eps, group)
         if residual is None:
             return self.out_proj(normed)
         return FoldedResidual(*gemv_triton(normed, self.out_proj.weight, self.out_proj.bias,
                                            residual=residual))
 
+    def _conv_epilogue(self, rows: torch.Tensor, meta: MambaMetadata) -> tuple | None:
+        """The conv's decode step as the one-row in_proj GEMV's epilogue takes it
+        (`gemv_triton(conv=...)`), or None where it does not (`conv_in_gemv`)."""
+        d = self.d
+        if not conv_in_gemv(rows, self.in_proj.weight, d.d_conv):
+            return None
+        return (d.intermediate, self.conv1d_weight.squeeze(1), self.conv1d_bias,
+                self.conv_state, meta.decode_state_indices[:1], d.activation is not None)
+
     def _decode_gated(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor,
-                      meta: MambaMetadata, part: int) -> torch.Tensor:
-        """One decode row's conv and state update, handing the gated norm's input over instead
-        of y: packed [1, I + I / part] float32 = [y * silu(gate) | sums of its squares over
-        runs of `part` channels] (`gated_norm_linear` takes it)."""
+                      meta: MambaMetadata, part: int, convolved: bool = False) -> torch.Tensor:
+        """One decode row's conv (unless in_proj's epilogue did it: `convolved`) and state
+        update, handing the gated norm's input over instead of y: packed [1, I + I / part]
+        float32 = [y * silu(gate) | sums of its squares over runs of `part` channels]
+        (`gated_norm_linear` takes it)."""
         d = self.d
         inter = d.intermediate
         idx = meta.decode_state_indices[:1]
-        xbc_d = causal_conv1d_update(
+        xbc_d = xbc if convolved else causal_conv1d_update(
             xbc, self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
             d.activation,
         )
@@ -173,31 +186,38 @@ class Mamba2Mixer(torch.nn.Module):
         gate, xbc, dt = self._project(x)
         return mixer_call(self._ssm, (xbc, dt), meta, "mamba"), gate
 
-    def _ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """The conv and the SSM of every row (the step's sequence mixer): y [T, intermediate]."""
+    def _ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata,
+             convolved: bool = False) -> torch.Tensor:
+        """The conv and the SSM of every row (the step's sequence mixer): y [T, intermediate].
+        `convolved`: one decode row whose conv ran in in_proj's epilogue."""
         nd = meta.num_decode_tokens
-        y_dec = self._decode_ssm(xbc, dt, meta) if nd else None
+        y_dec = self._decode_ssm(xbc, dt, meta, convolved) if nd else None
         y_pre = self._prefill_ssm(xbc, dt, meta) if meta.num_prefills else None
         return self._join(xbc, nd, y_dec, y_pre)
 
-    def _project(self, x: torch.Tensor | NormedInput
+    def _project(self, x: torch.Tensor | NormedInput, conv: tuple | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views (a
-        NormedInput normalized in the GEMV's prologue)."""
+        NormedInput normalized in the GEMV's prologue; with `conv`, xBC comes convolved from
+        the GEMV's epilogue)."""
         d = self.d
         if isinstance(x, NormedInput):
             proj = norm_linear(x.h, x.parts, x.weight, x.eps, self.in_proj.weight,
-                               self.in_proj.bias)
+                               self.in_proj.bias, conv)
+        elif conv is not None:
+            proj = gemv_triton(x, self.in_proj.weight, self.in_proj.bias, conv=conv)
         else:
             proj = self.in_proj(x)
         return proj.split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
 
-    def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """Conv update and state update of the decode rows: y [num_decode_tokens, heads, P]."""
+    def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata,
+                    convolved: bool = False) -> torch.Tensor:
+        """Conv update (unless in_proj's epilogue did it: `convolved`) and state update of the
+        decode rows: y [num_decode_tokens, heads, P]."""
         d = self.d
         nd = meta.num_decode_tokens
         idx = meta.decode_state_indices[:nd]
-        xbc_d = causal_conv1d_update(
+        xbc_d = xbc[:nd] if convolved else causal_conv1d_update(
             xbc[:nd], self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
             d.activation,
         )

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import cdiv, env, next_pow2
 from krait.ops.arrival import arrival_counters
+from krait.ops.causal_conv1d import conv_step, store_conv_state
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 MAX_M = 8
@@ -39,8 +40,9 @@ _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always 
 
 # prologue of the GEMV's input: what the x row is turned into before it meets W; epilogue:
 # what the output becomes (SILU_MUL: a gate_up's activation; RESIDUAL_NORM: the residual added,
-# and each tile's sum of squares of the sum written for the next RMSNorm)
-PLAIN, SILU_MUL, NORM, RESIDUAL_NORM = 0, 1, 2, 3
+# and each tile's sum of squares of the sum written for the next RMSNorm; CONV: a Mamba
+# in_proj's xBC columns through the causal conv's decode step)
+PLAIN, SILU_MUL, NORM, RESIDUAL_NORM, CONV = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -149,11 +151,41 @@ def _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
+def _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
+               stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
+               CONV_WIDTH: tl.constexpr, CONV_BIAS: tl.constexpr, CONV_SILU: tl.constexpr):
+    """CONV, one row: the output columns [conv_lo, conv_lo + conv_dim) are the new inputs of a
+    depthwise causal conv's decode step (a Mamba in_proj's xBC). The program convolves its own
+    columns with their channels' states in the row's slot and writes their next states in
+    place; no other program touches those channels. val [1, N] in dt; returns it with those
+    columns replaced by the conv's (activated) outputs, rounded to dt as the conv kernel's."""
+    slot = tl.load(slots_ptr)
+    ch = offs_n - conv_lo
+    ok = n_ok & (ch >= 0) & (ch < conv_dim) & (slot >= 0)  # slot -1: the row is padding
+    ch = tl.where(ok, ch, 0)
+    st = cs_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cs_slot
+    xv = tl.sum(val.to(tl.float32), axis=0)  # [N]: the row's projection, rounded to dt
+    cols = tl.arange(0, CONV_WIDTH)
+    acc, shifted = conv_step(xv, st, cw_ptr, cb_ptr, ch, ok, cols, stride_cw_d, stride_cw_k,
+                             stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
+    store_conv_state(st, shifted, ch, ok, cols, stride_cs_d, stride_cs_k, CONV_WIDTH)
+    return tl.where(ok, acc, xv).to(val.dtype)[None, :]
+
+
+@triton.jit
 def _store_tile(out, val, mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok,
-                offs_n, pid_n, EPILOGUE: tl.constexpr):
+                offs_n, pid_n, EPILOGUE: tl.constexpr, n_ok=None, conv_lo=0, conv_dim=0,
+                slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None, stride_cw_d=0,
+                stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
+                CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
+                CONV_SILU: tl.constexpr = False):
     """Writes the output tile val [M, N] (dt); RESIDUAL_NORM writes h = val + residual instead
     (rounded to dt, as a separate add would) and the tile's sum of h^2 per row at column pid_n
-    of rpart."""
+    of rpart; CONV first puts the conv columns through `_conv_tile`."""
+    if EPILOGUE == 4:
+        val = _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
+                         stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
+                         CONV_WIDTH, CONV_BIAS, CONV_SILU)
     if EPILOGUE == 3:
         res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_ok,
                       other=0.0)
@@ -175,7 +207,10 @@ def _gemv_kernel(
     TRIGGER_LATE: tl.constexpr, EPILOGUE: tl.constexpr = 0,
     norm_ptr=None, part_ptr2=None, stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
     PARTS: tl.constexpr = 1, res_ptr=None, stride_rm=0, rpart_ptr=None, stride_rpm=0,
-    ONE_GROUP: tl.constexpr = False,
+    ONE_GROUP: tl.constexpr = False, conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None,
+    cb_ptr=None, cs_ptr=None, stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0,
+    stride_cs_k=0, CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
+    CONV_SILU: tl.constexpr = False,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -218,7 +253,9 @@ def _gemv_kernel(
     if SPLIT_K == 1:
         _store_tile(out, _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE),
                     mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok, offs_n,
-                    pid_n, EPILOGUE)
+                    pid_n, EPILOGUE, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
+                    stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
+                    CONV_WIDTH, CONV_BIAS, CONV_SILU)
     else:
         # partials [SPLIT_K, M, W] in float32, W = N (the up half beside the gate's: 2N)
         width = N if EPILOGUE != 1 else 2 * N
@@ -239,7 +276,10 @@ def _gemv_kernel(
             tl.atomic_xchg(count_ptr + pid_n, 0)
             _store_tile(out, _finish(total, total_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS,
                                      EPILOGUE), mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm,
-                        offs_m, m_ok, offs_n, pid_n, EPILOGUE)
+                        offs_m, m_ok, offs_n, pid_n, EPILOGUE, n_ok, conv_lo, conv_dim,
+                        slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d, stride_cw_k,
+                        stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS,
+                        CONV_SILU)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -276,7 +316,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 config: dict[str, int] | None = None, silu_mul: bool = False,
                 silu_mul_out: bool = False, norm: tuple | None = None,
-                residual: Tensor | None = None):
+                residual: Tensor | None = None, conv: tuple | None = None):
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
     With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
     silu_and_mul: one launch and no [M, K] intermediate). With `silu_mul_out`, weight is
@@ -289,7 +329,12 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     the weight's dtype). With `residual` [M, N] it returns (h, partials): h = y +
     residual (the residual stream's next value) and partials [M, N / BLOCK_N] float32, each
     tile's sum of h^2 per row (a following GEMV's RMSNorm prologue reads them:
-    `norm=(norm weight, partials, N, eps, BLOCK_N)` with h as its input)."""
+    `norm=(norm weight, partials, N, eps, BLOCK_N)` with h as its input). With `conv` =
+    (conv_lo, conv weight [D, W], conv bias [D] or None, conv states [slots, D, W - 1], slots
+    int32 [>= 1], silu) and one row, the output columns [conv_lo, conv_lo + D) go through a
+    depthwise causal conv's decode step on the row's slot (states updated in place; W a power
+    of two): a Mamba in_proj hands the state update its xBC already convolved, with no conv
+    launch of its own."""
     prologue, k = (SILU_MUL, x.shape[1] // 2) if silu_mul else (PLAIN, x.shape[1])
     norm_args: dict = {}
     if norm is not None:
@@ -321,6 +366,21 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                     device=x.device)  # [M, N]
     if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"gemv_triton: the residual must be [{m}, {n}] with unit stride")
+    conv_args: dict = {}
+    if conv is not None:
+        conv_lo, cw, cb, states, slots, silu = conv
+        width = cw.shape[1]
+        if (m != 1 or residual is not None or silu_mul_out or width & (width - 1)
+                or not 0 <= conv_lo <= n - cw.shape[0] or states.shape[1:] != (cw.shape[0], width - 1)):
+            raise ValueError("gemv_triton: the conv epilogue takes one row, a plain output holding "
+                             "the conv's columns, a power-of-two width and [slots, D, W - 1] "
+                             "states")
+        conv_args = dict(conv_lo=conv_lo, conv_dim=cw.shape[0], slots_ptr=slots, cw_ptr=cw,
+                         cb_ptr=cb if cb is not None else cw, cs_ptr=states,
+                         stride_cw_d=cw.stride(0), stride_cw_k=cw.stride(1),
+                         stride_cs_slot=states.stride(0), stride_cs_d=states.stride(1),
+                         stride_cs_k=states.stride(2), CONV_WIDTH=width,
+                         CONV_BIAS=cb is not None, CONV_SILU=bool(silu))
     if m == 0 or n == 0:
         return y if residual is None else (y, torch.zeros(m, tiles, device=x.device))
     cfg.setdefault("SPLIT_K", 1)
@@ -346,8 +406,9 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
         TRIGGER_LATE=pdl and env("KRAIT_PDL_TRIGGER") != "early",
-        EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else PLAIN),
-        **norm_args, **res_args, **pdl_args(pdl), **cfg,
+        EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else
+                                                (CONV if conv is not None else PLAIN)),
+        **norm_args, **res_args, **conv_args, **pdl_args(pdl), **cfg,
     )
     return y if residual is None else (y, rparts)
 

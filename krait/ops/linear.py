@@ -137,13 +137,22 @@ RESIDUAL_PART = 8
 
 
 def norm_linear(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
-                bias: Tensor | None) -> Tensor:
+                bias: Tensor | None, conv: tuple | None = None) -> Tensor:
     """linear(rms_norm(h, norm_weight, eps), weight, bias) for one row h [1, H] whose sums of
     squares per run of RESIDUAL_PART columns are `parts` (a residual-folding GEMV wrote both):
-    the norm in the GEMV's prologue."""
+    the norm in the GEMV's prologue (and `conv` as gemv_triton takes it in its epilogue)."""
     hidden = h.shape[1]
     return gemv_triton(h, weight, bias, config=_norm_config(weight, hidden),
-                       norm=(norm_weight, parts, hidden, eps, RESIDUAL_PART))
+                       norm=(norm_weight, parts, hidden, eps, RESIDUAL_PART), conv=conv)
+
+
+def conv_in_gemv(x: Tensor, weight: Tensor, conv_width: int) -> bool:
+    """A Mamba layer's decode conv in its in_proj GEMV's epilogue (KRAIT_CONV_EPILOGUE=1; off
+    until measured on the GPU: it saves the conv update's launch a layer at batch 1)? x: the
+    one-row in_proj input (or a stand-in); the GEMV must serve it."""
+    if env("KRAIT_CONV_EPILOGUE") != "1" or x.shape[0] != 1:
+        return False
+    return _use_gemv(x, weight) and conv_width & (conv_width - 1) == 0
 
 
 def block_fold_ok(x: Tensor, normed_inputs: list[Tensor], outputs: list[Tensor],

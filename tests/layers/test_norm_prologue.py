@@ -113,3 +113,25 @@ def test_gated_norm_prologue_default_takes_only_the_one_group_form(monkeypatch):
     assert gated_norm_in_gemv(row, mamba2_out, 1024, 16)
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "0")
     assert not gated_norm_in_gemv(row, mamba2_out, 4096, 16)
+
+
+@pytest.mark.parametrize("arch,fold,gated", [("mamba2", False, "0"),
+                                             ("granitemoehybrid", False, "1"),
+                                             ("mamba2", True, "1")])
+def test_conv_update_in_in_proj_epilogue(arch, fold, gated, tmp_path, monkeypatch):
+    """KRAIT_CONV_EPILOGUE=1: at batch 1 the in_proj GEMV convolves its xBC columns with the
+    slot's conv state (and shifts it): no conv update launch, the same tokens and logprobs as
+    the conv kernel, step after step (each step reads the state the one before wrote). Through
+    the plain decode path and the gated one (the norm in out_proj's prologue); with the fold,
+    in_proj also normalizes its input in its prologue."""
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "1" if fold else "0")
+    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", gated)
+    d = make_tiny_hybrid(tmp_path / arch, arch)
+    monkeypatch.setenv("KRAIT_CONV_EPILOGUE", "0")
+    want = _batch1(d)
+    monkeypatch.setenv("KRAIT_CONV_EPILOGUE", "1")
+    fused = _count(monkeypatch, mamba2_layer, "conv_in_gemv", taken=bool)
+    separate = _count(monkeypatch, mamba2_layer, "causal_conv1d_update")
+    _close(_batch1(d), want)
+    assert fused and not separate  # every decode step of every Mamba layer took the epilogue

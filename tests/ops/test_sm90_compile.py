@@ -78,6 +78,20 @@ def test_gemv_norm_prologue_with_gate_up_epilogue_compiles():
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128 and r["loop_barriers"] == 0, r
 
 
+@pytest.mark.parametrize("prologue", ["PLAIN", "NORM"])
+def test_gemv_conv_epilogue_compiles_without_spills(prologue):
+    # KRAIT_CONV_EPILOGUE: mamba2's in_proj convolving its xBC columns (after the fold's norm)
+    from krait.ops import gemv
+
+    types = dict(GEMV_TYPES, norm_ptr=BF, part_ptr2=F32, eps="fp32", slots_ptr=I32, cw_ptr=BF,
+                 cb_ptr=BF, cs_ptr=BF)
+    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
+        GEMV_PLAIN, SPLIT_K=1, PROLOGUE=getattr(gemv, prologue), PDL=True, TRIGGER_LATE=True,
+        PARTS=256, ONE_GROUP=prologue == "NORM", EPILOGUE=gemv.CONV, CONV_WIDTH=4,
+        CONV_BIAS=True, CONV_SILU=True), num_warps=8)
+    assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128 and r["loop_barriers"] == 0, r
+
+
 def test_pdl_kernels_compile():
     # the grid-dependency instructions (KRAIT_PDL=1) in kernels of the decode chain
     types = dict(x_ptr=BF, res_ptr=BF, w_ptr=BF, out_ptr=BF, sum_ptr=BF, eps="fp32",
