@@ -271,7 +271,7 @@ case $what in
         --prompt-lens 512 --num-steps 4
     done
     ;;
-  normhoist)  # norms and the conv in the GEMVs (session 12; ~5 min): the Mamba gated norm in
+  normhoist)  # norms and the conv in the GEMVs (session 12; ~7 min): the Mamba gated norm in
     # out_proj's prologue (default on since c956af2; KRAIT_MAMBA_NORM_PROLOGUE=0 the unfused
     # arm), the residual fold (KRAIT_NORM_PROLOGUE=1) and the decode conv in in_proj's epilogue
     # (KRAIT_CONV_EPILOGUE=1); GPU tests, one round of batch 1, GPU parity of the changed models
@@ -284,9 +284,11 @@ case $what in
       bench_latency $m "_default" --batch-sizes 1 --prompt-lens ""
       KRAIT_CONV_EPILOGUE=1 bench_latency $m "_conv" --batch-sizes 1 --prompt-lens ""
     done
-    KRAIT_NORM_PROLOGUE=1 bench_latency mamba2-1.3b "_fold" --batch-sizes 1 --prompt-lens ""
-    KRAIT_NORM_PROLOGUE=1 KRAIT_CONV_EPILOGUE=1 bench_latency mamba2-1.3b "_foldconv" \
-      --batch-sizes 1 --prompt-lens ""
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      KRAIT_NORM_PROLOGUE=1 bench_latency $m "_fold" --batch-sizes 1 --prompt-lens ""
+      KRAIT_NORM_PROLOGUE=1 KRAIT_CONV_EPILOGUE=1 bench_latency $m "_foldconv" \
+        --batch-sizes 1 --prompt-lens ""
+    done
     # the MoE route GEMVs with x born in the weight tile's layout (session 12, unmeasured):
     # against session 12 run 3's graph 2.772-2.780 ms at batch 1, session 9's 4.97 at batch 8
     bench_latency granite-4.0-h-tiny "_default" --batch-sizes 1,8 --prompt-lens ""
@@ -295,7 +297,7 @@ case $what in
     if [ -d .parity ]; then  # GPU parity with the opt-ins on, the models they change
       rm -rf /tmp/parity_fold && mkdir -p /tmp/parity_fold
       cp -r .parity/mamba2 .parity/mamba2-g1 .parity/qwen3 .parity/llama .parity/granitemoehybrid \
-        /tmp/parity_fold/
+        .parity/granitemoehybrid-dense /tmp/parity_fold/
       KRAIT_NORM_PROLOGUE=1 KRAIT_CONV_EPILOGUE=1 timeout 150 python3 scripts/gpu_parity.py \
         check /tmp/parity_fold 2>&1 \
         | grep -v Warn | tail -14 | tee "$LOG/parity_normhoist.log"

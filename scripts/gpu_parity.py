@@ -28,10 +28,13 @@ PROMPTS = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([
 # two): the gated norm over the whole width in one group
 ONE_GROUP = {"mamba2-g1": ("mamba2", {"n_groups": 1}),
              "granitemoehybrid-g1": ("granitemoehybrid", {"mamba_n_groups": 1})}
+# granite-4.0-h-micro's shape: no routed experts (its layers can fold, KRAIT_NORM_PROLOGUE)
+DENSE_GRANITE = {"granitemoehybrid-dense": ("granitemoehybrid",
+                                            {"num_local_experts": 0, "mamba_n_groups": 1})}
 
 
 def make(root: Path) -> None:
-    fixtures = {a: (a, {}) for a in DENSE + HYBRID} | ONE_GROUP
+    fixtures = {a: (a, {}) for a in DENSE + HYBRID} | ONE_GROUP | DENSE_GRANITE
     for name, (arch, overrides) in fixtures.items():
         if arch in DENSE:
             d = make_tiny_llama(root / name, arch=arch)

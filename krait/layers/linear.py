@@ -40,15 +40,17 @@ class MergedLinear(torch.nn.Module):
 
 
 def gated_silu_mlp(x: torch.Tensor | NormedInput, gate_up: torch.nn.Module,
-                   down: torch.nn.Module, residual: torch.Tensor | None = None
-                   ) -> torch.Tensor | FoldedResidual:
+                   down: torch.nn.Module, residual: torch.Tensor | None = None,
+                   residual_scale: float = 1.0) -> torch.Tensor | FoldedResidual:
     """down(silu_and_mul(gate_up(x))) for layers holding `weight` and `bias`: gate_up's weight
     [2I, H] (gate rows, then up rows), down's [H, I]; the activation fused for decode. A
     NormedInput x with the block's `residual` (KRAIT_NORM_PROLOGUE, `block_fold_ok`) gives a
-    FoldedResidual: the norm in gate_up's prologue, the residual in down's epilogue."""
+    FoldedResidual: the norm in gate_up's prologue, the residual (plus the output times
+    `residual_scale`) in down's epilogue."""
     if isinstance(x, NormedInput):
         return FoldedResidual(*norm_silu_mlp(x.h, x.parts, x.weight, x.eps, gate_up.weight,
-                                             down.weight, gate_up.bias, down.bias, residual))
+                                             down.weight, gate_up.bias, down.bias, residual,
+                                             residual_scale))
     return silu_mlp(x, gate_up.weight, down.weight, gate_up.bias, down.bias)
 
 
@@ -59,10 +61,11 @@ def project(layer: torch.nn.Module, x: torch.Tensor | NormedInput) -> torch.Tens
     return layer(x)
 
 
-def project_folding(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-                    ) -> torch.Tensor | FoldedResidual:
-    """layer(x), or with `residual` a FoldedResidual: the residual added and each tile's sum
-    of squares written by the GEMV's epilogue."""
+def project_folding(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                    residual_scale: float = 1.0) -> torch.Tensor | FoldedResidual:
+    """layer(x), or with `residual` a FoldedResidual: the residual plus the output times
+    `residual_scale` added and each tile's sum of squares written by the GEMV's epilogue."""
     if residual is None:
         return layer(x)
-    return FoldedResidual(*gemv_triton(x, layer.weight, layer.bias, residual=residual))
+    return FoldedResidual(*gemv_triton(x, layer.weight, layer.bias, residual=residual,
+                                       residual_scale=residual_scale))

@@ -122,10 +122,12 @@ class Mamba2Mixer(torch.nn.Module):
         return (d.conv_dim, d.d_conv - 1), (d.num_heads, d.head_dim, d.d_state)
 
     def forward(self, x: torch.Tensor | NormedInput, meta: MambaMetadata,
-                residual: torch.Tensor | None = None) -> torch.Tensor | FoldedResidual:
+                residual: torch.Tensor | None = None, residual_scale: float = 1.0
+                ) -> torch.Tensor | FoldedResidual:
         """x [T, hidden] -> [T, hidden]. Decode rows of one token may come as a NormedInput (the
         in_proj GEMV applies the block's RMSNorm) and with the block's `residual`, which the
-        out_proj GEMV then adds: a FoldedResidual comes back (`block_fold_ok`)."""
+        out_proj GEMV then adds to its output times `residual_scale`: a FoldedResidual comes
+        back (`block_fold_ok`)."""
         d = self.d
         group = d.norm_group_size or d.intermediate // d.n_groups
         rows = x.h if isinstance(x, NormedInput) else x
@@ -139,7 +141,8 @@ class Mamba2Mixer(torch.nn.Module):
                 packed = mixer_call(self._decode_gated, (xbc, dt, gate), meta, "mamba", part,
                                     conv is not None)
                 out = gated_norm_linear(packed, self.out_proj.weight, self.out_proj.bias,
-                                        self.norm_weight, group, d.eps, part, residual)
+                                        self.norm_weight, group, d.eps, part, residual,
+                                        residual_scale)
                 return out if residual is None else FoldedResidual(*out)
         gate, xbc, dt = self._project(x, conv)
         y = mixer_call(self._ssm, (xbc, dt), meta, "mamba", conv is not None)
@@ -147,7 +150,7 @@ class Mamba2Mixer(torch.nn.Module):
         if residual is None:
             return self.out_proj(normed)
         return FoldedResidual(*gemv_triton(normed, self.out_proj.weight, self.out_proj.bias,
-                                           residual=residual))
+                                           residual=residual, residual_scale=residual_scale))
 
     def _conv_epilogue(self, rows: torch.Tensor, meta: MambaMetadata) -> tuple | None:
         """The conv's decode step as the one-row in_proj GEMV's epilogue takes it

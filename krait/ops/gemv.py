@@ -178,10 +178,11 @@ def _store_tile(out, val, mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs
                 slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None, stride_cw_d=0,
                 stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
                 CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
-                CONV_SILU: tl.constexpr = False):
+                CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False):
     """Writes the output tile val [M, N] (dt); RESIDUAL_NORM writes h = val + residual instead
-    (rounded to dt, as a separate add would) and the tile's sum of h^2 per row at column pid_n
-    of rpart; CONV first puts the conv columns through `_conv_tile`."""
+    (rounded to dt, as a separate add would; with SCALE_RES val * res_scale rounded to dt
+    first, as a fused add-RMSNorm with its x scale) and the tile's sum of h^2 per row at
+    column pid_n of rpart; CONV first puts the conv columns through `_conv_tile`."""
     if EPILOGUE == 4:
         val = _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
                          stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
@@ -189,7 +190,10 @@ def _store_tile(out, val, mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs
     if EPILOGUE == 3:
         res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_ok,
                       other=0.0)
-        h = (val.to(tl.float32) + res.to(tl.float32)).to(val.dtype)
+        v = val.to(tl.float32)
+        if SCALE_RES:
+            v = (v * res_scale).to(val.dtype).to(tl.float32)
+        h = (v + res.to(tl.float32)).to(val.dtype)
         tl.store(out, h, mask=mn_ok)
         hf = tl.where(mn_ok, h.to(tl.float32), 0.0)
         tl.store(rpart_ptr + offs_m * stride_rpm + pid_n, tl.sum(hf * hf, axis=1), mask=m_ok)
@@ -210,7 +214,7 @@ def _gemv_kernel(
     ONE_GROUP: tl.constexpr = False, conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None,
     cb_ptr=None, cs_ptr=None, stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0,
     stride_cs_k=0, CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
-    CONV_SILU: tl.constexpr = False,
+    CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -255,7 +259,7 @@ def _gemv_kernel(
                     mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok, offs_n,
                     pid_n, EPILOGUE, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
                     stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
-                    CONV_WIDTH, CONV_BIAS, CONV_SILU)
+                    CONV_WIDTH, CONV_BIAS, CONV_SILU, res_scale, SCALE_RES)
     else:
         # partials [SPLIT_K, M, W] in float32, W = N (the up half beside the gate's: 2N)
         width = N if EPILOGUE != 1 else 2 * N
@@ -279,7 +283,7 @@ def _gemv_kernel(
                         offs_m, m_ok, offs_n, pid_n, EPILOGUE, n_ok, conv_lo, conv_dim,
                         slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d, stride_cw_k,
                         stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS,
-                        CONV_SILU)
+                        CONV_SILU, res_scale, SCALE_RES)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -316,7 +320,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 config: dict[str, int] | None = None, silu_mul: bool = False,
                 silu_mul_out: bool = False, norm: tuple | None = None,
-                residual: Tensor | None = None, conv: tuple | None = None):
+                residual: Tensor | None = None, conv: tuple | None = None,
+                residual_scale: float = 1.0):
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
     With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
     silu_and_mul: one launch and no [M, K] intermediate). With `silu_mul_out`, weight is
@@ -329,7 +334,8 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     the weight's dtype). With `residual` [M, N] it returns (h, partials): h = y +
     residual (the residual stream's next value) and partials [M, N / BLOCK_N] float32, each
     tile's sum of h^2 per row (a following GEMV's RMSNorm prologue reads them:
-    `norm=(norm weight, partials, N, eps, BLOCK_N)` with h as its input). With `conv` =
+    `norm=(norm weight, partials, N, eps, BLOCK_N)` with h as its input); `residual_scale`
+    multiplies y first (Granite's residual multiplier). With `conv` =
     (conv_lo, conv weight [D, W], conv bias [D] or None, conv states [slots, D, W - 1], slots
     int32 [>= 1], silu) and one row, the output columns [conv_lo, conv_lo + D) go through a
     depthwise causal conv's decode step on the row's slot (states updated in place; W a power
@@ -395,7 +401,8 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if residual is not None:
         rparts = torch.empty(m, tiles, dtype=torch.float32, device=x.device)  # [M, tiles]
         res_args = dict(res_ptr=residual, stride_rm=residual.stride(0), rpart_ptr=rparts,
-                        stride_rpm=rparts.stride(0))
+                        stride_rpm=rparts.stride(0), res_scale=float(residual_scale),
+                        SCALE_RES=residual_scale != 1.0)
     if split > 1:
         part = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)  # [S, M, W]
         counters = arrival_counters(_COUNTERS, x.device, tiles)

@@ -121,15 +121,15 @@ def gated_norm_in_gemv(x: Tensor, weight: Tensor, group_size: int, part_size: in
 
 def gated_norm_linear(packed: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor,
                       group_size: int, eps: float, part_size: int,
-                      residual: Tensor | None = None):
+                      residual: Tensor | None = None, residual_scale: float = 1.0):
     """linear(gated_rms_norm(y, z, norm_weight, eps, group_size), weight, bias) from packed
     [1, I + I / part_size] float32 = [y * silu(z) | partial sums of its squares] (what the gated
     state update writes): one GEMV launch, the norm in its prologue. With `residual`: (h,
-    partials) as gemv_triton(residual=...) returns them."""
+    partials) as gemv_triton(residual=..., residual_scale=...) returns them."""
     inter = weight.shape[1]
     return gemv_triton(packed[:, :inter], weight, bias, config=_norm_config(weight, group_size),
                        norm=(norm_weight, packed[:, inter:], group_size, eps, part_size),
-                       residual=residual)
+                       residual=residual, residual_scale=residual_scale)
 
 
 # columns a GEMV tile sums its squares over (the one-row config's BLOCK_N): the partials' run
@@ -178,12 +178,13 @@ def block_fold_ok(x: Tensor, normed_inputs: list[Tensor], outputs: list[Tensor],
 
 def norm_silu_mlp(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, gate_up: Tensor,
                   down: Tensor, gate_up_bias: Tensor | None, down_bias: Tensor | None,
-                  residual: Tensor) -> tuple[Tensor, Tensor]:
+                  residual: Tensor, residual_scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """A gated MLP over rms_norm(h) for one row, the residual added after it: the gate_up GEMV
     with the norm in its prologue and the activation in its epilogue, then the down GEMV
-    folding `residual` (returns gemv_triton(residual=...)'s (h', partials))."""
+    folding `residual` (returns gemv_triton(residual=..., residual_scale=...)'s (h',
+    partials))."""
     hidden = h.shape[1]
     act = gemv_triton(h, gate_up, gate_up_bias, config=_norm_config(gate_up, hidden),
                       silu_mul_out=True,
                       norm=(norm_weight, parts, hidden, eps, RESIDUAL_PART))  # [1, I]
-    return gemv_triton(act, down, down_bias, residual=residual)
+    return gemv_triton(act, down, down_bias, residual=residual, residual_scale=residual_scale)

@@ -13,6 +13,7 @@ import torch
 
 from krait import LLM, SamplingParams
 from krait.layers import mamba2 as mamba2_layer
+from krait.models import granitemoehybrid as granite_model
 from krait.models import llama as llama_model
 from krait.models import mamba2 as mamba2_model
 from tests.utils import make_tiny_hybrid, make_tiny_llama
@@ -135,3 +136,19 @@ def test_conv_update_in_in_proj_epilogue(arch, fold, gated, tmp_path, monkeypatc
     separate = _count(monkeypatch, mamba2_layer, "causal_conv1d_update")
     _close(_batch1(d), want)
     assert fused and not separate  # every decode step of every Mamba layer took the epilogue
+
+
+@pytest.mark.parametrize("gated", ["0", "1"])
+def test_folded_residual_through_dense_granite_layers(gated, tmp_path, monkeypatch):
+    """KRAIT_NORM_PROLOGUE=1 on GraniteMoeHybrid without routed experts (granite-4.0-h-micro's
+    shape): Mamba and attention layers fold their residual adds, scaled by the residual
+    multiplier (0.5 here), and RMSNorms into their GEMVs; equal to the unfused path."""
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", gated)
+    d = make_tiny_hybrid(tmp_path / "g", "granitemoehybrid", num_local_experts=0)
+    monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "0")
+    want = _batch1(d)
+    monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "1")
+    folds = _count(monkeypatch, granite_model, "block_fold_ok", taken=bool)
+    _close(_batch1(d), want)
+    assert folds  # the decode steps' layers folded

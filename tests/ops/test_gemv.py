@@ -263,10 +263,11 @@ def test_norm_gated_prologue_real_sizes_gpu(dtype):
     assert ((got.float() - want).norm() / want.norm()) < tol
 
 
-@pytest.mark.parametrize("split", [1, 3])
-def test_gemv_residual_epilogue_then_norm_prologue_chain(split):
-    """A producing GEMV adds the residual and sums each tile's squares; the next GEMV's RMSNorm
-    prologue reads them: rms_norm(y + residual) -> linear, without a norm pass of its own."""
+@pytest.mark.parametrize("split,scale", [(1, 1.0), (3, 1.0), (3, 0.25)])
+def test_gemv_residual_epilogue_then_norm_prologue_chain(split, scale):
+    """A producing GEMV adds the residual (to its output times a scale: Granite's residual
+    multiplier) and sums each tile's squares; the next GEMV's RMSNorm prologue reads them:
+    rms_norm(y * scale + residual) -> linear, without a norm pass of its own."""
     from krait.ops.rms_norm import rms_norm_ref
 
     g_ = torch.Generator().manual_seed(41)
@@ -277,8 +278,8 @@ def test_gemv_residual_epilogue_then_norm_prologue_chain(split):
     nw = torch.randn(hidden, generator=g_)
     w2 = torch.randn(n, hidden, generator=g_) / hidden**0.5  # consumer: [N, hidden]
     cfg1 = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=split)
-    h, parts = gemv_triton(x, w1, config=cfg1, residual=res)
-    want_h = F.linear(x, w1) + res
+    h, parts = gemv_triton(x, w1, config=cfg1, residual=res, residual_scale=scale)
+    want_h = F.linear(x, w1) * scale + res
     torch.testing.assert_close(h, want_h, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(parts, want_h.square().view(m, hidden // 8, 8).sum(-1),
                                atol=1e-4, rtol=1e-4)

@@ -52,18 +52,19 @@ def test_gemv_norm_gated_prologue_compiles_without_spills(one_group):
         assert r["loop_barriers"] == 0, r
 
 
-@pytest.mark.parametrize("x_type,prologue", [(F32, "NORM"), (BF, "NORM"),
-                                             (BF, "PLAIN")])
-def test_gemv_residual_epilogue_compiles_without_spills(x_type, prologue):
+@pytest.mark.parametrize("x_type,prologue,scale", [(F32, "NORM", False), (BF, "NORM", False),
+                                                   (BF, "PLAIN", False), (BF, "PLAIN", True)])
+def test_gemv_residual_epilogue_compiles_without_spills(x_type, prologue, scale):
     # KRAIT_NORM_PROLOGUE: out_proj adds the residual and sums squares (after the gated norm
-    # prologue, or a plain input); in_proj's RMSNorm prologue reads a bf16 row
+    # prologue, or a plain input; Granite's residual multiplier scaling the output first);
+    # in_proj's RMSNorm prologue reads a bf16 row
     from krait.ops import gemv
 
     types = dict(GEMV_TYPES, x_ptr=x_type, norm_ptr=BF, part_ptr2=F32, eps="fp32", res_ptr=BF,
                  rpart_ptr=F32)
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
         GEMV_PLAIN, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), PDL=True, TRIGGER_LATE=True,
-        PARTS=256, EPILOGUE=gemv.RESIDUAL_NORM, ONE_GROUP=True), num_warps=8)
+        PARTS=256, EPILOGUE=gemv.RESIDUAL_NORM, ONE_GROUP=True, SCALE_RES=scale), num_warps=8)
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128 and r["loop_barriers"] == 0, r
 
 
