@@ -133,7 +133,7 @@ def test_capture_pauses_python_gc(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+gemv", "qwen3+split",
-                                  "granitemoehybrid+routes"])
+                                  "granitemoehybrid+routes", "granitemoehybrid+fused"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
@@ -141,7 +141,9 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     +gemv: every decode projection in the GEMV (KRAIT_GEMV=1; padded rows too); +split: the
     decode rows' keys split over several programs (the split-KV kernel and its combine);
     +routes: KRAIT_MOE_ROUTES=1 with 16 experts, so every decode graph (padded rows too) takes
-    the few-route expert GEMVs."""
+    the few-route expert GEMVs; +fused: dense granite layers at batch 1 with every GEMV fusion
+    (KRAIT_NORM_PROLOGUE, KRAIT_MAMBA_NORM_PROLOGUE, KRAIT_CONV_EPILOGUE), the conv epilogue
+    reading the row's slot from the captured buffers."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
 
@@ -152,7 +154,17 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     if arch.endswith("+split"):
         arch = arch.removesuffix("+split")
         monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # the captured batches split
-    overrides, routes_rows = {}, []
+    overrides, routes_rows, conv_fused = {}, [], []
+    if arch.endswith("+fused"):
+        arch = arch.removesuffix("+fused")
+        for knob in ("KRAIT_NORM_PROLOGUE", "KRAIT_MAMBA_NORM_PROLOGUE", "KRAIT_CONV_EPILOGUE"):
+            monkeypatch.setenv(knob, "1")
+        overrides["num_local_experts"] = 0
+        import krait.layers.mamba2 as mamba2_mod
+
+        real_conv_in_gemv = mamba2_mod.conv_in_gemv
+        monkeypatch.setattr(mamba2_mod, "conv_in_gemv",
+                            lambda *a: conv_fused.append(real_conv_in_gemv(*a)) or conv_fused[-1])
     if arch.endswith("+routes"):
         arch = arch.removesuffix("+routes")
         monkeypatch.setenv("KRAIT_MOE_ROUTES", "1")
@@ -195,6 +207,8 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     assert max(replays) == 3 and min(replays) == 1  # padded to 4, then smaller graphs
     if "KRAIT_MOE_ROUTES" in os.environ:
         assert 4 in routes_rows  # the padded graph of 4 rows ran the route GEMVs
+    if "KRAIT_CONV_EPILOGUE" in os.environ:
+        assert any(conv_fused)  # the batch-1 steps (and the graph of 1 row) took it
 
 
 def test_decode_graph_rows_must_be_at_their_last_known_token():
