@@ -292,9 +292,11 @@ def test_gemv_residual_epilogue_then_norm_prologue_chain(split, scale):
 
 
 @pytest.mark.gpu
-def test_residual_fold_chain_real_sizes_gpu():
-    """mamba2-1.3b's block boundary in bf16: out_proj adds the residual and sums squares, the
-    next in_proj normalizes from them; against F.linear, the add and rms_norm."""
+@pytest.mark.parametrize("scale", [1.0, 0.22])
+def test_residual_fold_chain_real_sizes_gpu(scale):
+    """mamba2-1.3b's block boundary in bf16: out_proj adds the residual (to its output times
+    `scale`: 0.22 is a Granite residual multiplier) and sums squares, the next in_proj
+    normalizes from them; against F.linear, the scaled add and rms_norm."""
     from krait.ops.linear import RESIDUAL_PART, norm_linear
     from krait.ops.rms_norm import rms_norm_ref
 
@@ -306,8 +308,9 @@ def test_residual_fold_chain_real_sizes_gpu():
 
     y, res, nw = r(1, inter), r(1, hidden), r(hidden)
     w_out, w_in = r(hidden, inter, scale=inter**-0.5), r(proj, hidden, scale=hidden**-0.5)
-    h, parts = gemv_triton(y, w_out, residual=res)
-    want_h = (F.linear(y.float(), w_out.float()).to(torch.bfloat16).float() + res.float())
+    h, parts = gemv_triton(y, w_out, residual=res, residual_scale=scale)
+    out = F.linear(y.float(), w_out.float()).to(torch.bfloat16)
+    want_h = (out.float() * scale).to(torch.bfloat16).float() + res.float()
     assert ((h.float() - want_h).norm() / want_h.norm()) < 1e-2
     assert parts.shape == (1, hidden // RESIDUAL_PART)
     got = norm_linear(h, parts, nw, 1e-5, w_in, None)
