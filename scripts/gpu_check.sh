@@ -271,7 +271,7 @@ case $what in
         --prompt-lens 512 --num-steps 4
     done
     ;;
-  normhoist)  # norms and the conv in the GEMVs (session 12; ~7 min): the Mamba gated norm in
+  normhoist)  # norms and the conv in the GEMVs (session 12; ~8 min): the Mamba gated norm in
     # out_proj's prologue (default on since c956af2; KRAIT_MAMBA_NORM_PROLOGUE=0 the unfused
     # arm), the residual fold (KRAIT_NORM_PROLOGUE=1) and the decode conv in in_proj's epilogue
     # (KRAIT_CONV_EPILOGUE=1); GPU tests, one round of batch 1, GPU parity of the changed models
@@ -302,6 +302,10 @@ case $what in
         check /tmp/parity_fold 2>&1 \
         | grep -v Warn | tail -14 | tee "$LOG/parity_normhoist.log"
     fi
+    pack
+    # per-kernel times of mamba2's batch-1 step with both opt-ins (where a loss would sit)
+    KRAIT_NORM_PROLOGUE=1 KRAIT_CONV_EPILOGUE=1 PROFILE_PREFILL=0 PROFILE_TIMEOUT=60 \
+      PROFILE_SPECS=mamba2-1.3b:1:1024 PROFILE_LOG=profile_foldconv bash "$0" profile
     pack
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
