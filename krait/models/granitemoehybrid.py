@@ -16,7 +16,7 @@ from krait.layers.moe import FusedMoE
 from krait.layers.norm import FoldedResidual, NormedInput, RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.bamba import _init_mixer, bamba_mamba_dims, is_mamba_layer
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import layer_pre_norm, lm_head_for, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.ops.linear import block_fold_ok
 from krait.ops.moe_routes import route_topk
@@ -116,10 +116,7 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
         `residual + out * residual_multiplier`, the scale fused into the norm's residual add.
         Folded (`_fold`): (FoldedResidual, its h), the sum already made by the last GEMV."""
         m = self.residual_multiplier
-        if isinstance(x, FoldedResidual):  # the layer before added the residual, summed h^2
-            x, residual = x.normed(self.input_layernorm), x.h
-        else:
-            x, residual = pre_norm(self.input_layernorm, x, residual, m)
+        x, residual = layer_pre_norm(self.input_layernorm, x, residual, m)
         if self._fold(residual, meta):  # batch 1: no RMSNorm launch, the GEMVs take them
             if self.mamba is not None:
                 h = self.mamba(x, meta.mamba, residual, m)

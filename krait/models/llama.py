@@ -11,7 +11,7 @@ from krait.layers.attention import Attention
 from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp, project, project_folding
 from krait.layers.norm import FoldedResidual, NormedInput, RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import layer_pre_norm, lm_head_for, run_layers
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.ops.linear import block_fold_ok
 from krait.runner.attention_metadata import StepMetadata
@@ -78,10 +78,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta):
-        if isinstance(x, FoldedResidual):  # the layer before added the residual, summed h^2
-            x, residual = x.normed(self.input_layernorm), x.h
-        else:
-            x, residual = pre_norm(self.input_layernorm, x, residual)
+        x, residual = layer_pre_norm(self.input_layernorm, x, residual)
         if self._fold(residual):  # batch 1: no RMSNorm launch, the GEMVs take them (see ops)
             h = self.self_attn(x, positions, meta, residual)
             out = self.mlp(h.normed(self.post_attention_layernorm), h.h)
@@ -95,7 +92,6 @@ class LlamaDecoderLayer(torch.nn.Module):
         return block_fold_ok(
             residual, [attn.qkv_proj.weight, mlp.gate_up_proj.weight],
             [attn.o_proj.weight, mlp.down_proj.weight], gate_up=mlp.gate_up_proj.weight)
-
 
 
 class LlamaForCausalLM(torch.nn.Module):

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
-from krait.layers.norm import FoldedResidual, RMSNorm
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.layers.norm import RMSNorm
+from krait.models.decoder import layer_pre_norm, lm_head_for, run_layers
 from krait.models.weights import load_named_weights
 from krait.ops.linear import block_fold_ok
 from krait.runner.attention_metadata import StepMetadata
@@ -41,10 +41,7 @@ class Mamba2Block(torch.nn.Module):
         self.mixer = Mamba2Mixer(mamba2_dims(cfg))
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        if isinstance(x, FoldedResidual):  # the block before added the residual and summed h^2
-            normed, residual = x.normed(self.norm), x.h
-        else:
-            normed, residual = pre_norm(self.norm, x, residual)
+        normed, residual = layer_pre_norm(self.norm, x, residual)
         fold = (meta.mamba.num_prefills == 0
                 and block_fold_ok(residual, [self.mixer.in_proj.weight],
                                   [self.mixer.out_proj.weight]))
