@@ -2,7 +2,9 @@
 shipped configs, M = 1, 4, 8. Each variant is timed as a CUDA-graph replay over enough weight
 copies to miss the 50 MB L2, like a decode step that reads every weight once.
 
-PYTHONPATH=. python3 scripts/bench_gemv.py [--quick]   (GPU; --quick: one row, no sweep)"""
+PYTHONPATH=. python3 scripts/bench_gemv.py [--quick|--forms]
+(GPU; --quick: one row, no sweep; --forms: one row, each prologue and epilogue against the
+plain GEMV)"""
 
 from __future__ import annotations
 
@@ -78,6 +80,68 @@ def quick() -> None:
         del weights
 
 
+def forms() -> None:
+    """One row: what each prologue and epilogue adds to the plain GEMV, µs a call (~1 min).
+    NORM: the input normalized from its producer's partial sums, with the norm weight
+    multiplied in the loop (w) or folded into the weight (no w), 1 / rms summed before the loop
+    (early) or after it (late); RESIDUAL_NORM: the residual added and each tile's squares
+    summed; CONV: mamba2's in_proj convolving its xBC columns; the fused add-RMSNorm kernel
+    the fold replaces, for scale."""
+    from krait.ops.rms_norm import fused_add_rms_norm_triton
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    # name: (N, K, x dtype, norm group, partial run)
+    shapes = {"qwen3 qkv": (4096, 1024, bf, 1024, 8), "qwen3 o": (1024, 2048, bf, 0, 0),
+              "qwen3 down": (1024, 3072, bf, 0, 0), "qwen3 gate_up": (6144, 1024, bf, 1024, 8),
+              "mamba2 in_proj": (8512, 2048, bf, 2048, 8),
+              "mamba2 out_proj": (2048, 4096, torch.float32, 4096, 16),
+              "granite down": (2048, 8192, bf, 0, 0)}
+    print(f"{'shape':16} {'arm':22} {'us':>7} {'TB/s':>5}")
+    for name, shape in shapes.items():
+        _forms_of(name, *shape)
+    for hidden in (1024, 2048):
+        xs = [torch.randn(1, hidden, device=dev, dtype=bf) for _ in range(64)]
+        nw = torch.randn(hidden, device=dev, dtype=bf)
+        t = time_us(lambda r, nw=nw: fused_add_rms_norm_triton(r, r, nw, 1e-5), xs)
+        print(f"{'add+RMSNorm':16} {hidden:<22} {t:7.2f}", flush=True)
+
+
+def _forms_of(name: str, n: int, k: int, xdt: torch.dtype, group: int, run: int) -> None:
+    import os
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    nbytes = n * k * 2
+    copies = max(4, (400 << 20) // nbytes)
+    weights = [torch.randn(n, k, device=dev, dtype=bf) for _ in range(copies)]
+    x = torch.randn(1, k, device=dev, dtype=xdt)
+    xb = x.to(bf)
+    gate_up = name.endswith("gate_up")
+    arms = {"plain": lambda w: gemv_triton(xb, w, silu_mul_out=gate_up)}
+    if group:
+        nw = torch.randn(k, device=dev, dtype=bf)
+        parts = torch.rand(1, k // run, device=dev)
+        for label, w_arg, late in (("w late", nw, "1"), ("w early", nw, "0"),
+                                   ("no w early", None, "0")):
+            def arm(w, w_arg=w_arg, late=late):
+                os.environ["KRAIT_GEMV_LATE_RSTD"] = late
+                return gemv_triton(x, w, norm=(w_arg, parts, group, 1e-5, run),
+                                   silu_mul_out=gate_up)
+            arms[f"norm {label}"] = arm
+    if not group or name.startswith("mamba2 out"):
+        res = torch.randn(1, n, device=dev, dtype=bf)
+        arms["residual_norm"] = lambda w: gemv_triton(xb, w, residual=res)
+    if name == "mamba2 in_proj":
+        d = 4096 + 2 * 128  # xBC: d_inner + 2 * d_state, after z
+        cw, cb = torch.randn(d, 4, device=dev, dtype=bf), torch.randn(d, device=dev, dtype=bf)
+        states = torch.zeros(4, d, 3, device=dev, dtype=bf)
+        slots = torch.zeros(1, dtype=torch.int32, device=dev)
+        arms["conv"] = lambda w: gemv_triton(xb, w, conv=(4096, cw, cb, states, slots, True))
+    for label, fn in arms.items():
+        t = time_us(fn, weights)
+        print(f"{name:16} {label:22} {t:7.2f} {nbytes / t / 1e6:5.2f}", flush=True)
+    os.environ.pop("KRAIT_GEMV_LATE_RSTD", None)
+
+
 def main() -> None:
     dev = torch.device("cuda")
     print(f"{'shape':16} {'M':>2} {'cuBLAS us':>9} {'TB/s':>5} {'krait us':>9} {'TB/s':>5} "
@@ -120,5 +184,7 @@ if __name__ == "__main__":
 
     if "--quick" in sys.argv[1:]:
         quick()
+    elif "--forms" in sys.argv[1:]:
+        forms()
     else:
         main()

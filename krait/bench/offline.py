@@ -157,17 +157,21 @@ def _decode_step_ms(
     for _ in range(3):
         engine.step()
     # steady state: steps back to back (with async scheduling the host prepares step N+1
-    # while the device runs step N), timed in groups so that a median is still taken
-    times, waits = [], []
+    # while the device runs step N), never drained in between: each step() returns when the
+    # step before it is read back, so the time between returns is a step's. Timed in four
+    # windows of consecutive steps so that a median is still taken (before session 13 each
+    # window began from a drained device: one pipeline refill in every steps / 4)
     group = max(steps // 4, 1)
+    _sync(dev)
+    engine.step()  # refills the pipeline
+    marks = [(time.perf_counter(), engine.device_wait_s)]
     for _ in range(4):
-        _sync(dev)
-        t, w = time.perf_counter(), engine.device_wait_s
         for _ in range(group):
             engine.step()
-        _sync(dev)
-        times.append((time.perf_counter() - t) * 1e3 / group)
-        waits.append((engine.device_wait_s - w) * 1e3 / group)
+        marks.append((time.perf_counter(), engine.device_wait_s))
+    _sync(dev)
+    times = [(b[0] - a[0]) * 1e3 / group for a, b in zip(marks, marks[1:])]
+    waits = [(b[1] - a[1]) * 1e3 / group for a, b in zip(marks, marks[1:])]
     running = sum(1 for r in sched.running if r.request_id.startswith(f"lat{batch}_"))
     graphs = engine.runner.cuda_graphs
     # the same step's graph with no host work between replays: what the GPU takes (its writes

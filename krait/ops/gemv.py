@@ -84,7 +84,8 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr, offs_m=None, m_ok=None, norm_rows=None, part_ptr=None,
               stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
-              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False):
+              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False,
+              NORM_W: tl.constexpr = True, LATE_RSTD: tl.constexpr = False):
     """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
     [k_lo, k_hi). Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded
     broadcast over N (repeated reads hit L1) so that no layout conversion, and no shared-memory
@@ -102,9 +103,12 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
     ps = tl.zeros([BLOCK_M, PARTS], dtype=tl.float32)
+    group_rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if PROLOGUE == 2 and ONE_GROUP:
         ps = _group_parts(k_lo, offs_m, m_ok, part_ptr, stride_pm, group_size,
                           parts_per_group, PARTS)
+        if not LATE_RSTD:
+            group_rstd = tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None]
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = (k0 + offs_k)[None, None, :]
         k_ok = k < k_hi
@@ -112,9 +116,10 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
             x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
         elif PROLOGUE == 2:
             if ONE_GROUP:
-                gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
-                nw = tl.load(norm_rows + k, mask=w_ok & k_ok, other=0.0)  # [1, N, K]
-                x = gv * nw.to(tl.float32)
+                x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
+                if NORM_W:
+                    nw = tl.load(norm_rows + k, mask=w_ok & k_ok, other=0.0)  # [1, N, K]
+                    x = x * nw.to(tl.float32)
             else:
                 rstd = _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size,
                                    parts_per_group, eps, PARTS)
@@ -130,7 +135,9 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
         w = w_next
     dots = tl.sum(acc3, axis=2)
     if PROLOGUE == 2 and ONE_GROUP:
-        dots = dots * tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None]
+        if LATE_RSTD:
+            group_rstd = tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None]
+        dots = dots * group_rstd
     return dots
 
 
@@ -215,6 +222,7 @@ def _gemv_kernel(
     cb_ptr=None, cs_ptr=None, stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0,
     stride_cs_k=0, CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
     CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False,
+    NORM_W: tl.constexpr = True, LATE_RSTD: tl.constexpr = False,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -242,13 +250,15 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                     BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)  # [M, N]
+                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP, NORM_W,
+                    LATE_RSTD)  # [M, N]
     acc_up = acc
     if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                            BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                           stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)
+                           stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP,
+                           NORM_W, LATE_RSTD)
     if TRIGGER_LATE:
         pdl_trigger(PDL)
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -346,9 +356,11 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if norm is not None:
         norm_w, parts, group_size, eps, part_size = norm
         prologue = NORM
-        norm_args = dict(norm_ptr=norm_w, part_ptr2=parts, stride_pm=parts.stride(0),
-                         group_size=group_size, parts_per_group=group_size // part_size,
-                         eps=float(eps), PARTS=next_pow2(group_size // part_size))
+        norm_args = dict(norm_ptr=norm_w if norm_w is not None else parts, part_ptr2=parts,
+                         stride_pm=parts.stride(0), group_size=group_size,
+                         parts_per_group=group_size // part_size, eps=float(eps),
+                         PARTS=next_pow2(group_size // part_size), NORM_W=norm_w is not None,
+                         LATE_RSTD=env("KRAIT_GEMV_LATE_RSTD") == "1")
     m, rows = x.shape[0], weight.shape[0]
     n = rows // 2 if silu_mul_out else rows
     if weight.shape[1] != k:
@@ -396,6 +408,9 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     if norm is not None:
         norm_args["ONE_GROUP"] = norm_one_group(k, group_size, cfg)
+        if norm_w is None and not norm_args["ONE_GROUP"]:
+            raise ValueError("gemv_triton: a norm without a weight (folded into the projection) "
+                             "needs one norm group a program")
     res_args: dict = {}
     rparts = None
     if residual is not None:
