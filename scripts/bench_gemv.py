@@ -82,9 +82,7 @@ def quick() -> None:
 
 def forms() -> None:
     """One row: what each prologue and epilogue adds to the plain GEMV, µs a call (~1 min).
-    NORM: the input normalized from its producer's partial sums, with the norm weight
-    multiplied in the loop (w) or folded into the weight (no w), 1 / rms summed before the loop
-    (early) or after it (late); RESIDUAL_NORM: the residual added and each tile's squares
+    NORM: the input normalized from its producer's partial sums; RESIDUAL_NORM: the residual added and each tile's squares
     summed; CONV: mamba2's in_proj convolving its xBC columns; the fused add-RMSNorm kernel
     the fold replaces, for scale."""
     from krait.ops.rms_norm import fused_add_rms_norm_triton
@@ -107,8 +105,6 @@ def forms() -> None:
 
 
 def _forms_of(name: str, n: int, k: int, xdt: torch.dtype, group: int, run: int) -> None:
-    import os
-
     dev, bf = torch.device("cuda"), torch.bfloat16
     nbytes = n * k * 2
     copies = max(4, (400 << 20) // nbytes)
@@ -120,13 +116,8 @@ def _forms_of(name: str, n: int, k: int, xdt: torch.dtype, group: int, run: int)
     if group:
         nw = torch.randn(k, device=dev, dtype=bf)
         parts = torch.rand(1, k // run, device=dev)
-        for label, w_arg, late in (("w late", nw, "1"), ("w early", nw, "0"),
-                                   ("no w early", None, "0")):
-            def arm(w, w_arg=w_arg, late=late):
-                os.environ["KRAIT_GEMV_LATE_RSTD"] = late
-                return gemv_triton(x, w, norm=(w_arg, parts, group, 1e-5, run),
-                                   silu_mul_out=gate_up)
-            arms[f"norm {label}"] = arm
+        arms["norm"] = lambda w: gemv_triton(x, w, norm=(nw, parts, group, 1e-5, run),
+                                             silu_mul_out=gate_up)
     if not group or name.startswith("mamba2 out"):
         res = torch.randn(1, n, device=dev, dtype=bf)
         arms["residual_norm"] = lambda w: gemv_triton(xb, w, residual=res)
@@ -139,7 +130,6 @@ def _forms_of(name: str, n: int, k: int, xdt: torch.dtype, group: int, run: int)
     for label, fn in arms.items():
         t = time_us(fn, weights)
         print(f"{name:16} {label:22} {t:7.2f} {nbytes / t / 1e6:5.2f}", flush=True)
-    os.environ.pop("KRAIT_GEMV_LATE_RSTD", None)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -308,19 +308,25 @@ case $what in
       PROFILE_SPECS=mamba2-1.3b:1:1024 PROFILE_LOG=profile_foldconv bash "$0" profile
     pack
     ;;
-  forms)  # session 13 (~6 min): what each GEMV prologue / epilogue costs alone
-    # (bench_gemv.py --forms), then batch 1 with the NORM prologue's 1 / rms summed before the
-    # loop (the default since session 13) against after it (KRAIT_GEMV_LATE_RSTD=1, session 12's
-    # form), and the fold again with it
+  forms)  # session 13 (~4 min): what each GEMV prologue / epilogue costs alone
+    # (bench_gemv.py --forms), then batch 1 at the defaults and with the fold (run 2 also
+    # timed session 12's NORM form, 1 / rms summed after the loop: KRAIT_GEMV_LATE_RSTD=1, gone)
     timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_forms.log"
     timeout 150 python3 scripts/bench_gemv.py --forms 2>&1 | grep -v Warn | tee "$LOG/gemv_forms.log"
     pack
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do
       bench_latency $m "_default" --batch-sizes 1 --prompt-lens ""
-      KRAIT_GEMV_LATE_RSTD=1 bench_latency $m "_late" --batch-sizes 1 --prompt-lens ""
       KRAIT_NORM_PROLOGUE=1 bench_latency $m "_fold" --batch-sizes 1 --prompt-lens ""
     done
+    ;;
+  targets)  # issue 4's decode targets (batch 1 and 64, context 1024) and granite-micro's
+    # decode-heavy throughput against HF with the SSM state in bf16 as HF keeps it (~6 min)
+    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do
+      bench_latency $m "_targets" --batch-sizes 1,64 --prompt-lens ""
+    done
+    MODELS=granite-4.0-h-micro OUT_LENS=256 TP_EXTRA="--mamba-ssm-cache-dtype bfloat16" \
+      TP_TIMEOUT=200 bash "$0" throughput
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
@@ -341,6 +347,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

@@ -84,8 +84,7 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr, offs_m=None, m_ok=None, norm_rows=None, part_ptr=None,
               stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
-              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False,
-              NORM_W: tl.constexpr = True, LATE_RSTD: tl.constexpr = False):
+              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False):
     """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
     [k_lo, k_hi). Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded
     broadcast over N (repeated reads hit L1) so that no layout conversion, and no shared-memory
@@ -94,8 +93,9 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
     wait for the previous kernel (weights are constant: with PDL it streams while that one
     drains). NORM with ONE_GROUP (the columns [k_lo, k_hi) lie in one norm group): the loop
     takes norm weight * x in float32 and the dots are scaled by the group's 1 / rms at the end;
-    its partials are loaded before the loop and summed after it, so their latency hides behind
-    the weight stream (the normalized input is not rounded to the weight dtype first, as a
+    its partials are loaded and summed once, before the loop (summed after it, they stay live
+    in the loop: 80-97 registers below 256 partials against 64, and slower in isolation,
+    session 13) (the normalized input is not rounded to the weight dtype first, as a
     separate RMSNorm's output would be: equal in float32, within bf16 rounding otherwise)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -107,8 +107,7 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
     if PROLOGUE == 2 and ONE_GROUP:
         ps = _group_parts(k_lo, offs_m, m_ok, part_ptr, stride_pm, group_size,
                           parts_per_group, PARTS)
-        if not LATE_RSTD:
-            group_rstd = tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None]
+        group_rstd = tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None]
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = (k0 + offs_k)[None, None, :]
         k_ok = k < k_hi
@@ -116,10 +115,9 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
             x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
         elif PROLOGUE == 2:
             if ONE_GROUP:
-                x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
-                if NORM_W:
-                    nw = tl.load(norm_rows + k, mask=w_ok & k_ok, other=0.0)  # [1, N, K]
-                    x = x * nw.to(tl.float32)
+                gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
+                nw = tl.load(norm_rows + k, mask=w_ok & k_ok, other=0.0)  # [1, N, K]
+                x = gv * nw.to(tl.float32)
             else:
                 rstd = _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size,
                                    parts_per_group, eps, PARTS)
@@ -135,8 +133,6 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
         w = w_next
     dots = tl.sum(acc3, axis=2)
     if PROLOGUE == 2 and ONE_GROUP:
-        if LATE_RSTD:
-            group_rstd = tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None]
         dots = dots * group_rstd
     return dots
 
@@ -222,7 +218,6 @@ def _gemv_kernel(
     cb_ptr=None, cs_ptr=None, stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0,
     stride_cs_k=0, CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
     CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False,
-    NORM_W: tl.constexpr = True, LATE_RSTD: tl.constexpr = False,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -250,15 +245,13 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                     BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP, NORM_W,
-                    LATE_RSTD)  # [M, N]
+                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)  # [M, N]
     acc_up = acc
     if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                            BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                           stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP,
-                           NORM_W, LATE_RSTD)
+                           stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)
     if TRIGGER_LATE:
         pdl_trigger(PDL)
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -356,11 +349,9 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if norm is not None:
         norm_w, parts, group_size, eps, part_size = norm
         prologue = NORM
-        norm_args = dict(norm_ptr=norm_w if norm_w is not None else parts, part_ptr2=parts,
-                         stride_pm=parts.stride(0), group_size=group_size,
-                         parts_per_group=group_size // part_size, eps=float(eps),
-                         PARTS=next_pow2(group_size // part_size), NORM_W=norm_w is not None,
-                         LATE_RSTD=env("KRAIT_GEMV_LATE_RSTD") == "1")
+        norm_args = dict(norm_ptr=norm_w, part_ptr2=parts, stride_pm=parts.stride(0),
+                         group_size=group_size, parts_per_group=group_size // part_size,
+                         eps=float(eps), PARTS=next_pow2(group_size // part_size))
     m, rows = x.shape[0], weight.shape[0]
     n = rows // 2 if silu_mul_out else rows
     if weight.shape[1] != k:
@@ -408,9 +399,6 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     if norm is not None:
         norm_args["ONE_GROUP"] = norm_one_group(k, group_size, cfg)
-        if norm_w is None and not norm_args["ONE_GROUP"]:
-            raise ValueError("gemv_triton: a norm without a weight (folded into the projection) "
-                             "needs one norm group a program")
     res_args: dict = {}
     rparts = None
     if residual is not None:

@@ -14,7 +14,7 @@ BF, F32, I32 = "*bf16", "*fp32", "*i32"
 
 GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32)
 GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, EPILOGUE=0,
-                  PARTS=1, ONE_GROUP=False, NORM_W=True, LATE_RSTD=False)
+                  PARTS=1, ONE_GROUP=False)
 
 
 @pytest.mark.parametrize("pdl,late", [(False, False), (True, False), (True, True)])
