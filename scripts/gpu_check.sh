@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|ahead|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -320,17 +320,6 @@ case $what in
       KRAIT_NORM_PROLOGUE=1 bench_latency $m "_fold" --batch-sizes 1 --prompt-lens ""
     done
     ;;
-  ahead)  # session 13 (~4 min): the GEMV's weight stream two tiles ahead (KRAIT_GEMV_AHEAD=2,
-    # both tiles before the PDL wait) against one tile ahead (the default)
-    timeout 100 python3 scripts/bench_gemv.py --forms 2>&1 | grep -v Warn > "$LOG/gemv_forms_a1.log"
-    KRAIT_GEMV_AHEAD=2 timeout 100 python3 scripts/bench_gemv.py --forms 2>&1 | grep -v Warn \
-      > "$LOG/gemv_forms_a2.log"
-    paste "$LOG/gemv_forms_a1.log" "$LOG/gemv_forms_a2.log"; pack
-    for m in mamba2-1.3b qwen3-0.6b; do
-      bench_latency $m "_a1" --batch-sizes 1 --prompt-lens ""
-      KRAIT_GEMV_AHEAD=2 bench_latency $m "_a2" --batch-sizes 1 --prompt-lens ""
-    done
-    ;;
   targets)  # issue 4's decode targets (batch 1 and 64, context 1024) and granite-micro's
     # decode-heavy throughput against HF with the SSM state in bf16 as HF keeps it (~6 min)
     for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do
@@ -358,6 +347,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|ahead|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

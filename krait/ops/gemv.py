@@ -84,8 +84,7 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr, offs_m=None, m_ok=None, norm_rows=None, part_ptr=None,
               stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
-              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False,
-              AHEAD2: tl.constexpr = False):
+              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False):
     """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
     [k_lo, k_hi). Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded
     broadcast over N (repeated reads hit L1) so that no layout conversion, and no shared-memory
@@ -102,9 +101,6 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
-    w1 = w
-    if AHEAD2:  # two tiles ahead: the second one also streams before the wait
-        w1 = tl.load(w_rows + k + BLOCK_K, mask=w_ok & (k + BLOCK_K < k_hi), other=0.0)
     pdl_wait(PDL)
     ps = tl.zeros([BLOCK_M, PARTS], dtype=tl.float32)
     group_rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
@@ -131,17 +127,10 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
             up = tl.load(x_rows + K + k, mask=x_ok & k_ok, other=0.0)
             # rounded to the activation dtype, as silu_and_mul hands it to the projection
             x = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(up.dtype)
-        if AHEAD2:
-            k_next = k + 2 * BLOCK_K
-            w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
-            acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
-            w = w1
-            w1 = w_next
-        else:
-            k_next = k + BLOCK_K
-            w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
-            acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
-            w = w_next
+        k_next = k + BLOCK_K
+        w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < k_hi), other=0.0)
+        acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
+        w = w_next
     dots = tl.sum(acc3, axis=2)
     if PROLOGUE == 2 and ONE_GROUP:
         dots = dots * group_rstd
@@ -229,7 +218,6 @@ def _gemv_kernel(
     cb_ptr=None, cs_ptr=None, stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0,
     stride_cs_k=0, CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
     CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False,
-    AHEAD2: tl.constexpr = False,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -257,15 +245,13 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                     BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP,
-                    AHEAD2)  # [M, N]
+                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)  # [M, N]
     acc_up = acc
     if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                            BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                           stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP,
-                           AHEAD2)
+                           stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)
     if TRIGGER_LATE:
         pdl_trigger(PDL)
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -430,7 +416,6 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
         TRIGGER_LATE=pdl and env("KRAIT_PDL_TRIGGER") != "early",
-        AHEAD2=env("KRAIT_GEMV_AHEAD") == "2",
         EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else
                                                 (CONV if conv is not None else PLAIN)),
         **norm_args, **res_args, **conv_args, **pdl_args(pdl), **cfg,
