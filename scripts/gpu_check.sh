@@ -310,7 +310,7 @@ case $what in
     ;;
   forms)  # session 13 (~4 min): what each GEMV prologue / epilogue costs alone
     # (bench_gemv.py --forms), then batch 1 at the defaults and with the fold (run 2 also
-    # timed session 12's NORM form, 1 / rms summed after the loop: KRAIT_GEMV_LATE_RSTD=1, gone)
+    # timed session 12's NORM form, 1 / rms summed after the loop, through a knob since removed)
     timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv.py -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_forms.log"
     timeout 150 python3 scripts/bench_gemv.py --forms 2>&1 | grep -v Warn | tee "$LOG/gemv_forms.log"
