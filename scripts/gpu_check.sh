@@ -320,7 +320,7 @@ case $what in
       KRAIT_NORM_PROLOGUE=1 bench_latency $m "_fold" --batch-sizes 1 --prompt-lens ""
     done
     ;;
-  ropeattn)  # session 14's first A/B (~7 min): the q/k norms, rotary and newest K/V write inside
+  ropeattn)  # session 14's first A/B (~5 min): the q/k norms, rotary and newest K/V write inside
     # the split decode kernel (KRAIT_ROPE_IN_ATTENTION=1; one launch fewer an attention layer
     # at split batches) against the default, alternating; its GPU tests and GPU parity with it
     timeout 120 python3 -m pytest -q -m gpu tests/ops/test_decode_rope_attention.py \
