@@ -273,7 +273,6 @@ def _decode_split_kernel(
         rest = s_lo  # the first key the tile loop below starts at
         cs_row = cs_ptr
         slot = -1
-        holds_newest = (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi)
         if ROPE:  # input preparation's: loaded before the wait like the metadata above
             cs_row = cs_ptr + tl.load(pos_ptr + q_start) * stride_cs
             slot = tl.load(slot_ptr + q_start)
@@ -289,10 +288,10 @@ def _decode_split_kernel(
             if ROPE:
                 _append_newest_kv(k_ptr, v_ptr, q_start, kv_head, cs_row, kw_ptr, eps, head_dim,
                                   rot_dim, stride_kt, stride_kh, stride_vt, stride_vh, slot,
-                                  holds_newest, num_kv_heads, k_cache_ptr, v_cache_ptr,
-                                  block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
-                                  stride_vc_o, stride_vc_h, q_ptr.dtype.element_ty, NORM,
-                                  IS_NEOX, BLOCK_D)
+                                  (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi), num_kv_heads,
+                                  k_cache_ptr, v_cache_ptr, block_size, stride_kc_b,
+                                  stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o,
+                                  stride_vc_h, q_ptr.dtype.element_ty, NORM, IS_NEOX, BLOCK_D)
             if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
                 k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
                 v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
@@ -307,10 +306,10 @@ def _decode_split_kernel(
             if ROPE:
                 _append_newest_kv(k_ptr, v_ptr, q_start, kv_head, cs_row, kw_ptr, eps, head_dim,
                                   rot_dim, stride_kt, stride_kh, stride_vt, stride_vh, slot,
-                                  holds_newest, num_kv_heads, k_cache_ptr, v_cache_ptr,
-                                  block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
-                                  stride_vc_o, stride_vc_h, q_ptr.dtype.element_ty, NORM,
-                                  IS_NEOX, BLOCK_D)
+                                  (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi), num_kv_heads,
+                                  k_cache_ptr, v_cache_ptr, block_size, stride_kc_b,
+                                  stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o,
+                                  stride_vc_h, q_ptr.dtype.element_ty, NORM, IS_NEOX, BLOCK_D)
             q = _decode_q(q_ptrs, q_mask, q_ptr, q_start, stride_qt, stride_qh, head, row_ok,
                           num_q_heads, cs_row, qw_ptr, eps, head_dim, rot_dim, ROPE, NORM,
                           IS_NEOX, BLOCK_D)  # [BLOCK_M, BLOCK_D]
