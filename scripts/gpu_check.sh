@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|ropeattn|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -319,26 +319,6 @@ case $what in
       bench_latency $m "_default" --batch-sizes 1 --prompt-lens ""
       KRAIT_NORM_PROLOGUE=1 bench_latency $m "_fold" --batch-sizes 1 --prompt-lens ""
     done
-    ;;
-  ropeattn)  # session 14's first A/B (~5 min): the q/k norms, rotary and newest K/V write inside
-    # the split decode kernel (KRAIT_ROPE_IN_ATTENTION=1; one launch fewer an attention layer
-    # at split batches) against the default, alternating; its GPU tests and GPU parity with it
-    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_decode_rope_attention.py \
-      -p no:cacheprovider 2>&1 | tail -3 | tee "$LOG/kernels_ropeattn.log"
-    pack
-    for rep in 1 2; do
-      for m in qwen3-0.6b granite-4.0-h-micro; do
-        bench_latency $m "_default$rep" --batch-sizes 1,8 --prompt-lens ""
-        KRAIT_ROPE_IN_ATTENTION=1 bench_latency $m "_rope$rep" --batch-sizes 1,8 --prompt-lens ""
-      done
-    done
-    if [ -d .parity ]; then
-      rm -rf /tmp/parity_rope && mkdir -p /tmp/parity_rope
-      cp -r .parity/qwen3 .parity/llama .parity/granitemoehybrid /tmp/parity_rope/
-      KRAIT_ROPE_IN_ATTENTION=1 KRAIT_DECODE_SPLIT_KEYS=16 timeout 120 python3 scripts/gpu_parity.py \
-        check /tmp/parity_rope \
-        2>&1 | grep -v Warn | tail -10 | tee "$LOG/parity_ropeattn.log"
-    fi
     ;;
   targets)  # issue 4's decode targets (batch 1 and 64, context 1024) and granite-micro's
     # decode-heavy throughput against HF with the SSM state in bf16 as HF keeps it (~6 min)

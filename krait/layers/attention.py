@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from krait.ops.kv_write import write_kv
-from krait.ops.paged_attention import decode_rope_attention, paged_attention, rope_in_attention
+from krait.ops.paged_attention import paged_attention
 from krait.ops.rope_kv_write import rope_kv_write
 from krait.runner.attention_metadata import AttentionMetadata
 from krait.runner.piecewise_graphs import mixer_call
@@ -67,20 +67,13 @@ class Attention(torch.nn.Module):
         meta: AttentionMetadata, rotary, q_norm, k_norm,
     ) -> torch.Tensor:
         T = q.shape[0]
-        rope = (positions, rotary.cos_sin_cache, rotary.is_neox,
-                q_norm.weight if q_norm is not None else None,
-                k_norm.weight if k_norm is not None else None,
-                q_norm.eps if q_norm is not None else 0.0)
-        if rope_in_attention(q, self.kv_cache[0], meta.seq_lens, meta.max_query_len,
-                             meta.max_seq_len):
-            out = decode_rope_attention(
-                q, k, v, *rope, self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T],
-                meta.query_start_loc, meta.seq_lens, meta.block_table, meta.max_seq_len,
-                self.scale, self.sliding_window,
-            )
-            return out.reshape(T, self.num_heads * self.head_dim)
-        q = rope_kv_write(q, k, v, *rope, self.kv_cache[0], self.kv_cache[1],
-                          meta.slot_mapping[:T])
+        q = rope_kv_write(
+            q, k, v, positions, rotary.cos_sin_cache, rotary.is_neox,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+            self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T],
+        )
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

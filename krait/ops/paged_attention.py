@@ -20,9 +20,8 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
-from krait.ops.kv_write import from_cache, to_cache
+from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-from krait.ops.rotary import norm_rope_heads
 
 
 @triton.jit
@@ -172,49 +171,6 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _decode_q(q_ptrs, q_mask, q_ptr, q_start, stride_qt, stride_qh, head, row_ok, num_q_heads,
-              cs_row, qw_ptr, eps, head_dim, rot_dim, ROPE: tl.constexpr, NORM: tl.constexpr,
-              IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[BLOCK_M, BLOCK_D] the program's query heads in q's dtype: loaded, or with ROPE
-    normalised and rotated from the projection's raw output (rounded to q's dtype, as
-    `rope_kv_write` stores them)."""
-    if ROPE:
-        heads = tl.where(row_ok, head, num_q_heads)  # rows past the group: masked to 0
-        q = norm_rope_heads(q_ptr + q_start.to(tl.int64) * stride_qt, heads, num_q_heads,
-                            cs_row, qw_ptr, eps, head_dim, rot_dim, stride_qh, NORM, IS_NEOX,
-                            BLOCK_D)
-        return q.to(q_ptr.dtype.element_ty)
-    return tl.load(q_ptrs, mask=q_mask, other=0.0)
-
-
-@triton.jit
-def _append_newest_kv(k_ptr, v_ptr, token, kv_head, cs_row, kw_ptr, eps, head_dim, rot_dim,
-                      stride_kt, stride_kh, stride_vt, stride_vh, slot, holds_newest,
-                      num_kv_heads, k_cache_ptr, v_cache_ptr, block_size, stride_kc_b,
-                      stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h, dt,
-                      NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr):
-    """ROPE: the split holding the row's newest key writes that key (normalised, rotated,
-    rounded to dt) and its value into the cache at `slot` (-1: padding, nothing written), then
-    waits for every thread of the program, so that its tile loop reads them from the cache."""
-    if holds_newest & (slot >= 0):
-        pair = tl.arange(0, 2)
-        heads = tl.where(pair == 0, kv_head, num_kv_heads)  # one head (a pair: arange >= 2)
-        d = tl.arange(0, BLOCK_D)
-        mask = (heads[:, None] < num_kv_heads) & (d[None, :] < head_dim)
-        k = norm_rope_heads(k_ptr + token.to(tl.int64) * stride_kt, heads, num_kv_heads, cs_row,
-                            kw_ptr, eps, head_dim, rot_dim, stride_kh, NORM, IS_NEOX, BLOCK_D)
-        v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + heads[:, None] * stride_vh
-                    + d[None, :], mask=mask)
-        blk = (slot // block_size).to(tl.int64)
-        off = slot % block_size
-        kc = k_cache_ptr + blk * stride_kc_b + off * stride_kc_o + heads[:, None] * stride_kc_h
-        vc = v_cache_ptr + blk * stride_vc_b + off * stride_vc_o + heads[:, None] * stride_vc_h
-        tl.store(kc + d[None, :], to_cache(k.to(dt), k_cache_ptr), mask=mask)
-        tl.store(vc + d[None, :], to_cache(v, v_cache_ptr), mask=mask)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
@@ -226,21 +182,13 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-    ROPE: tl.constexpr = False, NORM: tl.constexpr = False, IS_NEOX: tl.constexpr = True,
-    k_ptr=None, v_ptr=None, pos_ptr=None, cs_ptr=None, qw_ptr=None, kw_ptr=None, eps=0.0,
-    slot_ptr=None, num_q_heads=1, num_kv_heads=1, rot_dim=0, stride_kt=0, stride_kh=0,
-    stride_vt=0, stride_vh=0, stride_cs=0,
 ):
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
     With PREFETCH (and PDL), the split's first K/V tile is loaded before waiting on the kernel
     before: every key but the row's newest was written by earlier steps, and the step's metadata
-    (query starts, lengths, block table, positions, slots) by its input preparation, which
-    completed before the step's first non-PDL kernel; the newest key is loaded after the wait.
-    With ROPE, q/k/v are the projection's raw output: each program normalises (NORM: per-head
-    RMSNorm, Qwen3's q_norm/k_norm) and rotates its q heads, and the split holding the row's
-    newest key does the same to that key and writes it and its value into the cache at the
-    row's slot before its tile loop reads them back (`rope_kv_write` without a launch)."""
+    (query starts, lengths, block table) by its input preparation, which completed before the
+    step's first non-PDL kernel; the newest key is loaded after the wait."""
     pdl_trigger(PDL)
     if not PREFETCH:
         pdl_wait(PDL)
@@ -271,11 +219,6 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = block_table_ptr + row * stride_bt
         rest = s_lo  # the first key the tile loop below starts at
-        cs_row = cs_ptr
-        slot = -1
-        if ROPE:  # input preparation's: loaded before the wait like the metadata above
-            cs_row = cs_ptr + tl.load(pos_ptr + q_start) * stride_cs
-            slot = tl.load(slot_ptr + q_start)
         if PREFETCH:
             cdt = q_ptr.dtype.element_ty
             k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
@@ -285,34 +228,16 @@ def _decode_split_kernel(
             k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok & ~fresh, cdt)  # [D, BLOCK_N]
             v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok & ~fresh, cdt)  # [BLOCK_N, D]
             pdl_wait(PDL)
-            if ROPE:
-                _append_newest_kv(k_ptr, v_ptr, q_start, kv_head, cs_row, kw_ptr, eps, head_dim,
-                                  rot_dim, stride_kt, stride_kh, stride_vt, stride_vh, slot,
-                                  (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi), num_kv_heads,
-                                  k_cache_ptr, v_cache_ptr, block_size, stride_kc_b,
-                                  stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o,
-                                  stride_vc_h, q_ptr.dtype.element_ty, NORM, IS_NEOX, BLOCK_D)
             if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
                 k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
                 v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
-            q = _decode_q(q_ptrs, q_mask, q_ptr, q_start, stride_qt, stride_qh, head, row_ok,
-                          num_q_heads, cs_row, qw_ptr, eps, head_dim, rot_dim, ROPE, NORM,
-                          IS_NEOX, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
             sc = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, True, USE_WINDOW,
                          DOT_PRECISION)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_PRECISION)
             rest = s_lo + BLOCK_N
         else:
-            if ROPE:
-                _append_newest_kv(k_ptr, v_ptr, q_start, kv_head, cs_row, kw_ptr, eps, head_dim,
-                                  rot_dim, stride_kt, stride_kh, stride_vt, stride_vh, slot,
-                                  (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi), num_kv_heads,
-                                  k_cache_ptr, v_cache_ptr, block_size, stride_kc_b,
-                                  stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o,
-                                  stride_vc_h, q_ptr.dtype.element_ty, NORM, IS_NEOX, BLOCK_D)
-            q = _decode_q(q_ptrs, q_mask, q_ptr, q_start, stride_qt, stride_qh, head, row_ok,
-                          num_q_heads, cs_row, qw_ptr, eps, head_dim, rot_dim, ROPE, NORM,
-                          IS_NEOX, BLOCK_D)  # [BLOCK_M, BLOCK_D]
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
         for start_n in range(rest, s_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start_n, s_hi, q_pos, kv_head, qk_scale, sliding_window,
@@ -451,12 +376,10 @@ def paged_attention_triton(
 
 
 def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                  sliding_window, num_splits, interpret, prefetch: bool | None = None,
-                  rope: dict | None = None) -> None:
+                  sliding_window, num_splits, interpret, prefetch: bool | None = None) -> None:
     """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
     split's first K/V tile loaded before the PDL wait (None: on unless KRAIT_DECODE_PREFETCH=0;
-    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8). rope: the split kernel's
-    ROPE arguments (`decode_rope_attention`), q then being the projection's raw output."""
+    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8)."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -483,63 +406,13 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
-        PREFETCH=prefetch, **(rope or {}), **opts, **pdl_args(pdl),
+        PREFETCH=prefetch, **opts, **pdl_args(pdl),
     )
     _decode_combine_kernel[(num_rows, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,
         **pdl_args(pdl),
     )
-
-
-def decode_num_splits_for(q: Tensor, k_cache: Tensor, seq_lens: Tensor,
-                          max_seq_len: int) -> int:
-    """The splits `paged_attention_triton` gives a batch of decode rows (one query token each)."""
-    return decode_num_splits(seq_lens.shape[0], k_cache.shape[2], max_seq_len, q.device)
-
-
-def rope_in_attention(q: Tensor, k_cache: Tensor, seq_lens: Tensor, max_query_len: int,
-                      max_seq_len: int) -> bool:
-    """Run the q/k norms, the rotary and the K/V write inside the split decode kernel
-    (`decode_rope_attention`) instead of `rope_kv_write`'s launch? Opt-in
-    (KRAIT_ROPE_IN_ATTENTION=1) until measured on the GPU; decode batches whose keys split
-    only. Depends on shapes alone (a CUDA graph captures what replays)."""
-    return (env("KRAIT_ROPE_IN_ATTENTION") == "1" and use_triton(q) and max_query_len == 1
-            and decode_num_splits_for(q, k_cache, seq_lens, max_seq_len) > 1)
-
-
-def decode_rope_attention(
-    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, is_neox: bool,
-    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float,
-    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, max_seq_len: int,
-    scale: float, sliding_window: int | None = None, num_splits: int | None = None,
-    prefetch: bool | None = None,
-) -> Tensor:
-    """`rope_kv_write` then `paged_attention` for decode rows (one query token each, keys split
-    over programs: `decode_num_splits_for(...) > 1`) in the split kernel's launches: no launch of
-    their own for the q/k norms, the rotary and the K/V write. Arguments as the two ops take
-    them (num_splits: chosen from the batch when None; prefetch: see `_decode_split`); returns
-    the attention output [T, Hq, D]."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    if num_splits is None:
-        num_splits = decode_num_splits_for(q, k_cache, seq_lens, max_seq_len)
-    if num_splits < 2:
-        raise ValueError("decode_rope_attention serves split decode batches only")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
-    if num_tokens == 0:
-        return out
-    norm = q_norm_weight is not None
-    rope = dict(ROPE=True, NORM=norm, IS_NEOX=bool(is_neox), k_ptr=k, v_ptr=v, pos_ptr=positions,
-                cs_ptr=cos_sin_cache, qw_ptr=q_norm_weight if norm else q,
-                kw_ptr=k_norm_weight if norm else k, eps=float(eps), slot_ptr=slot_mapping,
-                num_q_heads=num_q_heads, num_kv_heads=k.shape[1],
-                rot_dim=cos_sin_cache.shape[-1], stride_kt=k.stride(0), stride_kh=k.stride(1),
-                stride_vt=v.stride(0), stride_vh=v.stride(1), stride_cs=cos_sin_cache.stride(0))
-    _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                  sliding_window, num_splits, q.device.type == "cpu", prefetch, rope)
-    return out
 
 
 def paged_attention_ref(

@@ -105,25 +105,15 @@ def test_pdl_kernels_compile():
     assert r["pdl"]
 
 
-def _compile_decode_split(cache: str, prefetch: bool = False, rope: bool = False) -> dict:
-    """The split-KV decode kernel at qwen3's shapes over a cache of type `cache` (rope: taking
-    the projection's raw q/k/v, `decode_rope_attention`)."""
+def _compile_decode_split(cache: str, prefetch: bool = False) -> dict:
+    """The split-KV decode kernel at qwen3's shapes over a cache of type `cache`."""
     types = dict(q_ptr=BF, k_cache_ptr=cache, v_cache_ptr=cache, part_acc_ptr=F32,
                  part_ml_ptr=F32, qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32,
-                 qk_scale="fp32", k_ptr=BF, v_ptr=BF, pos_ptr="*i64", cs_ptr=F32, qw_ptr=BF,
-                 kw_ptr=BF, eps="fp32", slot_ptr="*i64")
+                 qk_scale="fp32")
     return compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
         GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=8, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_D=128, PDL=True, PREFETCH=prefetch, ROPE=rope, NORM=rope, IS_NEOX=True),
+        BLOCK_D=128, PDL=True, PREFETCH=prefetch),
         odd=("block_size", "sliding_window", "head_dim"))
-
-
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_decode_split_with_rope_compiles_without_spills(prefetch):
-    # KRAIT_ROPE_IN_ATTENTION: q/k norms, rotary and the newest K/V's write in the split kernel
-    for cache in (BF, "*fp8e4nv"):
-        r = _compile_decode_split(cache, prefetch=prefetch, rope=True)
-        assert r["pdl"] and r["local"] == 0, r
 
 
 def test_prefetching_decode_split_compiles():

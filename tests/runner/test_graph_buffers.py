@@ -133,16 +133,13 @@ def test_capture_pauses_python_gc(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+gemv", "qwen3+split",
-                                  "qwen3+rope", "granitemoehybrid+routes",
-                                  "granitemoehybrid+fused"])
+                                  "granitemoehybrid+routes", "granitemoehybrid+fused"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
     of several sizes as requests finish (CudaGraphRunner(record=False) runs the body eagerly).
     +gemv: every decode projection in the GEMV (KRAIT_GEMV=1; padded rows too); +split: the
-    decode rows' keys split over several programs (the split-KV kernel and its combine); +rope:
-    split too, with the q/k norms, rotary and K/V write inside the split kernel
-    (KRAIT_ROPE_IN_ATTENTION=1; padded rows write nothing);
+    decode rows' keys split over several programs (the split-KV kernel and its combine);
     +routes: KRAIT_MOE_ROUTES=1 with 16 experts, so every decode graph (padded rows too) takes
     the few-route expert GEMVs; +fused: dense granite layers at batch 1 with every GEMV fusion
     (KRAIT_NORM_PROLOGUE, KRAIT_MAMBA_NORM_PROLOGUE, KRAIT_CONV_EPILOGUE), the conv epilogue
@@ -157,16 +154,7 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     if arch.endswith("+split"):
         arch = arch.removesuffix("+split")
         monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # the captured batches split
-    overrides, routes_rows, conv_fused, rope_fused = {}, [], [], []
-    if arch.endswith("+rope"):
-        arch = arch.removesuffix("+rope")
-        monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
-        monkeypatch.setenv("KRAIT_ROPE_IN_ATTENTION", "1")
-        import krait.layers.attention as attention_mod
-
-        real_rope = attention_mod.decode_rope_attention
-        monkeypatch.setattr(attention_mod, "decode_rope_attention",
-                            lambda *a, **k: rope_fused.append(1) or real_rope(*a, **k))
+    overrides, routes_rows, conv_fused = {}, [], []
     if arch.endswith("+fused"):
         arch = arch.removesuffix("+fused")
         for knob in ("KRAIT_NORM_PROLOGUE", "KRAIT_MAMBA_NORM_PROLOGUE", "KRAIT_CONV_EPILOGUE"):
@@ -221,8 +209,6 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
         assert 4 in routes_rows  # the padded graph of 4 rows ran the route GEMVs
     if "KRAIT_CONV_EPILOGUE" in os.environ:
         assert any(conv_fused)  # the batch-1 steps (and the graph of 1 row) took it
-    if "KRAIT_ROPE_IN_ATTENTION" in os.environ:
-        assert rope_fused  # the decode graphs' bodies took the fused kernel
 
 
 def test_decode_graph_rows_must_be_at_their_last_known_token():
