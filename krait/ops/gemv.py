@@ -102,7 +102,6 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
-    ps = tl.zeros([BLOCK_M, PARTS], dtype=tl.float32)
     group_rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if PROLOGUE == 2 and ONE_GROUP:
         ps = _group_parts(k_lo, offs_m, m_ok, part_ptr, stride_pm, group_size,
