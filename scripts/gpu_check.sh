@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -328,6 +328,23 @@ case $what in
     MODELS=granite-4.0-h-micro OUT_LENS=256 TP_EXTRA="--mamba-ssm-cache-dtype bfloat16" \
       TP_TIMEOUT=200 bash "$0" throughput
     ;;
+  ablate)  # session 14 (~6 min): what each kernel class costs inside the batch-1 chain (its
+    # launches removed: scripts/ablate_decode.py), and the state update's state read before
+    # the PDL wait (KRAIT_SSU_PREFETCH) on and off; GPU tests of the state update first
+    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_selective_state_update.py \
+      -p no:cacheprovider 2>&1 | tail -3 | tee "$LOG/kernels_ablate.log"
+    ablate() {  # model, skip
+      timeout 200 python3 scripts/ablate_decode.py --skip "$2" -- --config "$1" --batch-sizes 1 \
+        --prompt-lens "" > "$LOG/lat_${1}_skip_$2.json" 2> "$LOG/lat_${1}_skip_$2.err"
+      echo "== $1 skip $2"; grep -v Warn "$LOG/lat_${1}_skip_$2.err" | tail -3; pack
+    }
+    for s in none ${QWEN_SKIPS:-gemv attn rope norm}; do ablate qwen3-0.6b $s; done
+    for s in none ${MAMBA_SKIPS:-gemv ssu norm}; do ablate mamba2-1.3b $s; done
+    ablate granite-4.0-h-micro none
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      KRAIT_SSU_PREFETCH=0 bench_latency $m "_ssuprefetch0" --batch-sizes 1 --prompt-lens ""
+    done
+    ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
@@ -347,6 +364,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ablate|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, env, interpreting, next_pow2, use_triton
 from krait.ops.mamba_ssd import discretize_dt_ref, softplus_clamp
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
@@ -20,11 +20,11 @@ from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
-def ssu_step(s_ptrs, s_ok, x, dt, bv, cv, h, A_ptr, D_ptr, dt_bias_ptr, dt_min, dt_max,
+def ssu_step(state, s_ptrs, s_ok, x, dt, bv, cv, h, A_ptr, D_ptr, dt_bias_ptr, dt_min, dt_max,
              DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """One token of head h's update on a [P, N] state tile at s_ptrs, written in place: x [P],
-    bv, cv [N] and the raw dt (scalar), float32. Returns y [P] float32."""
-    state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)  # [P, N]
+    """One token of head h's update of the [P, N] state tile `state` (float32, as loaded from
+    s_ptrs), written back in place: x [P], bv, cv [N] and the raw dt (scalar), float32.
+    Returns y [P] float32."""
     dt = softplus_clamp(dt + tl.load(dt_bias_ptr + h).to(tl.float32), DT_SOFTPLUS, DT_CLAMP,
                         dt_min, dt_max)
     decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
@@ -45,24 +45,31 @@ def _ssu_kernel(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
     z_ptr=None, g_ptr=None, part_ptr=None, stride_z_b=0, stride_g_b=0, stride_part_b=0,
-    GATED: tl.constexpr = False,
+    GATED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     pdl_trigger(PDL)
-    pdl_wait(PDL)
+    if not PREFETCH:
+        pdl_wait(PDL)
     # One program: batch row b, head h, BLOCK_P rows of the [P, N] state (all of N).
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    p_ok = offs_p < head_dim
+    n_ok = offs_n < d_state
+    s_ok = p_ok[:, None] & n_ok[None, :] & (slot >= 0)
+    s_ptrs = (
+        state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_s_slot + h * stride_s_h
+        + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
+    )
+    # [BLOCK_P, BLOCK_N]: with PREFETCH read before the wait for the kernel before (see
+    # `selective_state_update_triton`)
+    state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+    if PREFETCH:
+        pdl_wait(PDL)
     if slot >= 0:
         g = h // heads_per_group
-        offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-        offs_n = tl.arange(0, BLOCK_N)
-        p_ok = offs_p < head_dim
-        n_ok = offs_n < d_state
-        s_ptrs = (
-            state_ptr + slot.to(tl.int64) * stride_s_slot + h * stride_s_h
-            + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
-        )
         x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p, mask=p_ok,
                     other=0.0).to(tl.float32)
         dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
@@ -70,7 +77,7 @@ def _ssu_kernel(
                      other=0.0).to(tl.float32)
         cv = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n * stride_C_n, mask=n_ok,
                      other=0.0).to(tl.float32)
-        y = ssu_step(s_ptrs, p_ok[:, None] & n_ok[None, :], x, dt, bv, cv, h, A_ptr, D_ptr,
+        y = ssu_step(state, s_ptrs, s_ok, x, dt, bv, cv, h, A_ptr, D_ptr,
                      dt_bias_ptr, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
         y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + b * stride_y_b + h * stride_y_h + offs_p, y, mask=p_ok)
@@ -106,7 +113,13 @@ def selective_state_update_triton(
     kernel also writes g_out [B, H * P] float32 = y * silu(z) (y rounded to x's dtype first, as
     the gated norm reads it) and parts_out [B, H * P / part_size] float32, the sums of g^2 over
     each run of `gated_part_size(P, N)` channels: what a consumer needs for the gated norm's
-    statistics without a pass of its own (row strides are followed, so both may be views)."""
+    statistics without a pass of its own (row strides are followed, so both may be views).
+
+    With PDL each program reads its state tile before waiting for the kernel before (unless
+    KRAIT_SSU_PREFETCH=0, an A/B knob): a slot's state is written only by this layer's update,
+    one token a step, and the slots by the step's input preparation, both finished before the
+    step's first kernel without PDL; so the state read, the kernel's largest, overlaps the
+    tail of the projection that feeds it."""
     batch, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     y = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)  # [B, H, P]
@@ -132,7 +145,8 @@ def selective_state_update_triton(
         z_ptr=gate if gated else y, g_ptr=g_out if gated else y,
         part_ptr=parts_out if gated else y, stride_z_b=gate.stride(0) if gated else 0,
         stride_g_b=g_out.stride(0) if gated else 0,
-        stride_part_b=parts_out.stride(0) if gated else 0, GATED=gated, **pdl_args(pdl),
+        stride_part_b=parts_out.stride(0) if gated else 0, GATED=gated,
+        PREFETCH=pdl and env("KRAIT_SSU_PREFETCH", "1") != "0", **pdl_args(pdl),
     )
     return y
 

@@ -140,11 +140,12 @@ def test_pdl_mamba_decode_kernels_compile():
         DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True, GATED=False))
     assert r["pdl"] and r["local"] == 0, r
     # the gated output for the norm in out_proj's prologue (KRAIT_MAMBA_NORM_PROLOGUE=1)
-    r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel",
-                     dict(types, z_ptr=BF, g_ptr=F32, part_ptr=F32), dict(
-                         DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True,
-                         GATED=True))
-    assert r["pdl"] and r["local"] == 0, r
+    for prefetch in (False, True):  # the state tile read before the PDL wait
+        r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel",
+                         dict(types, z_ptr=BF, g_ptr=F32, part_ptr=F32), dict(
+                             DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128,
+                             PDL=True, GATED=True, PREFETCH=prefetch))
+        assert r["pdl"] and r["local"] == 0, r
     types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, states_ptr=BF, out_ptr=BF, slots_ptr=I32)
     r = compile_sm90("krait.ops.causal_conv1d", "_conv_update_kernel", types, dict(
         WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_K=4, BLOCK_D=256, PDL=True))
