@@ -2,9 +2,10 @@
 shipped configs, M = 1, 4, 8. Each variant is timed as a CUDA-graph replay over enough weight
 copies to miss the 50 MB L2, like a decode step that reads every weight once.
 
-PYTHONPATH=. python3 scripts/bench_gemv.py [--quick|--forms]
+PYTHONPATH=. python3 scripts/bench_gemv.py [--quick|--forms|--tma]
 (GPU; --quick: one row, no sweep; --forms: one row, each prologue and epilogue against the
-plain GEMV)"""
+plain GEMV; --tma: one row, the default GEMV against the TMA-streamed prototype
+krait/ops/gemv_tma.py over a small config grid, ~3 min; without a GPU --tma lists its configs)"""
 
 from __future__ import annotations
 
@@ -132,6 +133,106 @@ def _forms_of(name: str, n: int, k: int, xdt: torch.dtype, group: int, run: int)
         print(f"{name:16} {label:22} {t:7.2f} {nbytes / t / 1e6:5.2f}", flush=True)
 
 
+# the TMA prototype's grid: boxes of BLOCK_N x BLOCK_K, STAGES - 1 of them in flight a program
+TMA_GRID = [dict(BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=w)
+            for bn, bk, st, w in itertools.product([8, 16, 32], [128, 256], [2, 3, 4, 6], [4, 8])]
+TMA_MAX_SHARED = 200 << 10  # bytes a program: prune rings above this
+
+
+def tma_shared_bytes(cfg: dict, itemsize: int = 2) -> int:
+    """Shared memory of a gemv_tma config: the pipeliner's ring of STAGES - 1 weight boxes and x
+    tiles (Triton 3.6's count at sm_90, tests/ops/test_gemv_tma.py, plus a little)."""
+    return (cfg["STAGES"] - 1) * (cfg["BLOCK_N"] + 1) * cfg["BLOCK_K"] * itemsize + 1024
+
+
+def tma_configs(n: int, k: int, num_sms: int = 132) -> list[dict]:
+    """The non-persistent gemv_tma configs for shape (N, K): the grid less rings over
+    TMA_MAX_SHARED and boxes wider than K; each split over K as the default GEMV splits
+    (while its slices stream more than 2048 columns and its tiles cover the SMs fewer than four
+    times) and also while its wider tiles number fewer than the SMs, at least two boxes a
+    slice."""
+    out = []
+    for c in TMA_GRID:
+        if tma_shared_bytes(c) > TMA_MAX_SHARED or c["BLOCK_K"] > k:
+            continue
+        tiles, split = -(-n // c["BLOCK_N"]), 1
+        while ((k // split > 2048 or tiles * split < num_sms) and tiles * split < 4 * num_sms
+               and split < 16 and k // (2 * split) >= 2 * c["BLOCK_K"]):
+            split *= 2
+        out.append(dict(c, SPLIT_K=split))
+    return out
+
+
+def tma() -> None:
+    """One row: the default GEMV against gemv_tma. Every non-persistent config of tma_configs,
+    then the three fastest persistent (1, 2 or 4 programs an SM) and the fastest without its L2
+    prefetch before the PDL wait. Configs that fail to compile or give wrong results are
+    printed and skipped."""
+    if not torch.cuda.is_available():
+        for name, (n, k) in SHAPES.items():
+            cfgs = tma_configs(n, k)
+            print(f"{name:16} N={n:5} K={k:5} {len(cfgs)} configs, splits "
+                  f"{sorted({c['SPLIT_K'] for c in cfgs})}, max shared "
+                  f"{max(tma_shared_bytes(c) for c in cfgs) >> 10} KB")
+        print("no CUDA device: configs listed, nothing timed")
+        return
+    from krait.ops.gemv_tma import gemv_tma
+
+    dev = torch.device("cuda")
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    failed: set[str] = set()
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(4, (400 << 20) // nbytes)
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), weights[0].float())
+        t_default = time_us(lambda w, x=x: gemv_triton(x, w), weights)
+
+        def run(cfg: dict, name=name, x=x, ref=ref, weights=weights) -> float | None:
+            if str(cfg) in failed:  # failed to compile or launch at an earlier shape
+                return None
+            try:
+                y = gemv_tma(x, weights[0], config=cfg)
+            except Exception as e:  # noqa: BLE001 - a config that cannot run is skipped
+                failed.add(str(cfg))
+                print(f"   {name}: skipped {cfg}: {type(e).__name__}: {str(e)[:160]}",
+                      flush=True)
+                return None
+            err = float((y.float() - ref).norm() / ref.norm())
+            if err > 1e-2:
+                print(f"   {name}: wrong result with {cfg} (rel err {err:.3g})", flush=True)
+                return None
+            return time_us(lambda w: gemv_tma(x, w, config=cfg), weights)
+
+        timed = [(t, c) for c in tma_configs(n, k, num_sms) if (t := run(c)) is not None]
+        timed.sort(key=lambda tc: tc[0])
+        for _, c in timed[:3]:
+            for per_sm in (1, 2, 4):
+                cfg = dict(c, PERSISTENT=True, PROGRAMS_PER_SM=per_sm)
+                if (t := run(cfg)) is not None:
+                    timed.append((t, cfg))
+        timed.sort(key=lambda tc: tc[0])
+        if not timed:
+            print(f"{name:16} no TMA config ran", flush=True)
+            continue
+        best_t, best = timed[0]
+        t_nopf = run(dict(best, PREFETCH_LINES=0))
+        rows.append((name, t_default, best_t, t_nopf, best))
+        gbs = lambda t, nb=nbytes: nb / t / 1e3  # noqa: E731
+        print(f"{name:16} default {t_default:7.2f} us {gbs(t_default):6.0f} GB/s | TMA "
+              f"{best_t:7.2f} us {gbs(best_t):6.0f} GB/s (no L2 prefetch "
+              f"{t_nopf or float('nan'):7.2f} us)  {best}", flush=True)
+        del weights
+    print(f"\n{'shape':16} {'default us':>10} {'GB/s':>6} {'TMA us':>8} {'GB/s':>6} "
+          f"{'no-pf us':>8}  best TMA config")
+    for name, t_default, best_t, t_nopf, best in rows:
+        nb = SHAPES[name][0] * SHAPES[name][1] * 2
+        print(f"{name:16} {t_default:10.2f} {nb / t_default / 1e3:6.0f} {best_t:8.2f} "
+              f"{nb / best_t / 1e3:6.0f} {t_nopf or float('nan'):8.2f}  {best}")
+
+
 def main() -> None:
     dev = torch.device("cuda")
     print(f"{'shape':16} {'M':>2} {'cuBLAS us':>9} {'TB/s':>5} {'krait us':>9} {'TB/s':>5} "
@@ -176,5 +277,7 @@ if __name__ == "__main__":
         quick()
     elif "--forms" in sys.argv[1:]:
         forms()
+    elif "--tma" in sys.argv[1:]:
+        tma()
     else:
         main()

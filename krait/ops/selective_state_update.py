@@ -20,17 +20,16 @@ from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
 @triton.jit
-def ssu_step(state, s_ptrs, s_ok, x, dt, bv, cv, h, A_ptr, D_ptr, dt_bias_ptr, dt_min, dt_max,
+def ssu_step(state, s_ptrs, s_ok, x, dt, bv, cv, a_h, d_h, dt_min, dt_max,
              DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """One token of head h's update of the [P, N] state tile `state` (float32, as loaded from
-    s_ptrs), written back in place: x [P], bv, cv [N] and the raw dt (scalar), float32.
-    Returns y [P] float32."""
-    dt = softplus_clamp(dt + tl.load(dt_bias_ptr + h).to(tl.float32), DT_SOFTPLUS, DT_CLAMP,
-                        dt_min, dt_max)
-    decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
+    """One token of a head's update of the [P, N] state tile `state` (float32, as loaded from
+    s_ptrs), written back in place: x [P], bv, cv [N], dt (raw plus the head's dt bias), the
+    head's A and D, float32. Returns y [P] float32."""
+    dt = softplus_clamp(dt, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+    decay = tl.exp(dt * a_h)
     state = state * decay + (dt * x)[:, None] * bv[None, :]
     tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_ok)
-    return tl.sum(state * cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
+    return tl.sum(state * cv[None, :], axis=1) + d_h * x
 
 
 @triton.jit
@@ -64,12 +63,17 @@ def _ssu_kernel(
         + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
     )
     # [BLOCK_P, BLOCK_N]: with PREFETCH read before the wait for the kernel before (see
-    # `selective_state_update_triton`)
+    # `selective_state_update_triton`), as are the head's constants
     state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+    a_h = tl.load(A_ptr + h).to(tl.float32)
+    d_h = tl.load(D_ptr + h).to(tl.float32)
+    dt_bias_h = tl.load(dt_bias_ptr + h).to(tl.float32)
     if PREFETCH:
         pdl_wait(PDL)
     if slot >= 0:
         g = h // heads_per_group
+        # every input the kernel before wrote, loaded at once (z too: after the stores below
+        # it would wait for them, another round trip)
         x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + offs_p * stride_x_p, mask=p_ok,
                     other=0.0).to(tl.float32)
         dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
@@ -77,13 +81,15 @@ def _ssu_kernel(
                      other=0.0).to(tl.float32)
         cv = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + offs_n * stride_C_n, mask=n_ok,
                      other=0.0).to(tl.float32)
-        y = ssu_step(state, s_ptrs, s_ok, x, dt, bv, cv, h, A_ptr, D_ptr,
-                     dt_bias_ptr, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
+        col = h * head_dim + offs_p  # channel within the row [H * P]
+        z = x
+        if GATED:
+            z = tl.load(z_ptr + b * stride_z_b + col, mask=p_ok, other=0.0).to(tl.float32)
+        y = ssu_step(state, s_ptrs, s_ok, x, dt + dt_bias_h, bv, cv, a_h, d_h, dt_min, dt_max,
+                     DT_SOFTPLUS, DT_CLAMP)
         y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + b * stride_y_b + h * stride_y_h + offs_p, y, mask=p_ok)
         if GATED:  # the gated norm's input y * silu(z) in float32 and its sum of squares
-            col = h * head_dim + offs_p  # channel within the row [H * P]
-            z = tl.load(z_ptr + b * stride_z_b + col, mask=p_ok, other=0.0).to(tl.float32)
             gv = y.to(tl.float32) * (z * tl.sigmoid(z))
             gv = tl.where(p_ok, gv, 0.0)
             tl.store(g_ptr + b * stride_g_b + col, gv, mask=p_ok)

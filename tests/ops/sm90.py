@@ -21,11 +21,14 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
     """Kernel `module.kernel`; `types`: Triton type strings by argument name ('*bf16', 'fp32'...),
     unnamed non-constexpr arguments are 'i32'. Pointers and integers are taken as multiples of 16
     (as Triton specializes a real launch with such values: what lets it vectorize loads) except
-    the integers named in `odd`. Returns {'regs', 'local', 'shared', 'vector_loads',
-    'scalar_loads', 'shared_byte_loads', 'pdl', 'wgmma', 'loop_barriers'} (global loads of 16
-    bytes and of one element, loads of one byte from shared memory, grid-dependency waits,
-    Hopper's warpgroup MMA, in the PTX; barriers inside innermost loops). Runs in a child
-    process: under TRITON_INTERPRET=1 (the test suite) kernels are not compilable."""
+    the integers named in `odd`; constexpr parameters left out take their defaults; a tensor
+    descriptor is typed as Triton mangles it, 'tensordesc<bf16[8, 256]>'. Returns {'regs', 'local', 'shared' (static, from the cubin),
+    'dynamic_shared' (what Triton's launch asks for: its buffers, pipeline rings), 'vector_loads',
+    'scalar_loads', 'shared_byte_loads', 'pdl', 'wgmma', 'bulk_tensor_copies', 'mbarrier_waits',
+    'loop_barriers'} (global loads of 16 bytes and of one element, loads of one byte from shared
+    memory, grid-dependency waits, Hopper's warpgroup MMA, TMA copies and mbarrier waits, in the
+    PTX; barriers inside innermost loops). Runs in a child process: under TRITON_INTERPRET=1
+    (the test suite) kernels are not compilable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd)])
     out = subprocess.run([sys.executable, "-m", "tests.ops.sm90", spec], capture_output=True,
@@ -41,7 +44,9 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
     from triton.compiler.compiler import ASTSource
 
     kernel = getattr(importlib.import_module(module), name)
-
+    # constexpr parameters not given take their defaults (else they would be typed 'i32')
+    constexprs = {**{p.name: p.default for p in kernel.params
+                     if p.is_constexpr and p.has_default and p.default is not None}, **constexprs}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
     const = {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
     aligned = [n for n, t in sig.items() if t.startswith("*") or (t == "i32" and n not in odd)]
@@ -57,11 +62,13 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
     fields = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage))
     ptx = compiled.asm["ptx"]
     return {"regs": int(fields["REG"]), "local": int(fields["LOCAL"]),
-            "shared": int(fields["SHARED"]),
+            "shared": int(fields["SHARED"]), "dynamic_shared": int(compiled.metadata.shared),
             "vector_loads": len(re.findall(r"ld\.global[.\w]*\.v4\.b32", ptx)),
             "scalar_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.b16 ", ptx)),
             "shared_byte_loads": len(re.findall(r"ld\.shared(?:\.\w+)*\.[bsu]8 ", ptx)),
             "pdl": "griddepcontrol.wait" in ptx, "wgmma": "wgmma.mma_async" in ptx,
+            "bulk_tensor_copies": ptx.count("cp.async.bulk.tensor"),
+            "mbarrier_waits": len(re.findall(r"mbarrier\.try_wait", ptx)),
             "loop_barriers": _loop_barriers(ptx)}
 
 

@@ -1,0 +1,203 @@
+"""Prototype: a one-row decode GEMV, y = x @ W^T with x [1, K], that streams W through Hopper's
+TMA (a host-side tensor descriptor) into a STAGES-deep shared-memory ring. The question it
+answers on the H200 (`scripts/bench_gemv.py --tma`): do more bytes in flight per SM, held in
+shared memory rather than registers, beat krait/ops/gemv.py's register prefetch of one tile on
+big shapes? (docs/decode_gemv.md rule 4: a second tile in registers cost occupancy.)
+
+Program (n, s) owns BLOCK_N output columns and streams its [BLOCK_N, BLOCK_K] weight boxes
+over the s-th of SPLIT_K slices of K: `tl.range(..., num_stages=STAGES)` lets Triton's
+pipeliner keep STAGES - 1 TMA copies in flight (mbarrier-tracked) while one box is used. x is
+tiny and L1/L2 resident: a plain [1, BLOCK_K] load per K tile, which the pipeliner also copies
+ahead (cp.async) and reads in the weight's layout (see `_tile_dots`). Products accumulate
+elementwise in float32 and K is reduced once after the loop. SPLIT_K > 1 reduces the slices as gemv.py does: each program writes
+its partials and bumps a per-tile counter, the last to arrive adds them in slice order
+(deterministic), writes y and resets the counter (one launch, graph-safe).
+
+PERSISTENT: grid = min(items, num_sms * PROGRAMS_PER_SM), items = column tiles x slices; each
+program walks its items in one flattened loop over (item, K tile), so the pipeliner keeps loads
+in flight across item boundaries (the next item's first boxes are fetched while the current one
+finishes) instead of draining and refilling the ring per tile.
+
+PDL: the wait comes before the loop, the late trigger after it. The weight never depends on
+earlier kernels, but a wait inside the loop (first iteration only) does not let the boxes start
+early: the pipeliner also prefetches x (cp.async into shared memory) in its prologue, and x is
+what the previous kernel writes. Instead, with PREFETCH_LINES > 0, the program asks L2 for its
+first STAGES boxes (`prefetch.global.L2`, one per 128-byte line) before the wait, so DRAM
+streams them while the previous kernel drains and the TMA copies after the wait hit L2.
+TMA needs 16-byte aligned rows: K * itemsize % 16 == 0 (K a multiple of 8 in bf16/fp16, of 4 in
+float32); boxes past N or K read zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from krait.ops._dispatch import cdiv
+from krait.ops.arrival import arrival_counters
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+
+_COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
+DEFAULT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, STAGES=4, SPLIT_K=1, num_warps=4)
+
+
+@triton.jit
+def _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n, offs_k):
+    """acc [BLOCK_N, BLOCK_K] float32 plus the products of weight box [n0:, k0:] with x[k0:]."""
+    w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K], zeros past N and K
+    k = k0 + offs_k[None, :]
+    # [1, BLOCK_K]: the pipeliner copies it to shared memory too (cp.async, STAGES - 1 ahead)
+    # and reads it in the weight's layout. Broadcast over N by its pointers (gemv.py's way),
+    # its ring would be BLOCK_N times larger; through a second descriptor, one more barrier a
+    # step and x 16-byte aligned. This load's coalesced layout is the tile's: vectors of
+    # BLOCK_K / (32 * num_warps) elements (one when BLOCK_K = 32 * num_warps: scalar reads)
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    return acc + x.to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
+def _write_tile(dots, pid_n, pid_k, offs_n, y_ptr, part_ptr, count_ptr, N,
+                SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes dots [BLOCK_N] float32 of column tile pid_n, slice pid_k: straight to y, or with
+    SPLIT_K > 1 as partials [SPLIT_K, N] that the tile's last slice to arrive sums in order."""
+    n_ok = offs_n < N
+    dt = y_ptr.dtype.element_ty
+    if SPLIT_K == 1:
+        tl.store(y_ptr + offs_n, dots.to(dt), mask=n_ok)
+    else:
+        tl.store(part_ptr + pid_k * N + offs_n, dots, mask=n_ok)
+        arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: orders the store above
+        if arrived == SPLIT_K - 1:  # the last slice of this tile to finish sums them all
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # unrolled: the persistent loop stays innermost
+                total += tl.load(part_ptr + s * N + offs_n, mask=n_ok, other=0.0,
+                                 cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+            tl.store(y_ptr + offs_n, total.to(dt), mask=n_ok)
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
+    """Asks L2 for rows [n0, n0 + BLOCK_N) of W over LINES 128-byte lines from column k_lo
+    (clamped into W): fire and forget, no registers held."""
+    per_line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
+    rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    cols = tl.minimum(k_lo + tl.arange(0, LINES) * per_line, K - 1)
+    ptrs = w_ptr + rows[:, None] * K + cols[None, :]  # [BLOCK_N, LINES]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gemv_tma_kernel(
+    x_ptr, w_desc, w_ptr, y_ptr, part_ptr, count_ptr,
+    N, K, k_per_split, tiles,
+    SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr = 0,
+):
+    """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
+    (w_ptr: the same weight, for the L2 prefetch only)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if not PERSISTENT:
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n0 = pid_n * BLOCK_N
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        if PREFETCH_LINES > 0:
+            _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N, PREFETCH_LINES)
+        pdl_wait(PDL)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
+        pdl_trigger(PDL)
+        _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
+                    count_ptr, N, SPLIT_K, BLOCK_N)
+    else:
+        # items: (column tile, slice) pairs, item = pid_k * tiles + pid_n; this program takes
+        # items pid, pid + nprog, ... and streams each over k_per_split / BLOCK_K boxes (the
+        # last slice's boxes past K read zeros) in one loop: the pipeline runs across items
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        k_steps = k_per_split // BLOCK_K
+        mine = tl.cdiv(tiles * SPLIT_K - pid, nprog)
+        if PREFETCH_LINES > 0:
+            _prefetch_l2(w_ptr, (pid % tiles) * BLOCK_N, (pid // tiles) * k_per_split, N, K,
+                         BLOCK_N, PREFETCH_LINES)
+        pdl_wait(PDL)
+        for i in tl.range(0, mine * k_steps, num_stages=STAGES):
+            item = pid + (i // k_steps) * nprog
+            step = i % k_steps
+            pid_n = item % tiles
+            pid_k = item // tiles
+            acc = _tile_dots(w_desc, x_ptr, pid_n * BLOCK_N, pid_k * k_per_split +
+                             step * BLOCK_K, acc, K, offs_n0, offs_k)
+            if step == k_steps - 1:  # the item's last box: write its dots, start the next
+                _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, pid_n * BLOCK_N + offs_n0,
+                            y_ptr, part_ptr, count_ptr, N, SPLIT_K, BLOCK_N)
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        pdl_trigger(PDL)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def prefetch_lines(stages: int, block_k: int, itemsize: int) -> int:
+    """128-byte lines a weight row spans over `stages` boxes of block_k, down to a power of two."""
+    lines = max(1, stages * block_k * itemsize // 128)
+    return 1 << (lines.bit_length() - 1)
+
+
+def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None) -> Tensor:
+    """x [1, K] (bf16, fp16 or float32) @ weight [N, K]^T (contiguous, K * itemsize a multiple
+    of 16 bytes) -> y [1, N] in x's dtype, float32 accumulation. config: BLOCK_N, BLOCK_K (each
+    at most 256: one TMA box), STAGES, SPLIT_K, num_warps, PERSISTENT (bool) and
+    PROGRAMS_PER_SM (its grid is min(items, num_sms * PROGRAMS_PER_SM)), PREFETCH_LINES (the L2
+    prefetch before the PDL wait: 0 off; by default the first STAGES boxes under PDL)."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"gemv_tma: x must be [1, K], got {list(x.shape)}")
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"gemv_tma: weight is [N, {k}], x gives K={x.shape[1]}")
+    if not weight.is_contiguous() or (k * weight.element_size()) % 16 or weight.data_ptr() % 16:
+        raise ValueError("gemv_tma: TMA needs a contiguous weight with 16-byte aligned rows "
+                         f"(K * itemsize % 16 == 0; K={k}, {weight.dtype})")
+    if max(cfg["BLOCK_N"], cfg["BLOCK_K"]) > 256:
+        raise ValueError("gemv_tma: a TMA box spans at most 256 elements a dimension")
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)  # [1, N]
+    if n == 0:
+        return y
+    split = cfg.pop("SPLIT_K")
+    persistent = bool(cfg.pop("PERSISTENT", False))
+    per_sm = cfg.pop("PROGRAMS_PER_SM", 4)
+    if x.device.type == "cpu":
+        cfg.pop("num_warps", None)
+    tiles = cdiv(n, cfg["BLOCK_N"])
+    k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    desc = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    if split > 1:
+        part = torch.empty(split, n, dtype=torch.float32, device=x.device)  # [S, N]
+        counters = arrival_counters(_COUNTERS, x.device, tiles)
+    else:
+        part = counters = y
+    grid = (min(tiles * split, _num_sms(x.device) * per_sm),) if persistent else (tiles, split)
+    pdl = use_pdl(x)
+    # the first STAGES boxes' 128-byte lines, to a power of two (a PDL launch only: the
+    # interpreter has no inline assembly)
+    lines = cfg.pop("PREFETCH_LINES", None)
+    if lines is None:
+        lines = prefetch_lines(cfg["STAGES"], cfg["BLOCK_K"], weight.element_size()) if pdl else 0
+    _gemv_tma_kernel[grid](
+        x, desc, weight, y, part, counters, n, k, k_per_split, tiles,
+        SPLIT_K=split, PERSISTENT=persistent, PREFETCH_LINES=lines, **pdl_args(pdl), **cfg)
+    return y
