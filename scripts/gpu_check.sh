@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|early|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|early|tma|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -356,6 +356,19 @@ case $what in
     done
     timeout 280 python3 scripts/bench_gemv.py --tma 2>&1 | grep -v Warn | tee "$LOG/gemv_tma.log"
     ;;
+  tma)  # session 14 (~6 min): the TMA GEMV (krait/ops/gemv_tma.py) for the big one-row
+    # projections (granite and llama gate_up and down, qwen3 gate_up) at batch 1, against
+    # KRAIT_GEMV_TMA=0 and without its L2 prefetch before the PDL wait; GPU tests first
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_gemv_tma.py tests/ops/test_gemv.py \
+      tests/ops/test_selective_state_update.py -p no:cacheprovider 2>&1 | tail -3 \
+      | tee "$LOG/kernels_tma.log"
+    for m in granite-4.0-h-micro qwen3-0.6b llama-3.2-1b; do
+      bench_latency $m "_tma" --batch-sizes 1 --prompt-lens ""
+      KRAIT_GEMV_TMA=0 bench_latency $m "_tma0" --batch-sizes 1 --prompt-lens ""
+      KRAIT_GEMV_TMA=noprefetch bench_latency $m "_tmanopf" --batch-sizes 1 --prompt-lens ""
+    done
+    bench_latency mamba2-1.3b "_ssu" --batch-sizes 1 --prompt-lens ""
+    ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
     ;;
@@ -375,6 +388,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ablate|early|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ablate|early|tma|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

@@ -127,38 +127,18 @@ def conv_step(x, st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d, stride_w_k, str
     """One decode token of the conv for channels `ch` (x [C]: their new inputs in float32;
     st_ptr: the slot's state, column k = input k, oldest first). Returns (the activated output
     [C] float32, the slot's next state [C, BLOCK_W]) for `store_conv_state`."""
-    window, shifted, w, bias = conv_loads(st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d,
-                                          stride_w_k, stride_s_d, stride_s_k, WIDTH, HAS_BIAS)
-    return conv_finish(x, window, shifted, w, bias, cols, WIDTH, SILU)
-
-
-@triton.jit
-def conv_loads(st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d, stride_w_k, stride_s_d,
-               stride_s_k, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """What `conv_step` reads besides the new inputs: the state's columns as the window
-    [C, BLOCK_W] (its last column to be replaced by x) and shifted by one (the next state
-    but its last column), the weights [C, BLOCK_W] and the bias [C] (zeros without one),
-    all float32."""
     base = st_ptr + ch[:, None] * stride_s_d
     win_ok = ok[:, None] & (cols < WIDTH - 1)[None, :]
     window = tl.load(base + cols[None, :] * stride_s_k, mask=win_ok, other=0.0).to(tl.float32)
-    shifted_ok = ok[:, None] & (cols < WIDTH - 2)[None, :]
-    shifted = tl.load(base + (cols + 1)[None, :] * stride_s_k, mask=shifted_ok,
-                      other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + ch[:, None] * stride_w_d + cols[None, :] * stride_w_k,
-                mask=ok[:, None] & (cols < WIDTH)[None, :], other=0.0).to(tl.float32)
-    bias = tl.zeros_like(ch).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
-    return window, shifted, w, bias
-
-
-@triton.jit
-def conv_finish(x, window, shifted, w, bias, cols, WIDTH: tl.constexpr, SILU: tl.constexpr):
-    """`conv_step` from `conv_loads`' values: (the activated output [C], the next state)."""
     window = tl.where((cols == WIDTH - 1)[None, :], x[:, None], window)  # [C, BLOCK_W]
-    shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], shifted)
-    acc = tl.sum(window * w, axis=1) + bias  # [C]
+    shifted_ok = ok[:, None] & (cols < WIDTH - 2)[None, :]
+    shifted = tl.load(base + (cols + 1)[None, :] * stride_s_k, mask=shifted_ok, other=0.0)
+    shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], shifted.to(tl.float32))
+    w = tl.load(w_ptr + ch[:, None] * stride_w_d + cols[None, :] * stride_w_k,
+                mask=ok[:, None] & (cols < WIDTH)[None, :], other=0.0)
+    acc = tl.sum(window * w.to(tl.float32), axis=1)  # [C]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     return acc, shifted

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import cdiv, env, next_pow2
 from krait.ops.arrival import arrival_counters
-from krait.ops.causal_conv1d import conv_loads
+from krait.ops.causal_conv1d import conv_step, store_conv_state
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 MAX_M = 8
@@ -153,71 +153,25 @@ def _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def _conv_channels(offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cs_ptr, stride_cs_slot):
-    """CONV, one row: (the row's slot's state, this program's conv channels, which are live).
-    The output columns [conv_lo, conv_lo + conv_dim) are a Mamba in_proj's xBC, each channel
-    one column of one program."""
+def _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
+               stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
+               CONV_WIDTH: tl.constexpr, CONV_BIAS: tl.constexpr, CONV_SILU: tl.constexpr):
+    """CONV, one row: the output columns [conv_lo, conv_lo + conv_dim) are the new inputs of a
+    depthwise causal conv's decode step (a Mamba in_proj's xBC). The program convolves its own
+    columns with their channels' states in the row's slot and writes their next states in
+    place; no other program touches those channels. val [1, N] in dt; returns it with those
+    columns replaced by the conv's (activated) outputs, rounded to dt as the conv kernel's."""
     slot = tl.load(slots_ptr)
     ch = offs_n - conv_lo
     ok = n_ok & (ch >= 0) & (ch < conv_dim) & (slot >= 0)  # slot -1: the row is padding
     ch = tl.where(ok, ch, 0)
-    return cs_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cs_slot, ch, ok
-
-
-@triton.jit
-def _conv_operands(offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
-                   stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
-                   CONV_WIDTH: tl.constexpr, CONV_BIAS: tl.constexpr):
-    """CONV, one row: all of the conv step of this program's columns that does not need their
-    new inputs. Reads the row's slot's state, the weights and the bias; writes the next state
-    but its newest column in place (the old one shifted by one); returns (the dot over the
-    old inputs plus the bias, the newest input's weight), [N] float32, for `_conv_apply`.
-    Nothing here depends on the kernel before (the slot's state is read and written only by
-    this projection, one token a step), so it runs before the PDL wait, with the first
-    weights; only two registers a thread stay live through the weight loop (57 with the
-    pointers and channels kept: 4 programs an SM instead of 5)."""
-    st, ch, ok = _conv_channels(offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cs_ptr,
-                                stride_cs_slot)
-    cols = tl.arange(0, CONV_WIDTH)
-    window, shifted, w, bias = conv_loads(st, cw_ptr, cb_ptr, ch, ok, cols, stride_cw_d,
-                                          stride_cw_k, stride_cs_d, stride_cs_k, CONV_WIDTH,
-                                          CONV_BIAS)
-    older = tl.sum(window * w, axis=1) + bias  # [N]: the window's last column is still 0
-    newest_w = tl.sum(tl.where((cols == CONV_WIDTH - 1)[None, :], w, 0.0), axis=1)  # [N]
-    tl.debug_barrier()  # every thread's reads of the old columns first
-    tl.store(st + ch[:, None] * stride_cs_d + cols[None, :] * stride_cs_k,
-             shifted.to(st.dtype.element_ty), mask=ok[:, None] & (cols < CONV_WIDTH - 2)[None, :])
-    return older, newest_w
-
-
-@triton.jit
-def _conv_apply(val, older, newest_w, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cs_ptr,
-                stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH: tl.constexpr,
-                CONV_SILU: tl.constexpr):
-    """The rest of the conv step after `_conv_operands`: val [1, N] in dt, the row's
-    projection; returns it with the conv columns replaced by the conv's (activated) outputs,
-    rounded to dt as the conv kernel's, and writes the state's newest column."""
-    st, ch, ok = _conv_channels(offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cs_ptr,
-                                stride_cs_slot)
+    st = cs_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cs_slot
     xv = tl.sum(val.to(tl.float32), axis=0)  # [N]: the row's projection, rounded to dt
-    acc = older + newest_w * xv
-    if CONV_SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(st + ch * stride_cs_d + (CONV_WIDTH - 2) * stride_cs_k,
-             xv.to(st.dtype.element_ty), mask=ok)
+    cols = tl.arange(0, CONV_WIDTH)
+    acc, shifted = conv_step(xv, st, cw_ptr, cb_ptr, ch, ok, cols, stride_cw_d, stride_cw_k,
+                             stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
+    store_conv_state(st, shifted, ch, ok, cols, stride_cs_d, stride_cs_k, CONV_WIDTH)
     return tl.where(ok, acc, xv).to(val.dtype)[None, :]
-
-
-@triton.jit
-def _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
-               stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
-               CONV_WIDTH: tl.constexpr, CONV_BIAS: tl.constexpr, CONV_SILU: tl.constexpr):
-    """CONV, one row, all at the end (the split-K form's last program of the tile)."""
-    older, newest_w = _conv_operands(
-        offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d,
-        stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS)
-    return _conv_apply(val, older, newest_w, offs_n, n_ok, conv_lo, conv_dim, slots_ptr,
-                       cs_ptr, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_SILU)
 
 
 @triton.jit
@@ -263,7 +217,6 @@ def _gemv_kernel(
     cb_ptr=None, cs_ptr=None, stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0,
     stride_cs_k=0, CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
     CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False,
-    CONV_EARLY: tl.constexpr = False,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -289,10 +242,6 @@ def _gemv_kernel(
         norm_rows = norm_ptr + bcast_n
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if EPILOGUE == 4 and CONV_EARLY:  # the conv's operands in flight with the first weights
-        c_older, c_newest_w = _conv_operands(
-            offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d,
-            stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                     BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
                     stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)  # [M, N]
@@ -307,12 +256,7 @@ def _gemv_kernel(
     mn_ok = m_ok[:, None] & n_ok[None, :]
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     dt = y_ptr.dtype.element_ty
-    if EPILOGUE == 4 and CONV_EARLY:
-        val = _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE)
-        tl.store(out, _conv_apply(val, c_older, c_newest_w, offs_n, n_ok, conv_lo, conv_dim,
-                                  slots_ptr, cs_ptr, stride_cs_slot, stride_cs_d, stride_cs_k,
-                                  CONV_WIDTH, CONV_SILU), mask=mn_ok)
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         _store_tile(out, _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE),
                     mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok, offs_n,
                     pid_n, EPILOGUE, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
@@ -451,10 +395,6 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     split = cfg["SPLIT_K"]
-    if conv is not None:
-        # the conv's operands before the weight loop (and the PDL wait), not in the tail; split
-        # K keeps them at the end, in the tile's last program (KRAIT_CONV_EARLY=0: an A/B knob)
-        conv_args["CONV_EARLY"] = split == 1 and env("KRAIT_CONV_EARLY", "1") != "0"
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     if norm is not None:
         norm_args["ONE_GROUP"] = norm_one_group(k, group_size, cfg)

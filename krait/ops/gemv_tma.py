@@ -97,10 +97,13 @@ def _gemv_tma_kernel(
     N, K, k_per_split, tiles,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr = 0,
+    PREFETCH_LINES: tl.constexpr = 0, SILU_MUL: tl.constexpr = False,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
-    (w_ptr: the same weight, for the L2 prefetch only)."""
+    (w_ptr: the same weight, for the L2 prefetch only). SILU_MUL (SPLIT_K 1, not persistent):
+    W is [2N, K] = [gate; up] and y = silu(x @ gate^T) * (x @ up^T), each half rounded to y's
+    dtype first as a gate_up GEMM and silu_and_mul would; each program streams its columns'
+    gate and up boxes side by side."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -112,12 +115,26 @@ def _gemv_tma_kernel(
         k_hi = tl.minimum(k_lo + k_per_split, K)
         if PREFETCH_LINES > 0:
             _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N, PREFETCH_LINES)
+            if SILU_MUL:
+                _prefetch_l2(w_ptr, N + n0, k_lo, 2 * N, K, BLOCK_N, PREFETCH_LINES)
         pdl_wait(PDL)
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-            acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
-        pdl_trigger(PDL)
-        _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
-                    count_ptr, N, SPLIT_K, BLOCK_N)
+        if SILU_MUL:
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+                acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
+                acc_up = _tile_dots(w_desc, x_ptr, N + n0, k0, acc_up, K, offs_n0, offs_k)
+            pdl_trigger(PDL)
+            dt = y_ptr.dtype.element_ty
+            g = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+            up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+            tl.store(y_ptr + n0 + offs_n0, (g / (1.0 + tl.exp(-g)) * up).to(dt),
+                     mask=n0 + offs_n0 < N)
+        else:
+            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+                acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
+            pdl_trigger(PDL)
+            _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
+                        count_ptr, N, SPLIT_K, BLOCK_N)
     else:
         # items: (column tile, slice) pairs, item = pid_k * tiles + pid_n; this program takes
         # items pid, pid + nprog, ... and streams each over k_per_split / BLOCK_K boxes (the
@@ -150,22 +167,51 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def tma_config(n: int, k: int, silu_mul_out: bool = False,
+               num_sms: int = 132) -> dict[str, int] | None:
+    """The config for a one-row projection that streams better through TMA than through
+    krait/ops/gemv.py, or None. Measured alone on the H200 (session 14, `bench_gemv.py --tma`,
+    µs default -> TMA): granite gate_up 20.5 -> 18.4, granite down 13.3 -> 12.4, qwen3 gate_up
+    6.1 -> 5.6; the narrow and the small ones (qwen3 qkv, o, down; mamba2 out_proj) lost.
+    n, k: the weight's shape ([2N, K] with `silu_mul_out`)."""
+    if silu_mul_out:  # each program streams BLOCK_N gate rows and as many up rows
+        if n * k < (4 << 20):
+            return None
+        if k >= 2048:
+            return dict(BLOCK_N=16, BLOCK_K=128, STAGES=3, SPLIT_K=1, num_warps=8)
+        return dict(BLOCK_N=8, BLOCK_K=256, STAGES=3, SPLIT_K=1, num_warps=4)
+    if n * k < (12 << 20):
+        return None
+    tiles, split = cdiv(n, 32), 1
+    while 2 * tiles * split < 3 * num_sms and split < 16 and k // (2 * split) >= 1024:
+        split *= 2
+    return dict(BLOCK_N=32, BLOCK_K=128, STAGES=4, SPLIT_K=split, num_warps=8)
+
+
 def prefetch_lines(stages: int, block_k: int, itemsize: int) -> int:
     """128-byte lines a weight row spans over `stages` boxes of block_k, down to a power of two."""
     lines = max(1, stages * block_k * itemsize // 128)
     return 1 << (lines.bit_length() - 1)
 
 
-def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None) -> Tensor:
+def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
+             silu_mul_out: bool = False) -> Tensor:
     """x [1, K] (bf16, fp16 or float32) @ weight [N, K]^T (contiguous, K * itemsize a multiple
-    of 16 bytes) -> y [1, N] in x's dtype, float32 accumulation. config: BLOCK_N, BLOCK_K (each
-    at most 256: one TMA box), STAGES, SPLIT_K, num_warps, PERSISTENT (bool) and
-    PROGRAMS_PER_SM (its grid is min(items, num_sms * PROGRAMS_PER_SM)), PREFETCH_LINES (the L2
-    prefetch before the PDL wait: 0 off; by default the first STAGES boxes under PDL)."""
+    of 16 bytes) -> y [1, N] in x's dtype, float32 accumulation. With `silu_mul_out`, weight
+    is [2N, K] = [gate; up] (a merged gate_up) and y [1, N] = silu_and_mul of the [1, 2N]
+    projection (SPLIT_K 1, not persistent). config: BLOCK_N, BLOCK_K (each at most 256: one
+    TMA box), STAGES, SPLIT_K, num_warps, PERSISTENT (bool) and PROGRAMS_PER_SM (its grid is
+    min(items, num_sms * PROGRAMS_PER_SM)), PREFETCH_LINES (the L2 prefetch before the PDL
+    wait: 0 off; by default the first STAGES boxes under PDL)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv_tma: x must be [1, K], got {list(x.shape)}")
     n, k = weight.shape
+    if silu_mul_out:
+        if n % 2 or cfg["SPLIT_K"] != 1 or cfg.get("PERSISTENT"):
+            raise ValueError("gemv_tma: silu_mul_out takes a [2N, K] gate_up weight, SPLIT_K 1 "
+                             "and no persistent grid")
+        n //= 2
     if x.shape[1] != k:
         raise ValueError(f"gemv_tma: weight is [N, {k}], x gives K={x.shape[1]}")
     if not weight.is_contiguous() or (k * weight.element_size()) % 16 or weight.data_ptr() % 16:
@@ -184,7 +230,7 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None) -> Tensor:
         cfg.pop("num_warps", None)
     tiles = cdiv(n, cfg["BLOCK_N"])
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    desc = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    desc = _descriptor(weight, cfg["BLOCK_N"], cfg["BLOCK_K"])
     if split > 1:
         part = torch.empty(split, n, dtype=torch.float32, device=x.device)  # [S, N]
         counters = arrival_counters(_COUNTERS, x.device, tiles)
@@ -199,5 +245,21 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None) -> Tensor:
         lines = prefetch_lines(cfg["STAGES"], cfg["BLOCK_K"], weight.element_size()) if pdl else 0
     _gemv_tma_kernel[grid](
         x, desc, weight, y, part, counters, n, k, k_per_split, tiles,
-        SPLIT_K=split, PERSISTENT=persistent, PREFETCH_LINES=lines, **pdl_args(pdl), **cfg)
+        SPLIT_K=split, PERSISTENT=persistent, PREFETCH_LINES=lines, SILU_MUL=silu_mul_out,
+        **pdl_args(pdl), **cfg)
     return y
+
+
+_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
+
+
+def _descriptor(weight: Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """The weight's TMA descriptor in [block_n, block_k] boxes, built once per weight and box
+    (weights live as long as the model; a descriptor only records where and how big)."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, block_n, block_k)
+    desc = _DESCRIPTORS.get(key)
+    if desc is None:
+        if len(_DESCRIPTORS) >= 4096:  # each holds its tensor: never more than a model's worth
+            _DESCRIPTORS.clear()
+        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+    return desc

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from krait.ops._dispatch import env, use_triton
 from krait.ops.activation import silu_and_mul
-from krait.ops.gemv import MAX_M, default_config, gemv_triton, norm_one_group
+from krait.ops.gemv import MAX_M, _num_sms, default_config, gemv_triton, norm_one_group
+from krait.ops.gemv_tma import gemv_tma, tma_config
 
 # one-row calls up to this many weight elements go to the GEMV: every projection of the
 # benchmarked models but granite's gate_up (33.5M, which takes the GEMV with its activation
@@ -56,9 +57,29 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
     return n * k <= ROW_GEMV_MAX_ELEMENTS
 
 
+def _tma(x: Tensor, weight: Tensor, bias: Tensor | None,
+         silu_mul_out: bool = False) -> dict | None:
+    """The TMA GEMV's config (krait/ops/gemv_tma.py) for a one-row CUDA call the GEMV serves,
+    where `tma_config` says it streams faster, or None. KRAIT_GEMV_TMA=0 turns it off;
+    =noprefetch drops its L2 prefetch before the PDL wait (A/B knobs)."""
+    mode = env("KRAIT_GEMV_TMA", "1")
+    if (mode == "0" or bias is not None or x.shape[0] != 1 or not x.is_cuda
+            or not weight.is_contiguous() or (weight.shape[1] * weight.element_size()) % 16
+            or weight.data_ptr() % 16):
+        return None
+    cfg = tma_config(weight.shape[0], weight.shape[1], silu_mul_out, _num_sms(x.device))
+    if cfg is not None and mode == "noprefetch":
+        cfg["PREFETCH_LINES"] = 0
+    return cfg
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, through gemv_triton for the decode shapes `_use_gemv` picks."""
+    """F.linear, through gemv_triton (or the TMA GEMV, `_tma`) for the decode shapes
+    `_use_gemv` picks."""
     if _use_gemv(x, weight):
+        cfg = _tma(x, weight, bias)
+        if cfg is not None:
+            return gemv_tma(x, weight, cfg)
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -90,7 +111,11 @@ def silu_mlp(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | No
     up's), down [H, I] -> [T, H]. Decode rows `_use_gate_up_epilogue` picks run the gate_up
     GEMV with the activation in its epilogue, then `linear`; the rest `silu_mul_linear`."""
     if _use_gate_up_epilogue(x, gate_up):
-        act = gemv_triton(x, gate_up, gate_up_bias, silu_mul_out=True)  # [T, I]
+        cfg = _tma(x, gate_up, gate_up_bias, silu_mul_out=True)
+        if cfg is not None:
+            act = gemv_tma(x, gate_up, cfg, silu_mul_out=True)  # [1, I]
+        else:
+            act = gemv_triton(x, gate_up, gate_up_bias, silu_mul_out=True)  # [T, I]
         return linear(act, down, down_bias)
     return silu_mul_linear(linear(x, gate_up, gate_up_bias), down, down_bias)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from krait.ops.gemv_tma import _COUNTERS, gemv_tma, prefetch_lines
+from krait.ops.gemv_tma import _COUNTERS, gemv_tma, prefetch_lines, tma_config
 from tests.ops.sm90 import compile_sm90, sm90_available
 
 
@@ -53,6 +53,42 @@ def test_gemv_tma_default_config():
     torch.testing.assert_close(gemv_tma(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n,k", [(24, 64), (20, 200)])
+def test_gemv_tma_silu_mul_epilogue_matches_gate_up_then_silu_and_mul(n, k):
+    # W = [gate; up] ([2N, K]); N = 20 leaves a partial column tile whose gate box reads up
+    # rows (masked at the store) and whose up box reads zeros past 2N
+    x, w = _inputs(2 * n, k, seed=n)
+    proj = F.linear(x, w)
+    want = F.silu(proj[:, :n]) * proj[:, n:]
+    got = gemv_tma(x, w, config=dict(BLOCK_N=8, BLOCK_K=64, STAGES=2), silu_mul_out=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="silu_mul_out"):
+        gemv_tma(x, w, config=dict(SPLIT_K=2), silu_mul_out=True)
+
+
+def test_tma_config_takes_only_the_shapes_it_won():
+    assert tma_config(2048, 8192)["SPLIT_K"] == 4  # granite down
+    assert tma_config(16384, 2048, silu_mul_out=True)["BLOCK_N"] == 16  # granite gate_up
+    assert tma_config(6144, 1024, silu_mul_out=True) is not None  # qwen3 gate_up
+    for n, k in [(4096, 1024), (1024, 2048), (1024, 3072), (2048, 4096)]:  # lost or even
+        assert tma_config(n, k) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,silu", [(2048, 8192, False), (16384, 2048, True),
+                                      (6144, 1024, True)])
+def test_gemv_tma_real_sizes_gpu(n, k, silu):
+    """granite-micro's down and gate_up, qwen3's gate_up, in bf16 with their dispatch configs
+    (under PDL: the L2 prefetch before the wait), against F.linear (then silu_and_mul)."""
+    x, w = _inputs(n, k, dtype=torch.bfloat16, seed=7)
+    x, w = x.cuda(), w.cuda()
+    for _ in range(2):
+        got = gemv_tma(x, w, tma_config(n, k, silu), silu_mul_out=silu)
+        proj = F.linear(x.float(), w.float())
+        want = F.silu(proj[:, :n // 2]) * proj[:, n // 2:] if silu else proj
+        assert ((got.float() - want).norm() / want.norm()) < 1e-2
+
+
 def test_gemv_tma_rejects_what_tma_cannot_read():
     x, w = _inputs(8, 100, dtype=torch.bfloat16)  # 200-byte rows: not 16-byte aligned
     with pytest.raises(ValueError, match="16-byte"):
@@ -73,12 +109,13 @@ def test_prefetch_lines_cover_the_first_boxes():
 
 
 def _compile(block_n: int, block_k: int, stages: int, num_warps: int, persistent: bool = False,
-             split: int = 1, pdl: bool = True) -> dict:
+             split: int = 1, pdl: bool = True, silu: bool = False) -> dict:
     types = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{block_n}, {block_k}]>", w_ptr="*bf16",
                  y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
     return compile_sm90("krait.ops.gemv_tma", "_gemv_tma_kernel", types, dict(
         SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PERSISTENT=persistent,
-        PDL=pdl, PREFETCH_LINES=prefetch_lines(stages, block_k, 2) if pdl else 0),
+        PDL=pdl, PREFETCH_LINES=prefetch_lines(stages, block_k, 2) if pdl else 0,
+        SILU_MUL=silu),
         num_warps=num_warps)
 
 
@@ -95,3 +132,12 @@ def test_gemv_tma_compiles_to_bulk_copies_without_spills(block_n, block_k, stage
     assert r["bulk_tensor_copies"] > 0 and r["mbarrier_waits"] > 0, r
     # the ring: STAGES - 1 weight boxes in flight while one is read (plus x's small copies)
     assert r["dynamic_shared"] >= (stages - 1) * block_n * block_k * 2, r
+
+
+@pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
+@pytest.mark.parametrize("block_n,block_k,num_warps", [(16, 128, 8), (8, 256, 4)])
+def test_gemv_tma_silu_mul_compiles_without_spills(block_n, block_k, num_warps):
+    # the gate_up configs `tma_config` picks: gate and up boxes side by side in the ring
+    r = _compile(block_n, block_k, 3, num_warps, silu=True)
+    print(f"\ngemv_tma silu sm_90 N{block_n} K{block_k} w{num_warps}: {r}")
+    assert r["local"] == 0 and r["pdl"] and r["bulk_tensor_copies"] > 0, r
