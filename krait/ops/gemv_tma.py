@@ -1,8 +1,10 @@
-"""Prototype: a one-row decode GEMV, y = x @ W^T with x [1, K], that streams W through Hopper's
-TMA (a host-side tensor descriptor) into a STAGES-deep shared-memory ring. The question it
-answers on the H200 (`scripts/bench_gemv.py --tma`): do more bytes in flight per SM, held in
-shared memory rather than registers, beat krait/ops/gemv.py's register prefetch of one tile on
-big shapes? (docs/decode_gemv.md rule 4: a second tile in registers cost occupancy.)
+"""A one-row decode GEMV, y = x @ W^T with x [1, K], that streams W through Hopper's TMA (a
+host-side tensor descriptor) into a STAGES-deep shared-memory ring: more bytes in flight per SM
+than krait/ops/gemv.py's one tile prefetched in registers, at no register cost (docs/decode_gemv.md
+rule 4: a second tile in registers cost occupancy). On the H200 it wins on the big projections
+(session 14, `scripts/bench_gemv.py --tma`, and in the batch-1 chain: krait/ops/linear.py
+`_tma`) and loses on small or narrow ones, where gemv.py's weight load before the PDL wait
+matters more; `tma_config` says which.
 
 Program (n, s) owns BLOCK_N output columns and streams its [BLOCK_N, BLOCK_K] weight boxes
 over the s-th of SPLIT_K slices of K: `tl.range(..., num_stages=STAGES)` lets Triton's
@@ -21,9 +23,10 @@ finishes) instead of draining and refilling the ring per tile.
 PDL: the wait comes before the loop, the late trigger after it. The weight never depends on
 earlier kernels, but a wait inside the loop (first iteration only) does not let the boxes start
 early: the pipeliner also prefetches x (cp.async into shared memory) in its prologue, and x is
-what the previous kernel writes. Instead, with PREFETCH_LINES > 0, the program asks L2 for its
-first STAGES boxes (`prefetch.global.L2`, one per 128-byte line) before the wait, so DRAM
-streams them while the previous kernel drains and the TMA copies after the wait hit L2.
+what the previous kernel writes. With PREFETCH_LINES > 0, the program asks L2 for its first
+STAGES boxes (`prefetch.global.L2`, one per 128-byte line) before the wait, so that DRAM
+streams them while the previous kernel drains; measured slower in the batch-1 chain (session
+14: granite-micro +2.4%, llama-3.2-1b +2.8%, qwen3 +1%), so off unless asked for.
 TMA needs 16-byte aligned rows: K * itemsize % 16 == 0 (K a multiple of 8 in bf16/fp16, of 4 in
 float32); boxes past N or K read zeros.
 """
@@ -202,7 +205,8 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     projection (SPLIT_K 1, not persistent). config: BLOCK_N, BLOCK_K (each at most 256: one
     TMA box), STAGES, SPLIT_K, num_warps, PERSISTENT (bool) and PROGRAMS_PER_SM (its grid is
     min(items, num_sms * PROGRAMS_PER_SM)), PREFETCH_LINES (the L2 prefetch before the PDL
-    wait: 0 off; by default the first STAGES boxes under PDL)."""
+    wait: 0, the default, off; None: the first STAGES boxes under PDL; slower in session 14's
+    batch-1 chains)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv_tma: x must be [1, K], got {list(x.shape)}")
@@ -240,7 +244,7 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     pdl = use_pdl(x)
     # the first STAGES boxes' 128-byte lines, to a power of two (a PDL launch only: the
     # interpreter has no inline assembly)
-    lines = cfg.pop("PREFETCH_LINES", None)
+    lines = cfg.pop("PREFETCH_LINES", 0)
     if lines is None:
         lines = prefetch_lines(cfg["STAGES"], cfg["BLOCK_K"], weight.element_size()) if pdl else 0
     _gemv_tma_kernel[grid](
