@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|early|tma|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -345,17 +345,6 @@ case $what in
       KRAIT_SSU_PREFETCH=0 bench_latency $m "_ssuprefetch0" --batch-sizes 1 --prompt-lens ""
     done
     ;;
-  early)  # session 14 (~7 min): the conv's operands before in_proj's weight loop
-    # (KRAIT_CONV_EARLY) and the state update's inputs loaded at once, at batch 1; the TMA
-    # GEMV prototype against the default GEMV alone (bench_gemv.py --tma); GPU tests first
-    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_selective_state_update.py \
-      tests/ops/test_gemv.py -p no:cacheprovider 2>&1 | tail -3 | tee "$LOG/kernels_early.log"
-    for m in mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_early" --batch-sizes 1 --prompt-lens ""
-      KRAIT_CONV_EARLY=0 bench_latency $m "_early0" --batch-sizes 1 --prompt-lens ""
-    done
-    timeout 280 python3 scripts/bench_gemv.py --tma 2>&1 | grep -v Warn | tee "$LOG/gemv_tma.log"
-    ;;
   tma)  # session 14 (~6 min): the TMA GEMV (krait/ops/gemv_tma.py) for the big one-row
     # projections (granite and llama gate_up and down, qwen3 gate_up) at batch 1, against
     # KRAIT_GEMV_TMA=0 and without its L2 prefetch before the PDL wait; GPU tests first
@@ -368,6 +357,14 @@ case $what in
       KRAIT_GEMV_TMA=noprefetch bench_latency $m "_tmanopf" --batch-sizes 1 --prompt-lens ""
     done
     bench_latency mamba2-1.3b "_ssu" --batch-sizes 1 --prompt-lens ""
+    ;;
+  session14)  # session 14's last call (~10 min): every GPU test, GPU parity, the TMA in_proj
+    # with its conv at batch 1 against KRAIT_GEMV_TMA=noconv, then the targets
+    KERNEL_TIMEOUT=300 run_kernels; run_parity; pack
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      KRAIT_GEMV_TMA=noconv bench_latency $m "_noconv" --batch-sizes 1 --prompt-lens ""
+    done
+    bash "$0" targets
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"
@@ -388,6 +385,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ablate|early|tma|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ablate|tma|session14|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

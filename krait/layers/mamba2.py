@@ -12,7 +12,13 @@ from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.ops.gemv import gemv_triton
-from krait.ops.linear import conv_in_gemv, gated_norm_in_gemv, gated_norm_linear, norm_linear
+from krait.ops.linear import (
+    conv_in_gemv,
+    conv_linear,
+    gated_norm_in_gemv,
+    gated_norm_linear,
+    norm_linear,
+)
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import (
     gated_part_size,
@@ -208,7 +214,7 @@ class Mamba2Mixer(torch.nn.Module):
             proj = norm_linear(x.h, x.parts, x.weight, x.eps, self.in_proj.weight,
                                self.in_proj.bias, conv)
         elif conv is not None:
-            proj = gemv_triton(x, self.in_proj.weight, self.in_proj.bias, conv=conv)
+            proj = conv_linear(x, self.in_proj.weight, self.in_proj.bias, conv)
         else:
             proj = self.in_proj(x)
         return proj.split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)

@@ -374,21 +374,8 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                     device=x.device)  # [M, N]
     if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"gemv_triton: the residual must be [{m}, {n}] with unit stride")
-    conv_args: dict = {}
-    if conv is not None:
-        conv_lo, cw, cb, states, slots, silu = conv
-        width = cw.shape[1]
-        if (m != 1 or residual is not None or silu_mul_out or width & (width - 1)
-                or not 0 <= conv_lo <= n - cw.shape[0] or states.shape[1:] != (cw.shape[0], width - 1)):
-            raise ValueError("gemv_triton: the conv epilogue takes one row, a plain output holding "
-                             "the conv's columns, a power-of-two width and [slots, D, W - 1] "
-                             "states")
-        conv_args = dict(conv_lo=conv_lo, conv_dim=cw.shape[0], slots_ptr=slots, cw_ptr=cw,
-                         cb_ptr=cb if cb is not None else cw, cs_ptr=states,
-                         stride_cw_d=cw.stride(0), stride_cw_k=cw.stride(1),
-                         stride_cs_slot=states.stride(0), stride_cs_d=states.stride(1),
-                         stride_cs_k=states.stride(2), CONV_WIDTH=width,
-                         CONV_BIAS=cb is not None, CONV_SILU=bool(silu))
+    conv_kwargs = {} if conv is None else conv_args(
+        conv, m, n, residual is not None or silu_mul_out)
     if m == 0 or n == 0:
         return y if residual is None else (y, torch.zeros(m, tiles, device=x.device))
     cfg.setdefault("SPLIT_K", 1)
@@ -417,9 +404,28 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         TRIGGER_LATE=pdl and env("KRAIT_PDL_TRIGGER") != "early",
         EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else
                                                 (CONV if conv is not None else PLAIN)),
-        **norm_args, **res_args, **conv_args, **pdl_args(pdl), **cfg,
+        **norm_args, **res_args, **conv_kwargs, **pdl_args(pdl), **cfg,
     )
     return y if residual is None else (y, rparts)
+
+
+def conv_args(conv: tuple, m: int, n: int, other_epilogue: bool) -> dict:
+    """The CONV epilogue's kernel arguments from `conv` = (conv_lo, conv weight [D, W], conv
+    bias [D] or None, conv states [slots, D, W - 1], slots int32 [>= 1], silu) for an output
+    of m rows and n columns; a ValueError where the epilogue cannot serve the call (several
+    rows, another epilogue, a width not a power of two, columns or states out of shape)."""
+    conv_lo, cw, cb, states, slots, silu = conv
+    width = cw.shape[1]
+    if (m != 1 or other_epilogue or width & (width - 1)
+            or not 0 <= conv_lo <= n - cw.shape[0] or states.shape[1:] != (cw.shape[0], width - 1)):
+        raise ValueError("the conv epilogue takes one row, a plain output holding the conv's "
+                         "columns, a power-of-two width and [slots, D, W - 1] states")
+    return dict(conv_lo=conv_lo, conv_dim=cw.shape[0], slots_ptr=slots, cw_ptr=cw,
+                cb_ptr=cb if cb is not None else cw, cs_ptr=states,
+                stride_cw_d=cw.stride(0), stride_cw_k=cw.stride(1),
+                stride_cs_slot=states.stride(0), stride_cs_d=states.stride(1),
+                stride_cs_k=states.stride(2), CONV_WIDTH=width,
+                CONV_BIAS=cb is not None, CONV_SILU=bool(silu))
 
 
 def norm_one_group(k: int, group_size: int, cfg: dict[str, int]) -> bool:

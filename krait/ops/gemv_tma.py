@@ -41,6 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from krait.ops._dispatch import cdiv
 from krait.ops.arrival import arrival_counters
+from krait.ops.gemv import _conv_tile, conv_args
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
@@ -100,13 +101,19 @@ def _gemv_tma_kernel(
     N, K, k_per_split, tiles,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr = 0, SILU_MUL: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 0, SILU_MUL: tl.constexpr = False, CONV: tl.constexpr = False,
+    conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None,
+    stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
+    CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
+    CONV_SILU: tl.constexpr = False,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
     (w_ptr: the same weight, for the L2 prefetch only). SILU_MUL (SPLIT_K 1, not persistent):
     W is [2N, K] = [gate; up] and y = silu(x @ gate^T) * (x @ up^T), each half rounded to y's
     dtype first as a gate_up GEMM and silu_and_mul would; each program streams its columns'
-    gate and up boxes side by side."""
+    gate and up boxes side by side. CONV (SPLIT_K 1, not persistent): the output columns
+    [conv_lo, conv_lo + conv_dim) go through a causal conv's decode step on the row's slot, as
+    krait/ops/gemv.py's CONV epilogue (`gemv_triton(conv=...)`) does."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -136,8 +143,17 @@ def _gemv_tma_kernel(
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
                 acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
             pdl_trigger(PDL)
-            _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
-                        count_ptr, N, SPLIT_K, BLOCK_N)
+            if CONV:
+                offs_n = n0 + offs_n0
+                n_ok = offs_n < N
+                val = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)[None, :]  # [1, BLOCK_N]
+                val = _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr,
+                                 cb_ptr, cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot,
+                                 stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
+                tl.store(y_ptr + offs_n[None, :], val, mask=n_ok[None, :])
+            else:
+                _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
+                            count_ptr, N, SPLIT_K, BLOCK_N)
     else:
         # items: (column tile, slice) pairs, item = pid_k * tiles + pid_n; this program takes
         # items pid, pid + nprog, ... and streams each over k_per_split / BLOCK_K boxes (the
@@ -185,7 +201,9 @@ def tma_config(n: int, k: int, silu_mul_out: bool = False,
         return dict(BLOCK_N=8, BLOCK_K=256, STAGES=3, SPLIT_K=1, num_warps=4)
     if n * k < (12 << 20):
         return None
-    tiles, split = cdiv(n, 32), 1
+    if 2 * cdiv(n, 16) >= 3 * num_sms:  # wide (mamba2 in_proj: 11.6 -> 11.0 alone)
+        return dict(BLOCK_N=16, BLOCK_K=256, STAGES=3, SPLIT_K=1, num_warps=4)
+    tiles, split = cdiv(n, 32), 1  # narrow and deep (granite down): K split
     while 2 * tiles * split < 3 * num_sms and split < 16 and k // (2 * split) >= 1024:
         split *= 2
     return dict(BLOCK_N=32, BLOCK_K=128, STAGES=4, SPLIT_K=split, num_warps=8)
@@ -198,7 +216,7 @@ def prefetch_lines(stages: int, block_k: int, itemsize: int) -> int:
 
 
 def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
-             silu_mul_out: bool = False) -> Tensor:
+             silu_mul_out: bool = False, conv: tuple | None = None) -> Tensor:
     """x [1, K] (bf16, fp16 or float32) @ weight [N, K]^T (contiguous, K * itemsize a multiple
     of 16 bytes) -> y [1, N] in x's dtype, float32 accumulation. With `silu_mul_out`, weight
     is [2N, K] = [gate; up] (a merged gate_up) and y [1, N] = silu_and_mul of the [1, 2N]
@@ -206,7 +224,8 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     TMA box), STAGES, SPLIT_K, num_warps, PERSISTENT (bool) and PROGRAMS_PER_SM (its grid is
     min(items, num_sms * PROGRAMS_PER_SM)), PREFETCH_LINES (the L2 prefetch before the PDL
     wait: 0, the default, off; None: the first STAGES boxes under PDL; slower in session 14's
-    batch-1 chains)."""
+    batch-1 chains). `conv`: as `gemv_triton(conv=...)` (a Mamba in_proj's conv in the
+    epilogue; SPLIT_K 1, not persistent)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv_tma: x must be [1, K], got {list(x.shape)}")
@@ -216,6 +235,12 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
             raise ValueError("gemv_tma: silu_mul_out takes a [2N, K] gate_up weight, SPLIT_K 1 "
                              "and no persistent grid")
         n //= 2
+    extra: dict = {}
+    if conv is not None:
+        if cfg["SPLIT_K"] != 1 or cfg.get("PERSISTENT") or silu_mul_out:
+            raise ValueError("gemv_tma: the conv epilogue takes SPLIT_K 1, no persistent grid "
+                             "and a plain output")
+        extra = dict(conv_args(conv, x.shape[0], n, False), CONV=True)
     if x.shape[1] != k:
         raise ValueError(f"gemv_tma: weight is [N, {k}], x gives K={x.shape[1]}")
     if not weight.is_contiguous() or (k * weight.element_size()) % 16 or weight.data_ptr() % 16:
@@ -250,7 +275,7 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     _gemv_tma_kernel[grid](
         x, desc, weight, y, part, counters, n, k, k_per_split, tiles,
         SPLIT_K=split, PERSISTENT=persistent, PREFETCH_LINES=lines, SILU_MUL=silu_mul_out,
-        **pdl_args(pdl), **cfg)
+        **extra, **pdl_args(pdl), **cfg)
     return y
 
 

@@ -86,6 +86,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def conv_linear(x: Tensor, weight: Tensor, bias: Tensor | None, conv: tuple) -> Tensor:
+    """A one-row Mamba in_proj with its conv in the epilogue (`gemv_triton(conv=...)`), through
+    the TMA GEMV where `_tma` picks it (KRAIT_GEMV_TMA=noconv keeps this one on gemv.py)."""
+    cfg = _tma(x, weight, bias)
+    if cfg is not None and cfg["SPLIT_K"] == 1 and env("KRAIT_GEMV_TMA") != "noconv":
+        return gemv_tma(x, weight, cfg, conv=conv)
+    return gemv_triton(x, weight, bias, conv=conv)
+
+
 def silu_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """linear(silu_and_mul(x)) for x [T, 2I]: one fused launch for the decode shapes
     `_use_gemv` picks."""

@@ -66,12 +66,69 @@ def test_gemv_tma_silu_mul_epilogue_matches_gate_up_then_silu_and_mul(n, k):
         gemv_tma(x, w, config=dict(SPLIT_K=2), silu_mul_out=True)
 
 
+@pytest.mark.parametrize("slot", [2, -1])
+def test_gemv_tma_conv_epilogue_matches_projection_then_conv_update(slot):
+    """A Mamba in_proj's xBC columns through the causal conv's decode step in the epilogue:
+    equal to F.linear then causal_conv1d_update, the slot's state shifted the same way, the
+    other slots (every slot for a padding row, slot -1) untouched."""
+    from krait.ops.causal_conv1d import causal_conv1d_update_ref
+
+    g_ = torch.Generator().manual_seed(52)
+    k, lo, dim, tail, width = 64, 12, 20, 6, 4
+    n = lo + dim + tail  # [gate | xBC | dt]-like columns
+    x = torch.randn(1, k, generator=g_)
+    w = torch.randn(n, k, generator=g_) / k**0.5
+    cw = torch.randn(dim, width, generator=g_)
+    cb = torch.randn(dim, generator=g_)
+    states = torch.randn(3, dim, width - 1, generator=g_)
+    slots = torch.tensor([slot], dtype=torch.int32)
+    want_states = states.clone()
+    proj = F.linear(x, w)
+    want = proj.clone()
+    conv_out = causal_conv1d_update_ref(proj[:, lo:lo + dim], want_states, cw, cb, slots, "silu")
+    if slot >= 0:
+        want[:, lo:lo + dim] = conv_out
+    got = gemv_tma(x, w, config=dict(BLOCK_N=8, BLOCK_K=32, STAGES=2),
+                   conv=(lo, cw, cb, states, slots, True))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)
+    others = [i for i in range(3) if i != slot]
+    assert torch.equal(states[others], want_states[others])
+    with pytest.raises(ValueError, match="conv epilogue"):
+        gemv_tma(x, w, config=dict(SPLIT_K=2), conv=(lo, cw, cb, states, slots, True))
+
+
 def test_tma_config_takes_only_the_shapes_it_won():
     assert tma_config(2048, 8192)["SPLIT_K"] == 4  # granite down
     assert tma_config(16384, 2048, silu_mul_out=True)["BLOCK_N"] == 16  # granite gate_up
     assert tma_config(6144, 1024, silu_mul_out=True) is not None  # qwen3 gate_up
+    assert tma_config(8512, 2048) == dict(BLOCK_N=16, BLOCK_K=256, STAGES=3, SPLIT_K=1,
+                                          num_warps=4)  # mamba2 in_proj
     for n, k in [(4096, 1024), (1024, 2048), (1024, 3072), (2048, 4096)]:  # lost or even
         assert tma_config(n, k) is None
+
+
+@pytest.mark.gpu
+def test_gemv_tma_conv_epilogue_real_sizes_gpu():
+    """mamba2-1.3b's in_proj in bf16 through TMA with its xBC through the conv in the
+    epilogue, against gemv.py's conv epilogue (outputs and the conv state)."""
+    from krait.ops.gemv import gemv_triton
+
+    g_ = torch.Generator().manual_seed(9)
+    hidden, inter, conv_dim, heads = 2048, 4096, 4096 + 2 * 128, 64
+    n = inter + conv_dim + heads
+    x = torch.randn(1, hidden, generator=g_).cuda().bfloat16()
+    w = (torch.randn(n, hidden, generator=g_) / hidden**0.5).cuda().bfloat16()
+    cw = torch.randn(conv_dim, 4, generator=g_).cuda().bfloat16()
+    cb = torch.randn(conv_dim, generator=g_).cuda().bfloat16()
+    states = torch.randn(4, conv_dim, 3, generator=g_).cuda().bfloat16()
+    slots = torch.tensor([2], dtype=torch.int32, device="cuda")
+    want_states = states.clone()
+    want = gemv_triton(x, w, conv=(inter, cw, cb, want_states, slots, True)).float()
+    got = gemv_tma(x, w, tma_config(n, hidden), conv=(inter, cw, cb, states, slots, True))
+    assert ((got.float() - want).norm() / want.norm()) < 1e-2
+    assert ((states.float() - want_states.float()).norm() / want_states.float().norm()) < 1e-2
+    assert torch.equal(states[[0, 1, 3]], want_states[[0, 1, 3]])
 
 
 @pytest.mark.gpu
@@ -109,13 +166,14 @@ def test_prefetch_lines_cover_the_first_boxes():
 
 
 def _compile(block_n: int, block_k: int, stages: int, num_warps: int, persistent: bool = False,
-             split: int = 1, pdl: bool = True, silu: bool = False) -> dict:
+             split: int = 1, pdl: bool = True, silu: bool = False, conv: bool = False) -> dict:
     types = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{block_n}, {block_k}]>", w_ptr="*bf16",
-                 y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32")
+                 y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", slots_ptr="*i32",
+                 cw_ptr="*bf16", cb_ptr="*bf16", cs_ptr="*bf16")
     return compile_sm90("krait.ops.gemv_tma", "_gemv_tma_kernel", types, dict(
         SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PERSISTENT=persistent,
         PDL=pdl, PREFETCH_LINES=prefetch_lines(stages, block_k, 2) if pdl else 0,
-        SILU_MUL=silu),
+        SILU_MUL=silu, CONV=conv, CONV_WIDTH=4, CONV_BIAS=conv, CONV_SILU=conv),
         num_warps=num_warps)
 
 
@@ -140,4 +198,12 @@ def test_gemv_tma_silu_mul_compiles_without_spills(block_n, block_k, num_warps):
     # the gate_up configs `tma_config` picks: gate and up boxes side by side in the ring
     r = _compile(block_n, block_k, 3, num_warps, silu=True)
     print(f"\ngemv_tma silu sm_90 N{block_n} K{block_k} w{num_warps}: {r}")
+    assert r["local"] == 0 and r["pdl"] and r["bulk_tensor_copies"] > 0, r
+
+
+@pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
+def test_gemv_tma_conv_epilogue_compiles_without_spills():
+    # mamba2's in_proj config with the conv in the epilogue
+    r = _compile(16, 256, 3, 4, conv=True)
+    print(f"\ngemv_tma conv sm_90: {r}")
     assert r["local"] == 0 and r["pdl"] and r["bulk_tensor_copies"] > 0, r
