@@ -146,7 +146,7 @@ def tma_shared_bytes(cfg: dict, itemsize: int = 2) -> int:
 
 
 def tma_configs(n: int, k: int, num_sms: int = 132) -> list[dict]:
-    """The non-persistent gemv_tma configs for shape (N, K): the grid less rings over
+    """The gemv_tma configs for shape (N, K): the grid less rings over
     TMA_MAX_SHARED and boxes wider than K; each split over K as the default GEMV splits
     (while its slices stream more than 2048 columns and its tiles cover the SMs fewer than four
     times) and also while its wider tiles number fewer than the SMs, at least two boxes a
@@ -164,9 +164,9 @@ def tma_configs(n: int, k: int, num_sms: int = 132) -> list[dict]:
 
 
 def tma() -> None:
-    """One row: the default GEMV against gemv_tma. Every non-persistent config of tma_configs,
-    then the three fastest persistent (1, 2 or 4 programs an SM) and the fastest without its L2
-    prefetch before the PDL wait. Configs that fail to compile or give wrong results are
+    """One row: the default GEMV against gemv_tma. Every config of tma_configs, then the fastest
+    with its L2 prefetch before the PDL wait (session 14 also tried a persistent grid on the
+    three fastest: never the best, removed). Configs that fail to compile or give wrong results are
     printed and skipped."""
     if not torch.cuda.is_available():
         for name, (n, k) in SHAPES.items():
@@ -207,12 +207,6 @@ def tma() -> None:
             return time_us(lambda w: gemv_tma(x, w, config=cfg), weights)
 
         timed = [(t, c) for c in tma_configs(n, k, num_sms) if (t := run(c)) is not None]
-        timed.sort(key=lambda tc: tc[0])
-        for _, c in timed[:3]:
-            for per_sm in (1, 2, 4):
-                cfg = dict(c, PERSISTENT=True, PROGRAMS_PER_SM=per_sm)
-                if (t := run(cfg)) is not None:
-                    timed.append((t, cfg))
         timed.sort(key=lambda tc: tc[0])
         if not timed:
             print(f"{name:16} no TMA config ran", flush=True)

@@ -288,7 +288,8 @@ def _gemv_kernel(
                         CONV_SILU, res_scale, SCALE_RES)
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (4 off CUDA: the interpreter's small grids)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
@@ -365,7 +366,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     weight = _rowwise(weight)
     # each program of the epilogue streams its tile's gate rows and up rows: sized as a tile of
     # twice the rows
-    cfg = dict(config or default_config(m, rows, k, _num_sms(x.device)))
+    cfg = dict(config or default_config(m, rows, k, num_sms(x.device)))
     if norm is not None and (group_size % cfg["BLOCK_K"] or group_size % part_size):
         raise ValueError(f"gemv_triton: norm groups of {group_size} channels need a multiple "
                          f"of BLOCK_K ({cfg['BLOCK_K']}) and of the partials' {part_size}")

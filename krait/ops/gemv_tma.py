@@ -15,11 +15,6 @@ elementwise in float32 and K is reduced once after the loop. SPLIT_K > 1 reduces
 its partials and bumps a per-tile counter, the last to arrive adds them in slice order
 (deterministic), writes y and resets the counter (one launch, graph-safe).
 
-PERSISTENT: grid = min(items, num_sms * PROGRAMS_PER_SM), items = column tiles x slices; each
-program walks its items in one flattened loop over (item, K tile), so the pipeliner keeps loads
-in flight across item boundaries (the next item's first boxes are fetched while the current one
-finishes) instead of draining and refilling the ring per tile.
-
 PDL: the wait comes before the loop, the late trigger after it. The weight never depends on
 earlier kernels, but a wait inside the loop (first iteration only) does not let the boxes start
 early: the pipeliner also prefetches x (cp.async into shared memory) in its prologue, and x is
@@ -76,7 +71,7 @@ def _write_tile(dots, pid_n, pid_k, offs_n, y_ptr, part_ptr, count_ptr, N,
         arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: orders the store above
         if arrived == SPLIT_K - 1:  # the last slice of this tile to finish sums them all
             total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # unrolled: the persistent loop stays innermost
+            for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptr + s * N + offs_n, mask=n_ok, other=0.0,
                                  cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
@@ -98,9 +93,9 @@ def _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N: tl.constexpr, LINES: tl.constex
 @triton.jit
 def _gemv_tma_kernel(
     x_ptr, w_desc, w_ptr, y_ptr, part_ptr, count_ptr,
-    N, K, k_per_split, tiles,
+    N, K, k_per_split,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr = 0, SILU_MUL: tl.constexpr = False, CONV: tl.constexpr = False,
     conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None,
     stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
@@ -108,82 +103,51 @@ def _gemv_tma_kernel(
     CONV_SILU: tl.constexpr = False,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
-    (w_ptr: the same weight, for the L2 prefetch only). SILU_MUL (SPLIT_K 1, not persistent):
+    (w_ptr: the same weight, for the L2 prefetch only). SILU_MUL (SPLIT_K 1):
     W is [2N, K] = [gate; up] and y = silu(x @ gate^T) * (x @ up^T), each half rounded to y's
     dtype first as a gate_up GEMM and silu_and_mul would; each program streams its columns'
-    gate and up boxes side by side. CONV (SPLIT_K 1, not persistent): the output columns
+    gate and up boxes side by side. CONV (SPLIT_K 1): the output columns
     [conv_lo, conv_lo + conv_dim) go through a causal conv's decode step on the row's slot, as
     krait/ops/gemv.py's CONV epilogue (`gemv_triton(conv=...)`) does."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if not PERSISTENT:
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        n0 = pid_n * BLOCK_N
-        k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        if PREFETCH_LINES > 0:
-            _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N, PREFETCH_LINES)
-            if SILU_MUL:
-                _prefetch_l2(w_ptr, N + n0, k_lo, 2 * N, K, BLOCK_N, PREFETCH_LINES)
-        pdl_wait(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PREFETCH_LINES > 0:
+        _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N, PREFETCH_LINES)
         if SILU_MUL:
-            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-                acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
-                acc_up = _tile_dots(w_desc, x_ptr, N + n0, k0, acc_up, K, offs_n0, offs_k)
-            pdl_trigger(PDL)
-            dt = y_ptr.dtype.element_ty
-            g = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-            up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
-            tl.store(y_ptr + n0 + offs_n0, (g / (1.0 + tl.exp(-g)) * up).to(dt),
-                     mask=n0 + offs_n0 < N)
-        else:
-            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-                acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
-            pdl_trigger(PDL)
-            if CONV:
-                offs_n = n0 + offs_n0
-                n_ok = offs_n < N
-                val = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)[None, :]  # [1, BLOCK_N]
-                val = _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr,
-                                 cb_ptr, cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot,
-                                 stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
-                tl.store(y_ptr + offs_n[None, :], val, mask=n_ok[None, :])
-            else:
-                _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
-                            count_ptr, N, SPLIT_K, BLOCK_N)
-    else:
-        # items: (column tile, slice) pairs, item = pid_k * tiles + pid_n; this program takes
-        # items pid, pid + nprog, ... and streams each over k_per_split / BLOCK_K boxes (the
-        # last slice's boxes past K read zeros) in one loop: the pipeline runs across items
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        k_steps = k_per_split // BLOCK_K
-        mine = tl.cdiv(tiles * SPLIT_K - pid, nprog)
-        if PREFETCH_LINES > 0:
-            _prefetch_l2(w_ptr, (pid % tiles) * BLOCK_N, (pid // tiles) * k_per_split, N, K,
-                         BLOCK_N, PREFETCH_LINES)
-        pdl_wait(PDL)
-        for i in tl.range(0, mine * k_steps, num_stages=STAGES):
-            item = pid + (i // k_steps) * nprog
-            step = i % k_steps
-            pid_n = item % tiles
-            pid_k = item // tiles
-            acc = _tile_dots(w_desc, x_ptr, pid_n * BLOCK_N, pid_k * k_per_split +
-                             step * BLOCK_K, acc, K, offs_n0, offs_k)
-            if step == k_steps - 1:  # the item's last box: write its dots, start the next
-                _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, pid_n * BLOCK_N + offs_n0,
-                            y_ptr, part_ptr, count_ptr, N, SPLIT_K, BLOCK_N)
-                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            _prefetch_l2(w_ptr, N + n0, k_lo, 2 * N, K, BLOCK_N, PREFETCH_LINES)
+    pdl_wait(PDL)
+    if SILU_MUL:
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
+            acc_up = _tile_dots(w_desc, x_ptr, N + n0, k0, acc_up, K, offs_n0, offs_k)
         pdl_trigger(PDL)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+        dt = y_ptr.dtype.element_ty
+        g = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+        tl.store(y_ptr + n0 + offs_n0, (g / (1.0 + tl.exp(-g)) * up).to(dt),
+                 mask=n0 + offs_n0 < N)
+    else:
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+            acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
+        pdl_trigger(PDL)
+        if CONV:
+            offs_n = n0 + offs_n0
+            n_ok = offs_n < N
+            val = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)[None, :]  # [1, BLOCK_N]
+            val = _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr,
+                             cb_ptr, cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot,
+                             stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
+            tl.store(y_ptr + offs_n[None, :], val, mask=n_ok[None, :])
+        else:
+            _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
+                        count_ptr, N, SPLIT_K, BLOCK_N)
 
 
 def tma_config(n: int, k: int, silu_mul_out: bool = False,
@@ -220,26 +184,25 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     """x [1, K] (bf16, fp16 or float32) @ weight [N, K]^T (contiguous, K * itemsize a multiple
     of 16 bytes) -> y [1, N] in x's dtype, float32 accumulation. With `silu_mul_out`, weight
     is [2N, K] = [gate; up] (a merged gate_up) and y [1, N] = silu_and_mul of the [1, 2N]
-    projection (SPLIT_K 1, not persistent). config: BLOCK_N, BLOCK_K (each at most 256: one
-    TMA box), STAGES, SPLIT_K, num_warps, PERSISTENT (bool) and PROGRAMS_PER_SM (its grid is
-    min(items, num_sms * PROGRAMS_PER_SM)), PREFETCH_LINES (the L2 prefetch before the PDL
-    wait: 0, the default, off; None: the first STAGES boxes under PDL; slower in session 14's
-    batch-1 chains). `conv`: as `gemv_triton(conv=...)` (a Mamba in_proj's conv in the
-    epilogue; SPLIT_K 1, not persistent)."""
+    projection (SPLIT_K 1). config: BLOCK_N, BLOCK_K (each at most 256: one TMA box), STAGES,
+    SPLIT_K, num_warps, PREFETCH_LINES (the L2 prefetch before the PDL wait: 0, the default,
+    off; None: the first STAGES boxes under PDL; slower in session 14's batch-1 chains).
+    `conv`: as `gemv_triton(conv=...)` (a Mamba in_proj's conv in the epilogue; SPLIT_K 1).
+    A persistent grid (each program walking several column tiles in one pipelined loop) was
+    never the fastest config in session 14's sweep and was removed."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv_tma: x must be [1, K], got {list(x.shape)}")
     n, k = weight.shape
     if silu_mul_out:
-        if n % 2 or cfg["SPLIT_K"] != 1 or cfg.get("PERSISTENT"):
-            raise ValueError("gemv_tma: silu_mul_out takes a [2N, K] gate_up weight, SPLIT_K 1 "
-                             "and no persistent grid")
+        if n % 2 or cfg["SPLIT_K"] != 1:
+            raise ValueError("gemv_tma: silu_mul_out takes a [2N, K] gate_up weight and "
+                             "SPLIT_K 1")
         n //= 2
     extra: dict = {}
     if conv is not None:
-        if cfg["SPLIT_K"] != 1 or cfg.get("PERSISTENT") or silu_mul_out:
-            raise ValueError("gemv_tma: the conv epilogue takes SPLIT_K 1, no persistent grid "
-                             "and a plain output")
+        if cfg["SPLIT_K"] != 1 or silu_mul_out:
+            raise ValueError("gemv_tma: the conv epilogue takes SPLIT_K 1 and a plain output")
         extra = dict(conv_args(conv, x.shape[0], n, False), CONV=True)
     if x.shape[1] != k:
         raise ValueError(f"gemv_tma: weight is [N, {k}], x gives K={x.shape[1]}")
@@ -253,8 +216,6 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     if n == 0:
         return y
     split = cfg.pop("SPLIT_K")
-    persistent = bool(cfg.pop("PERSISTENT", False))
-    per_sm = cfg.pop("PROGRAMS_PER_SM", 4)
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     tiles = cdiv(n, cfg["BLOCK_N"])
@@ -265,16 +226,15 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
         counters = arrival_counters(_COUNTERS, x.device, tiles)
     else:
         part = counters = y
-    grid = (min(tiles * split, _num_sms(x.device) * per_sm),) if persistent else (tiles, split)
     pdl = use_pdl(x)
     # the first STAGES boxes' 128-byte lines, to a power of two (a PDL launch only: the
     # interpreter has no inline assembly)
     lines = cfg.pop("PREFETCH_LINES", 0)
     if lines is None:
         lines = prefetch_lines(cfg["STAGES"], cfg["BLOCK_K"], weight.element_size()) if pdl else 0
-    _gemv_tma_kernel[grid](
-        x, desc, weight, y, part, counters, n, k, k_per_split, tiles,
-        SPLIT_K=split, PERSISTENT=persistent, PREFETCH_LINES=lines, SILU_MUL=silu_mul_out,
+    _gemv_tma_kernel[(tiles, split)](
+        x, desc, weight, y, part, counters, n, k, k_per_split,
+        SPLIT_K=split, PREFETCH_LINES=lines, SILU_MUL=silu_mul_out,
         **extra, **pdl_args(pdl), **cfg)
     return y
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import env, use_triton
 from krait.ops.activation import silu_and_mul
-from krait.ops.gemv import MAX_M, _num_sms, default_config, gemv_triton, norm_one_group
+from krait.ops.gemv import MAX_M, default_config, gemv_triton, norm_one_group, num_sms
 from krait.ops.gemv_tma import gemv_tma, tma_config
 
 # one-row calls up to this many weight elements go to the GEMV: every projection of the
@@ -69,7 +69,7 @@ def _tma(x: Tensor, weight: Tensor, bias: Tensor | None,
             or not weight.is_contiguous() or (weight.shape[1] * weight.element_size()) % 16
             or weight.data_ptr() % 16):
         return None
-    cfg = tma_config(weight.shape[0], weight.shape[1], silu_mul_out, _num_sms(x.device))
+    cfg = tma_config(weight.shape[0], weight.shape[1], silu_mul_out, num_sms(x.device))
     if cfg is not None and mode == "prefetch":
         cfg["PREFETCH_LINES"] = None
     return cfg

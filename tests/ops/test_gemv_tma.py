@@ -1,5 +1,6 @@
 """The TMA-streamed one-row GEMV prototype (krait/ops/gemv_tma.py) against F.linear in the
-interpreter (tensor descriptors, `tl.range(num_stages=...)`, split K and the persistent loop),
+interpreter (tensor descriptors, `tl.range(num_stages=...)`, split K, the silu-and-mul and conv
+epilogues),
 and its sm_90 compile: TMA bulk copies in the PTX, nothing spilled."""
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ def _inputs(n: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 0):
 VARIANTS = {
     "plain": dict(BLOCK_N=8, BLOCK_K=64, STAGES=3),
     "split": dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=3),
-    "persistent": dict(BLOCK_N=8, BLOCK_K=64, STAGES=4, PERSISTENT=True, PROGRAMS_PER_SM=1),
-    "persistent_split": dict(BLOCK_N=8, BLOCK_K=32, STAGES=3, SPLIT_K=2, PERSISTENT=True,
-                             PROGRAMS_PER_SM=1),
+    "split2": dict(BLOCK_N=8, BLOCK_K=32, STAGES=3, SPLIT_K=2),
 }
 
 
@@ -32,7 +31,7 @@ VARIANTS = {
 @pytest.mark.parametrize("n,k", [(40, 96), (17, 200), (64, 64), (9, 1000), (33, 8)])
 def test_gemv_tma_matches_linear(variant, n, k):
     # K past the last whole tile (200, 1000, 8) reads zeros from the descriptor; N past the last
-    # column tile too; the persistent grid (4 "SMs" on the CPU) walks several items a program
+    # column tile too
     x, w = _inputs(n, k, seed=n + k)
     for _ in range(2):  # split K: the second launch finds the counters back at zero
         torch.testing.assert_close(gemv_tma(x, w, config=VARIANTS[variant]), F.linear(x, w),
@@ -165,27 +164,26 @@ def test_prefetch_lines_cover_the_first_boxes():
     assert prefetch_lines(2, 32, 2) == 1
 
 
-def _compile(block_n: int, block_k: int, stages: int, num_warps: int, persistent: bool = False,
+def _compile(block_n: int, block_k: int, stages: int, num_warps: int,
              split: int = 1, pdl: bool = True, silu: bool = False, conv: bool = False) -> dict:
     types = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{block_n}, {block_k}]>", w_ptr="*bf16",
                  y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", slots_ptr="*i32",
                  cw_ptr="*bf16", cb_ptr="*bf16", cs_ptr="*bf16")
     return compile_sm90("krait.ops.gemv_tma", "_gemv_tma_kernel", types, dict(
-        SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PERSISTENT=persistent,
+        SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         PDL=pdl, PREFETCH_LINES=prefetch_lines(stages, block_k, 2) if pdl else 0,
         SILU_MUL=silu, CONV=conv, CONV_WIDTH=4, CONV_BIAS=conv, CONV_SILU=conv),
         num_warps=num_warps)
 
 
 @pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
-@pytest.mark.parametrize("block_n,block_k,stages,num_warps,persistent,split", [
-    (8, 256, 4, 4, False, 1), (16, 256, 4, 4, False, 2), (32, 128, 6, 8, False, 1),
-    (32, 256, 3, 8, False, 1), (16, 256, 4, 4, True, 1), (16, 128, 4, 8, True, 2)])
+@pytest.mark.parametrize("block_n,block_k,stages,num_warps,split", [
+    (8, 256, 4, 4, 1), (16, 256, 4, 4, 2), (32, 128, 6, 8, 1), (32, 256, 3, 8, 1),
+    (16, 256, 3, 4, 1), (32, 128, 4, 8, 4)])
 def test_gemv_tma_compiles_to_bulk_copies_without_spills(block_n, block_k, stages, num_warps,
-                                                         persistent, split):
-    r = _compile(block_n, block_k, stages, num_warps, persistent, split)
-    print(f"\ngemv_tma sm_90 N{block_n} K{block_k} S{stages} w{num_warps} "
-          f"persistent={persistent} split={split}: {r}")
+                                                         split):
+    r = _compile(block_n, block_k, stages, num_warps, split)
+    print(f"\ngemv_tma sm_90 N{block_n} K{block_k} S{stages} w{num_warps} split={split}: {r}")
     assert r["local"] == 0 and r["pdl"], r
     assert r["bulk_tensor_copies"] > 0 and r["mbarrier_waits"] > 0, r
     # the ring: STAGES - 1 weight boxes in flight while one is read (plus x's small copies)
