@@ -59,14 +59,13 @@ def _use_gemv(x: Tensor, weight: Tensor) -> bool:
 
 def _tma(x: Tensor, weight: Tensor, bias: Tensor | None,
          silu_mul_out: bool = False) -> dict | None:
-    """The TMA GEMV's config (krait/ops/gemv_tma.py) for a one-row CUDA call the GEMV serves,
+    """The TMA GEMV's config (krait/ops/gemv_tma.py) for a one-row call the GEMV serves,
     where `tma_config` says it streams faster, or None. KRAIT_GEMV_TMA=0 turns it off;
     =prefetch adds its L2 prefetch before the PDL wait (A/B knobs). H200, session 14, batch-1
     graph ms off -> on: granite-micro 2.427 -> 2.287, llama-3.2-1b 0.998 -> 0.930, qwen3
     0.964 -> 0.943 (with the prefetch: 2.341, 0.956, 0.952)."""
     mode = env("KRAIT_GEMV_TMA", "1")
-    if (mode == "0" or bias is not None or x.shape[0] != 1 or not x.is_cuda
-            or not weight.is_contiguous() or (weight.shape[1] * weight.element_size()) % 16
+    if (mode == "0" or bias is not None or x.shape[0] != 1 or not weight.is_contiguous() or (weight.shape[1] * weight.element_size()) % 16
             or weight.data_ptr() % 16):
         return None
     cfg = tma_config(weight.shape[0], weight.shape[1], silu_mul_out, num_sms(x.device))

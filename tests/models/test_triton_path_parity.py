@@ -16,10 +16,25 @@ NUM_TOKENS = 12
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv",
-                                  "mamba2+gemv", "granitemoehybrid+routes", "nemotronh+routes"])
+                                  "mamba2+gemv", "granitemoehybrid+routes", "nemotronh+routes",
+                                  "qwen3+tma", "mamba2+tma"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
-    engine_args, routes_ran = {}, []
+    engine_args, routes_ran, tma_ran = {}, [], []
+    if arch.endswith("+tma"):  # one-row decode projections through the TMA GEMV: its
+        # thresholds (millions of elements) lowered to the tiny models' weights, every form
+        # (plain, gate_up with silu-and-mul, Mamba in_proj with the conv) asserted to run
+        prompts, num_tokens = PROMPTS[:2], 8
+        arch = arch.removesuffix("+tma")
+        engine_args["max_num_seqs"] = 1
+        import krait.ops.linear as linear_mod
+
+        monkeypatch.setattr(linear_mod, "tma_config", lambda n, k, silu=False, sms=4: dict(
+            BLOCK_N=8, BLOCK_K=32, STAGES=2, SPLIT_K=1, num_warps=4))
+        run_tma = linear_mod.gemv_tma
+        monkeypatch.setattr(linear_mod, "gemv_tma", lambda *a, **kw: tma_ran.append(
+            "silu" if kw.get("silu_mul_out") else "conv" if kw.get("conv") else "plain")
+            or run_tma(*a, **kw))
     if arch.endswith("+routes"):  # the router's top-k kernel (default), and decode at batch 1
         # (2 routes of 4 experts) through the per-route expert GEMVs, asserted to run
         prompts, num_tokens = PROMPTS[:2], 8
@@ -51,7 +66,9 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         assert got.token_ids == tokens
         for entry, tok, lp in zip(got.logprobs, got.token_ids, lps):
             assert abs(entry[tok].logprob - lp) < 1e-3
-    assert bool(routes_ran) == ("max_num_seqs" in engine_args)
+    assert bool(routes_ran) == ("max_num_seqs" in engine_args and not tma_ran)
+    if tma_ran:
+        assert set(tma_ran) == ({"silu", "plain"} if arch == "qwen3" else {"conv", "plain"})
 
 
 def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):
