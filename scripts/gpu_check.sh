@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -365,6 +365,16 @@ case $what in
       KRAIT_GEMV_TMA=noconv bench_latency $m "_noconv" --batch-sizes 1 --prompt-lens ""
     done
     bash "$0" targets
+    ;;
+  timeline)  # per-program timestamps of the batch-1 decode chain (~2 min): its GPU test, then
+    # scripts/timeline_decode.py per model (KRAIT_TIMELINE, krait/ops/timeline.py)
+    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_timeline.py -p no:cacheprovider 2>&1 \
+      | tail -3 | tee "$LOG/kernels_timeline.log"
+    for m in ${MODELS:-qwen3-0.6b mamba2-1.3b granite-4.0-h-micro}; do
+      timeout 150 python3 scripts/timeline_decode.py --config $m --json "$LOG/timeline_$m.json" \
+        2>&1 | grep -v -E "Warn|INFO" | tee "$LOG/timeline_$m.log"
+      pack
+    done
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
     timeout 200 python3 scripts/bench_gemm_forms.py 2>&1 | grep -v Warn | tee "$LOG/gemm_forms.log"

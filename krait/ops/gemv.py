@@ -33,6 +33,7 @@ from krait.ops._dispatch import cdiv, env, next_pow2
 from krait.ops.arrival import arrival_counters
 from krait.ops.causal_conv1d import conv_step, store_conv_state
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
 MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
@@ -84,7 +85,8 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr, offs_m=None, m_ok=None, norm_rows=None, part_ptr=None,
               stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
-              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False):
+              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False,
+              TL: tl.constexpr = False, tl_ptr=None):
     """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
     [k_lo, k_hi). Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded
     broadcast over N (repeated reads hit L1) so that no layout conversion, and no shared-memory
@@ -102,6 +104,7 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
     k = (k_lo + offs_k)[None, None, :]
     w = tl.load(w_rows + k, mask=w_ok & (k < k_hi), other=0.0)
     pdl_wait(PDL)
+    stamp(TL, tl_ptr, WAITED)
     group_rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if PROLOGUE == 2 and ONE_GROUP:
         ps = _group_parts(k_lo, offs_m, m_ok, part_ptr, stride_pm, group_size,
@@ -217,6 +220,7 @@ def _gemv_kernel(
     cb_ptr=None, cs_ptr=None, stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0,
     stride_cs_k=0, CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
     CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False,
+    TL: tl.constexpr = False, tl_ptr=None,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
@@ -226,6 +230,7 @@ def _gemv_kernel(
     # programs can occupy SM slots while this grid still has programs to place
     if not TRIGGER_LATE:
         pdl_trigger(PDL)
+    stamp(TL, tl_ptr, ENTRY)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -244,7 +249,8 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                     BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)  # [M, N]
+                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP,
+                    TL, tl_ptr)  # [M, N]
     acc_up = acc
     if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
@@ -286,6 +292,7 @@ def _gemv_kernel(
                         slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d, stride_cw_k,
                         stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS,
                         CONV_SILU, res_scale, SCALE_RES)
+    stamp(TL, tl_ptr, EXIT)
 
 
 def num_sms(device: torch.device) -> int:
@@ -406,6 +413,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else
                                                 (CONV if conv is not None else PLAIN)),
         **norm_args, **res_args, **conv_kwargs, **pdl_args(pdl), **cfg,
+        **timeline_args("gemv", (tiles, split), x.device),
     )
     return y if residual is None else (y, rparts)
 

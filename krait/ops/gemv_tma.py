@@ -38,6 +38,7 @@ from krait.ops._dispatch import cdiv
 from krait.ops.arrival import arrival_counters
 from krait.ops.gemv import _conv_tile, conv_args
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
 DEFAULT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, STAGES=4, SPLIT_K=1, num_warps=4)
@@ -100,7 +101,7 @@ def _gemv_tma_kernel(
     conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None,
     stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
     CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
-    CONV_SILU: tl.constexpr = False,
+    CONV_SILU: tl.constexpr = False, TL: tl.constexpr = False, tl_ptr=None,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
     (w_ptr: the same weight, for the L2 prefetch only). SILU_MUL (SPLIT_K 1):
@@ -109,6 +110,7 @@ def _gemv_tma_kernel(
     gate and up boxes side by side. CONV (SPLIT_K 1): the output columns
     [conv_lo, conv_lo + conv_dim) go through a causal conv's decode step on the row's slot, as
     krait/ops/gemv.py's CONV epilogue (`gemv_triton(conv=...)`) does."""
+    stamp(TL, tl_ptr, ENTRY)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -122,6 +124,7 @@ def _gemv_tma_kernel(
         if SILU_MUL:
             _prefetch_l2(w_ptr, N + n0, k_lo, 2 * N, K, BLOCK_N, PREFETCH_LINES)
     pdl_wait(PDL)
+    stamp(TL, tl_ptr, WAITED)
     if SILU_MUL:
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -148,6 +151,7 @@ def _gemv_tma_kernel(
         else:
             _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
                         count_ptr, N, SPLIT_K, BLOCK_N)
+    stamp(TL, tl_ptr, EXIT)
 
 
 def tma_config(n: int, k: int, silu_mul_out: bool = False,
@@ -235,7 +239,8 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     _gemv_tma_kernel[(tiles, split)](
         x, desc, weight, y, part, counters, n, k, k_per_split,
         SPLIT_K=split, PREFETCH_LINES=lines, SILU_MUL=silu_mul_out,
-        **extra, **pdl_args(pdl), **cfg)
+        **extra, **pdl_args(pdl), **cfg,
+        **timeline_args("gemv_tma", (tiles, split), x.device))
     return y
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
 
 @triton.jit
@@ -182,6 +183,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+    TL: tl.constexpr = False, tl_ptr=None,
 ):
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
@@ -190,8 +192,10 @@ def _decode_split_kernel(
     (query starts, lengths, block table) by its input preparation, which completed before the
     step's first non-PDL kernel; the newest key is loaded after the wait."""
     pdl_trigger(PDL)
+    stamp(TL, tl_ptr, ENTRY)
     if not PREFETCH:
         pdl_wait(PDL)
+        stamp(TL, tl_ptr, WAITED)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -228,6 +232,7 @@ def _decode_split_kernel(
             k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok & ~fresh, cdt)  # [D, BLOCK_N]
             v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok & ~fresh, cdt)  # [BLOCK_N, D]
             pdl_wait(PDL)
+            stamp(TL, tl_ptr, WAITED)
             if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
                 k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
                 v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
@@ -251,6 +256,7 @@ def _decode_split_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    stamp(TL, tl_ptr, EXIT)
 
 
 @triton.jit
@@ -258,11 +264,13 @@ def _decode_combine_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, seq_lens_ptr, head_dim, num_q_heads,
     stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, TL: tl.constexpr = False, tl_ptr=None,
 ):
     """Flash-decoding, part 2: merge a (row, head)'s splits."""
     pdl_trigger(PDL)
+    stamp(TL, tl_ptr, ENTRY)
     pdl_wait(PDL)
+    stamp(TL, tl_ptr, WAITED)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + row)
@@ -284,6 +292,7 @@ def _decode_combine_kernel(
         out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
                  out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    stamp(TL, tl_ptr, EXIT)
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device) -> int:
@@ -407,11 +416,12 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
         PREFETCH=prefetch, **opts, **pdl_args(pdl),
+        **timeline_args("decode_split", (num_rows, num_kv_heads, num_splits), q.device),
     )
     _decode_combine_kernel[(num_rows, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,
-        **pdl_args(pdl),
+        **pdl_args(pdl), **timeline_args("decode_combine", (num_rows, num_q_heads), q.device),
     )
 
 

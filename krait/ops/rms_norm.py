@@ -12,6 +12,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import next_pow2, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
 
 @triton.jit
@@ -20,14 +21,16 @@ def _rms_norm_kernel(
     dim, eps, x_scale,
     stride_x, stride_res, stride_out, stride_sum,
     HAS_RESIDUAL: tl.constexpr, SCALE_X: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, TL: tl.constexpr = False, tl_ptr=None,
 ):
     pdl_trigger(PDL)
+    stamp(TL, tl_ptr, ENTRY)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
     pdl_wait(PDL)
+    stamp(TL, tl_ptr, WAITED)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         if SCALE_X:
@@ -40,6 +43,7 @@ def _rms_norm_kernel(
     var = tl.sum(x * x, axis=0) / dim
     h = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+    stamp(TL, tl_ptr, EXIT)
 
 
 def _launch(
@@ -65,6 +69,7 @@ def _launch(
             x2.stride(0), res2.stride(0), out.stride(0), summed.stride(0),
             HAS_RESIDUAL=residual is not None, SCALE_X=x_scale != 1.0,
             BLOCK_D=next_pow2(dim), **pdl_args(pdl),
+            **timeline_args("rms_norm", (x2.shape[0],), x.device),
         )
     if x.dim() == 2:  # the models' case: no views to build (~3 us each on the host)
         return out, summed

@@ -15,6 +15,7 @@ from krait.ops.kv_write import to_cache, write_kv_ref
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rms_norm import rms_norm_ref
 from krait.ops.rotary import apply_rotary_ref, norm_rope_heads
+from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
 
 @triton.jit
@@ -26,10 +27,12 @@ def _rope_kv_write_kernel(
     stride_qot, stride_qoh, stride_cs,
     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
     NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, TL: tl.constexpr = False, tl_ptr=None,
 ):
     pdl_trigger(PDL)
+    stamp(TL, tl_ptr, ENTRY)
     pdl_wait(PDL)
+    stamp(TL, tl_ptr, WAITED)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -57,6 +60,7 @@ def _rope_kv_write_kernel(
                  mask=kv_mask)
         tl.store(vc + heads[:, None] * stride_vc_h + d[None, :], to_cache(v, v_cache_ptr),
                  mask=kv_mask)
+    stamp(TL, tl_ptr, EXIT)
 
 
 def rope_kv_write_triton(
@@ -87,6 +91,7 @@ def rope_kv_write_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NORM=norm, IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_D=block_d, **pdl_args(pdl),
+        **timeline_args("rope_kv_write", grid, q.device),
     )
     return q_out
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from krait.ops._dispatch import cdiv, env, interpreting, next_pow2, use_triton
 from krait.ops.mamba_ssd import discretize_dt_ref, softplus_clamp
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
 # ----------------------------------------------------------------------------- triton
 
@@ -45,10 +46,13 @@ def _ssu_kernel(
     PDL: tl.constexpr,
     z_ptr=None, g_ptr=None, part_ptr=None, stride_z_b=0, stride_g_b=0, stride_part_b=0,
     GATED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    TL: tl.constexpr = False, tl_ptr=None,
 ):
     pdl_trigger(PDL)
+    stamp(TL, tl_ptr, ENTRY)
     if not PREFETCH:
         pdl_wait(PDL)
+        stamp(TL, tl_ptr, WAITED)
     # One program: batch row b, head h, BLOCK_P rows of the [P, N] state (all of N).
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,6 +74,7 @@ def _ssu_kernel(
     dt_bias_h = tl.load(dt_bias_ptr + h).to(tl.float32)
     if PREFETCH:
         pdl_wait(PDL)
+        stamp(TL, tl_ptr, WAITED)
     if slot >= 0:
         g = h // heads_per_group
         # every input the kernel before wrote, loaded at once (z too: after the stores below
@@ -95,6 +100,7 @@ def _ssu_kernel(
             tl.store(g_ptr + b * stride_g_b + col, gv, mask=p_ok)
             part = h * tl.num_programs(2) + tl.program_id(2)  # channel run col // BLOCK_P
             tl.store(part_ptr + b * stride_part_b + part, tl.sum(gv * gv, axis=0))
+    stamp(TL, tl_ptr, EXIT)
 
 
 def _block_p(head_dim: int, d_state: int) -> int:
@@ -153,6 +159,7 @@ def selective_state_update_triton(
         stride_g_b=g_out.stride(0) if gated else 0,
         stride_part_b=parts_out.stride(0) if gated else 0, GATED=gated,
         PREFETCH=pdl and env("KRAIT_SSU_PREFETCH", "1") != "0", **pdl_args(pdl),
+        **timeline_args("ssu", (batch, heads, cdiv(head_dim, block_p)), x.device),
     )
     return y
 

@@ -69,6 +69,7 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
             "pdl": "griddepcontrol.wait" in ptx, "wgmma": "wgmma.mma_async" in ptx,
             "bulk_tensor_copies": ptx.count("cp.async.bulk.tensor"),
             "mbarrier_waits": len(re.findall(r"mbarrier\.try_wait", ptx)),
+            "timer_reads": ptx.count("%globaltimer"),
             "loop_barriers": _loop_barriers(ptx)}
 
 

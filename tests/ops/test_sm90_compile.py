@@ -217,3 +217,32 @@ def test_moe_route_kernels_compile_without_spills():
     for r in (up, down):  # the expert rows stream in 16-byte loads; x is born in their layout
         assert r["pdl"] and r["local"] == 0 and r["vector_loads"] > 0, r
         assert r["loop_barriers"] == 0, r
+
+
+def test_timeline_stamps_compile():
+    # KRAIT_TIMELINE (krait/ops/timeline.py): each instrumented kernel of the decode chain reads
+    # the global timer at entry, after its PDL wait and at exit; off, it reads none
+    from krait.ops import gemv
+
+    tl_types = dict(tl_ptr="*i64")
+    cases = [
+        ("krait.ops.rms_norm", "_rms_norm_kernel",
+         dict(x_ptr=BF, res_ptr=BF, w_ptr=BF, out_ptr=BF, sum_ptr=BF, eps="fp32",
+              x_scale="fp32"), dict(HAS_RESIDUAL=True, SCALE_X=False, BLOCK_D=1024, PDL=True), 4),
+        ("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES,
+         dict(GEMV_PLAIN, SPLIT_K=2, PROLOGUE=gemv.PLAIN, PDL=True, TRIGGER_LATE=True), 8),
+        ("krait.ops.selective_state_update", "_ssu_kernel",
+         dict(state_ptr=F32, x_ptr=BF, dt_ptr=BF, A_ptr=F32, B_ptr=BF, C_ptr=BF, D_ptr=F32,
+              dt_bias_ptr=F32, y_ptr=BF, slots_ptr=I32, dt_min="fp32", dt_max="fp32"),
+         dict(DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True,
+              PREFETCH=True), 4),
+        ("krait.ops.paged_attention", "_decode_combine_kernel",
+         dict(out_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32, qsl_ptr=I32, seq_lens_ptr=I32),
+         dict(NUM_SPLITS=8, BLOCK_D=128, PDL=True), 4),
+    ]
+    for module, kernel, types, constexprs, warps in cases:
+        off = compile_sm90(module, kernel, types, constexprs, num_warps=warps)
+        on = compile_sm90(module, kernel, dict(types, **tl_types), dict(constexprs, TL=True),
+                          num_warps=warps)
+        assert off["timer_reads"] == 0 and on["timer_reads"] >= 3, (kernel, on)
+        assert on["local"] == 0 and on["pdl"], (kernel, on)

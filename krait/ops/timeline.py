@@ -1,0 +1,78 @@
+"""Per-program timestamps of the decode chain's kernels: where a step's time goes inside the PDL
+chain, which neither a profiler with PDL off (kernels then do not overlap) nor removing a kernel
+(`scripts/ablate_decode.py`: what it costs, not why) shows.
+
+With KRAIT_TIMELINE=1, every launch of an instrumented kernel made while a CUDA graph is being
+captured gets a slice of one device buffer, [programs, 4] int64, and each of its programs
+writes the GPU's global timer (ns) there at ENTRY (its first instruction), WAITED (its PDL wait
+returned: the kernel before has finished and its writes are visible) and EXIT. `RECORDS` lists
+the launches in stream order (name, offset into the buffer, programs);
+`scripts/timeline_decode.py` replays a decode graph and prints them. A diagnostic: off, the
+kernels compile exactly as without it (TL is a constexpr)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from krait.ops._dispatch import env
+
+# the stamps of a program's record (constexpr globals: kernels read them)
+ENTRY, WAITED, EXIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+_SLOTS = 4  # int64 a program: ENTRY, WAITED, EXIT, spare
+_CAPACITY = 1 << 22  # int64 slots: 32 MiB, ~1M programs
+
+RECORDS: list[tuple[str, int, int]] = []  # (kernel, first slot, programs), in launch order
+_buffer: torch.Tensor | None = None
+_next = 0
+
+
+@triton.jit
+def stamp(TL: tl.constexpr, tl_ptr, WHICH: tl.constexpr):
+    """Writes the global timer at slot WHICH of this program's record (a no-op unless TL)."""
+    if TL:
+        pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) \
+            + tl.program_id(0)
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [pid],
+                                        dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(tl_ptr + pid.to(tl.int64) * 4 + WHICH, now)
+
+
+def timeline_args(name: str, grid: tuple[int, ...], device: torch.device) -> dict:
+    """Launch keywords of an instrumented kernel: TL and its record's slice while a graph is
+    captured with KRAIT_TIMELINE=1 (until the buffer is full), else TL False."""
+    global _buffer, _next
+    if env("KRAIT_TIMELINE") != "1" or device.type != "cuda":
+        return {"TL": False}
+    if _buffer is None:
+        _buffer = torch.zeros(_CAPACITY, dtype=torch.int64, device=device)
+    programs = math.prod(grid)
+    if not torch.cuda.is_current_stream_capturing() or _next + programs * _SLOTS > _CAPACITY:
+        return {"TL": False}
+    view = _buffer[_next:_next + programs * _SLOTS]
+    RECORDS.append((name, _next, programs))
+    _next += programs * _SLOTS
+    return {"TL": True, "tl_ptr": view}
+
+
+def read() -> list[dict]:
+    """Every record as {name, programs, entry, waited, exit}: int64 ns tensors on the CPU (0
+    where a program did not write the slot), in launch order."""
+    if _buffer is None:
+        return []
+    host = _buffer.cpu()
+    out = []
+    for name, first, programs in RECORDS:
+        rec = host[first:first + programs * _SLOTS].view(programs, _SLOTS)
+        out.append({"name": name, "programs": programs, "entry": rec[:, ENTRY.value],
+                    "waited": rec[:, WAITED.value], "exit": rec[:, EXIT.value]})
+    return out
+
+
+def clear() -> None:
+    """Zeroes the stamps (the records stay: they belong to captured graphs)."""
+    if _buffer is not None:
+        _buffer.zero_()
