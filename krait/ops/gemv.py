@@ -156,7 +156,7 @@ def _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS: tl.constexpr,
 
 
 @triton.jit
-def _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
+def conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
                stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
                CONV_WIDTH: tl.constexpr, CONV_BIAS: tl.constexpr, CONV_SILU: tl.constexpr):
     """CONV, one row: the output columns [conv_lo, conv_lo + conv_dim) are the new inputs of a
@@ -187,9 +187,9 @@ def _store_tile(out, val, mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs
     """Writes the output tile val [M, N] (dt); RESIDUAL_NORM writes h = val + residual instead
     (rounded to dt, as a separate add would; with SCALE_RES val * res_scale rounded to dt
     first, as a fused add-RMSNorm with its x scale) and the tile's sum of h^2 per row at
-    column pid_n of rpart; CONV first puts the conv columns through `_conv_tile`."""
+    column pid_n of rpart; CONV first puts the conv columns through `conv_tile`."""
     if EPILOGUE == 4:
-        val = _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
+        val = conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
                          stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
                          CONV_WIDTH, CONV_BIAS, CONV_SILU)
     if EPILOGUE == 3:

@@ -36,7 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from krait.ops._dispatch import cdiv
 from krait.ops.arrival import arrival_counters
-from krait.ops.gemv import _conv_tile, conv_args
+from krait.ops.gemv import conv_args, conv_tile
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
@@ -144,7 +144,7 @@ def _gemv_tma_kernel(
             offs_n = n0 + offs_n0
             n_ok = offs_n < N
             val = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)[None, :]  # [1, BLOCK_N]
-            val = _conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr,
+            val = conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr,
                              cb_ptr, cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot,
                              stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
             tl.store(y_ptr + offs_n[None, :], val, mask=n_ok[None, :])
