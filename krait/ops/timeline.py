@@ -3,7 +3,8 @@ chain, which neither a profiler with PDL off (kernels then do not overlap) nor r
 (`scripts/ablate_decode.py`: what it costs, not why) shows.
 
 With KRAIT_TIMELINE=1, every launch of an instrumented kernel made while a CUDA graph is being
-captured gets a slice of one device buffer, [programs, 4] int64, and each of its programs
+captured gets a slice of one device buffer, [programs, 4] int64 (launches outside a capture
+write to a scratch slice, unrecorded), and each of its programs
 writes the GPU's global timer (ns) there at ENTRY (its first instruction), WAITED (its PDL wait
 returned: the kernel before has finished and its writes are visible) and EXIT. `RECORDS` lists
 the launches in stream order (name, offset into the buffer, programs);
@@ -23,11 +24,12 @@ from krait.ops._dispatch import env
 # the stamps of a program's record (constexpr globals: kernels read them)
 ENTRY, WAITED, EXIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 _SLOTS = 4  # int64 a program: ENTRY, WAITED, EXIT, spare
+_SCRATCH = 1 << 18  # the buffer's first slots: where launches outside a capture write
 _CAPACITY = 1 << 22  # int64 slots: 32 MiB, ~1M programs
 
 RECORDS: list[tuple[str, int, int]] = []  # (kernel, first slot, programs), in launch order
 _buffer: torch.Tensor | None = None
-_next = 0
+_next = _SCRATCH
 
 
 @triton.jit
@@ -42,15 +44,22 @@ def stamp(TL: tl.constexpr, tl_ptr, WHICH: tl.constexpr):
 
 
 def timeline_args(name: str, grid: tuple[int, ...], device: torch.device) -> dict:
-    """Launch keywords of an instrumented kernel: TL and its record's slice while a graph is
-    captured with KRAIT_TIMELINE=1 (until the buffer is full), else TL False."""
+    """Launch keywords of an instrumented kernel with KRAIT_TIMELINE=1 on CUDA: while a graph
+    is captured, TL and a new record's slice (until the buffer is full); outside a capture TL
+    and a scratch slice nobody reads, so that the stamping variant of each kernel is compiled
+    by the warm-up runs before a capture, never inside one (grids too large for the scratch
+    get TL False). Otherwise TL False."""
     global _buffer, _next
     if env("KRAIT_TIMELINE") != "1" or device.type != "cuda":
         return {"TL": False}
     if _buffer is None:
         _buffer = torch.zeros(_CAPACITY, dtype=torch.int64, device=device)
     programs = math.prod(grid)
-    if not torch.cuda.is_current_stream_capturing() or _next + programs * _SLOTS > _CAPACITY:
+    if not torch.cuda.is_current_stream_capturing():
+        if programs * _SLOTS > _SCRATCH:
+            return {"TL": False}
+        return {"TL": True, "tl_ptr": _buffer[:programs * _SLOTS]}
+    if _next + programs * _SLOTS > _CAPACITY:
         return {"TL": False}
     view = _buffer[_next:_next + programs * _SLOTS]
     RECORDS.append((name, _next, programs))
