@@ -366,14 +366,23 @@ case $what in
     done
     bash "$0" targets
     ;;
-  timeline)  # per-program timestamps of the batch-1 decode chain (~2 min): its GPU test, then
-    # scripts/timeline_decode.py per model (KRAIT_TIMELINE, krait/ops/timeline.py)
+  timeline)  # per-program timestamps of the batch-1 decode chain (~6 min): its GPU test, then
+    # scripts/timeline_decode.py per model (KRAIT_TIMELINE, krait/ops/timeline.py), then the
+    # GEMV's early PDL trigger for one-wave grids (KRAIT_PDL_TRIGGER=auto) against the default
     timeout 120 python3 -m pytest -q -m gpu tests/ops/test_timeline.py -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_timeline.log"
     for m in ${MODELS:-qwen3-0.6b mamba2-1.3b granite-4.0-h-micro}; do
       timeout 150 python3 scripts/timeline_decode.py --config $m --json "$LOG/timeline_$m.json" \
         2>&1 | grep -v -E "Warn|INFO" | tee "$LOG/timeline_$m.log"
       pack
+    done
+    # one-wave GEMVs let the next kernel launch at their start (KRAIT_PDL_TRIGGER=auto, new)
+    KRAIT_PDL_TRIGGER=auto timeout 150 python3 scripts/timeline_decode.py --config qwen3-0.6b \
+      --json "$LOG/timeline_qwen3_auto.json" 2>&1 | grep -v -E "Warn|INFO" \
+      | tee "$LOG/timeline_qwen3_auto.log"
+    for m in qwen3-0.6b mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_late" --batch-sizes 1 --prompt-lens ""
+      KRAIT_PDL_TRIGGER=auto bench_latency $m "_auto" --batch-sizes 1 --prompt-lens ""
     done
     ;;
   gemmforms)  # cuBLAS formulations of the decode-batch projections (batch 64-256; ~2 min)
@@ -395,6 +404,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ablate|tma|session14|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ablate|tma|session14|timeline|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

@@ -295,6 +295,16 @@ def _gemv_kernel(
     stamp(TL, tl_ptr, EXIT)
 
 
+def _trigger_early(programs: int, device: torch.device) -> bool:
+    """Does the GEMV let the next kernel launch at its start rather than after its weight loop?
+    KRAIT_PDL_TRIGGER=early: always (slower in session 6: the waiting dependents took SM slots
+    that the GEMV's later programs needed); =auto: when its grid fits on the GPU at once (at
+    most 4 programs an SM: every program is placed at launch, so the dependents only take
+    free slots and can start their own loads before waiting; not yet measured); else never."""
+    mode = env("KRAIT_PDL_TRIGGER")
+    return mode == "early" or (mode == "auto" and programs <= 4 * num_sms(device))
+
+
 def num_sms(device: torch.device) -> int:
     """The device's SM count (4 off CUDA: the interpreter's small grids)."""
     if device.type == "cuda":
@@ -409,7 +419,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         x, weight, bias if bias is not None else weight, y, part, counters,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
-        TRIGGER_LATE=pdl and env("KRAIT_PDL_TRIGGER") != "early",
+        TRIGGER_LATE=pdl and not _trigger_early(tiles * split, x.device),
         EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else
                                                 (CONV if conv is not None else PLAIN)),
         **norm_args, **res_args, **conv_kwargs, **pdl_args(pdl), **cfg,
