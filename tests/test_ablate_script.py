@@ -4,21 +4,15 @@ checked here: every class names kernels that exist, and an arm's kernels launch 
 from __future__ import annotations
 
 import importlib
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.utils import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("ablate_decode",
-                                                  ROOT / "scripts" / "ablate_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("ablate_decode")
 
 
 def test_every_class_names_existing_kernels():

@@ -4,6 +4,7 @@ hybrid-architecture table the hybrid tests share."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -20,6 +21,15 @@ ARCHS = {
     "nemotronh": ("NemotronHForCausalLM", "nemotron_h"),
     "falconh1": ("FalconH1ForCausalLM", "falcon_h1"),
 }
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def device_options() -> dict:

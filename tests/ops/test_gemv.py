@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from krait.ops.activation import silu_and_mul_ref
 from krait.ops.gemv import MAX_M, default_config, gemv_triton
 from krait.ops.linear import linear, silu_mul_linear
+from tests.ops.conv_cases import mamba2_conv_case, small_conv_case
 
 
 def _inputs(m, n, k, dtype=torch.float32, seed=0, bias=False):
@@ -323,33 +324,17 @@ def test_gemv_conv_epilogue_matches_projection_then_conv_update(split, slot, cha
     """A Mamba in_proj's xBC columns through the causal conv's decode step in the GEMV's
     epilogue: equal to F.linear then causal_conv1d_update, the slot's conv state shifted the
     same way, the other slots (and every slot for a padding row, slot -1) untouched."""
-    from krait.ops.causal_conv1d import causal_conv1d_update_ref
-
-    g_ = torch.Generator().manual_seed(51)
-    k, lo, dim, tail, width = 64, 12, 20, 6, 4
-    n = lo + dim + tail  # [gate | xBC | dt]-like columns
-    x = torch.randn(1, k, generator=g_)
-    w = torch.randn(n, k, generator=g_) / k**0.5
-    cw = torch.randn(dim, width, generator=g_)
-    cb = torch.randn(dim, generator=g_)
-    states = torch.randn(3, dim, width - 1, generator=g_)
-    if channel_last:  # [slots, D, W - 1] with the channels contiguous
-        states = states.transpose(1, 2).contiguous().transpose(1, 2)
-    slots = torch.tensor([slot], dtype=torch.int32)
-    want_states = states.clone()
-    proj = F.linear(x, w)
-    want = proj.clone()
-    conv = causal_conv1d_update_ref(proj[:, lo:lo + dim], want_states, cw, cb, slots, "silu")
-    if slot >= 0:
-        want[:, lo:lo + dim] = conv
+    x, w, conv, want, want_states = small_conv_case(51, slot, channel_last)
+    states = conv[3]
+    k = x.shape[1]
     cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=32, SPLIT_K=split)
-    got = gemv_triton(x, w, config=cfg, conv=(lo, cw, cb, states, slots, True))
+    got = gemv_triton(x, w, config=cfg, conv=conv)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)
     others = [i for i in range(3) if i != slot]
     assert torch.equal(states[others], want_states[others])  # bit for bit: never written
     with pytest.raises(ValueError, match="conv epilogue"):
-        gemv_triton(x.expand(2, k), w, conv=(lo, cw, cb, states, slots, True))
+        gemv_triton(x.expand(2, k), w, conv=conv)
 
 
 @pytest.mark.gpu
@@ -358,21 +343,15 @@ def test_conv_epilogue_real_sizes_gpu():
     against F.linear then the conv update kernel (the state compared too)."""
     from krait.ops.causal_conv1d import causal_conv1d_update_triton
 
-    g_ = torch.Generator().manual_seed(8)
-    hidden, inter, conv_dim, heads = 2048, 4096, 4096 + 2 * 128, 64
-    n = inter + conv_dim + heads
-    x = torch.randn(1, hidden, generator=g_).cuda().bfloat16()
-    w = (torch.randn(n, hidden, generator=g_) / hidden**0.5).cuda().bfloat16()
-    cw = torch.randn(conv_dim, 4, generator=g_).cuda().bfloat16()
-    cb = torch.randn(conv_dim, generator=g_).cuda().bfloat16()
-    states = torch.randn(4, conv_dim, 3, generator=g_).cuda().bfloat16()
-    slots = torch.tensor([2], dtype=torch.int32, device="cuda")
+    x, w, conv = mamba2_conv_case(8)
+    inter, cw, cb, states, slots, _ = conv
+    conv_dim = cw.shape[0]
     want_states = states.clone()
     proj = F.linear(x, w)
     want = proj.clone()
     want[:, inter:inter + conv_dim] = causal_conv1d_update_triton(
         proj[:, inter:inter + conv_dim], want_states, cw, cb, slots, "silu")
-    got = gemv_triton(x, w, conv=(inter, cw, cb, states, slots, True))
+    got = gemv_triton(x, w, conv=conv)
     assert ((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
     assert ((states.float() - want_states.float()).norm() / want_states.float().norm()) < 1e-2
     assert torch.equal(states[[0, 1, 3]], want_states[[0, 1, 3]])

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from krait.ops.gemv_tma import _COUNTERS, gemv_tma, prefetch_lines, tma_config
+from tests.ops.conv_cases import mamba2_conv_case, small_conv_case
 from tests.ops.sm90 import compile_sm90, sm90_available
 
 
@@ -70,31 +71,15 @@ def test_gemv_tma_conv_epilogue_matches_projection_then_conv_update(slot):
     """A Mamba in_proj's xBC columns through the causal conv's decode step in the epilogue:
     equal to F.linear then causal_conv1d_update, the slot's state shifted the same way, the
     other slots (every slot for a padding row, slot -1) untouched."""
-    from krait.ops.causal_conv1d import causal_conv1d_update_ref
-
-    g_ = torch.Generator().manual_seed(52)
-    k, lo, dim, tail, width = 64, 12, 20, 6, 4
-    n = lo + dim + tail  # [gate | xBC | dt]-like columns
-    x = torch.randn(1, k, generator=g_)
-    w = torch.randn(n, k, generator=g_) / k**0.5
-    cw = torch.randn(dim, width, generator=g_)
-    cb = torch.randn(dim, generator=g_)
-    states = torch.randn(3, dim, width - 1, generator=g_)
-    slots = torch.tensor([slot], dtype=torch.int32)
-    want_states = states.clone()
-    proj = F.linear(x, w)
-    want = proj.clone()
-    conv_out = causal_conv1d_update_ref(proj[:, lo:lo + dim], want_states, cw, cb, slots, "silu")
-    if slot >= 0:
-        want[:, lo:lo + dim] = conv_out
-    got = gemv_tma(x, w, config=dict(BLOCK_N=8, BLOCK_K=32, STAGES=2),
-                   conv=(lo, cw, cb, states, slots, True))
+    x, w, conv, want, want_states = small_conv_case(52, slot)
+    states = conv[3]
+    got = gemv_tma(x, w, config=dict(BLOCK_N=8, BLOCK_K=32, STAGES=2), conv=conv)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)
     others = [i for i in range(3) if i != slot]
     assert torch.equal(states[others], want_states[others])
     with pytest.raises(ValueError, match="conv epilogue"):
-        gemv_tma(x, w, config=dict(SPLIT_K=2), conv=(lo, cw, cb, states, slots, True))
+        gemv_tma(x, w, config=dict(SPLIT_K=2), conv=conv)
 
 
 def test_tma_config_takes_only_the_shapes_it_won():
@@ -113,18 +98,12 @@ def test_gemv_tma_conv_epilogue_real_sizes_gpu():
     epilogue, against gemv.py's conv epilogue (outputs and the conv state)."""
     from krait.ops.gemv import gemv_triton
 
-    g_ = torch.Generator().manual_seed(9)
-    hidden, inter, conv_dim, heads = 2048, 4096, 4096 + 2 * 128, 64
-    n = inter + conv_dim + heads
-    x = torch.randn(1, hidden, generator=g_).cuda().bfloat16()
-    w = (torch.randn(n, hidden, generator=g_) / hidden**0.5).cuda().bfloat16()
-    cw = torch.randn(conv_dim, 4, generator=g_).cuda().bfloat16()
-    cb = torch.randn(conv_dim, generator=g_).cuda().bfloat16()
-    states = torch.randn(4, conv_dim, 3, generator=g_).cuda().bfloat16()
-    slots = torch.tensor([2], dtype=torch.int32, device="cuda")
+    x, w, conv = mamba2_conv_case(9)
+    inter, cw, cb, states, slots, _ = conv
+    n, hidden = w.shape
     want_states = states.clone()
     want = gemv_triton(x, w, conv=(inter, cw, cb, want_states, slots, True)).float()
-    got = gemv_tma(x, w, tma_config(n, hidden), conv=(inter, cw, cb, states, slots, True))
+    got = gemv_tma(x, w, tma_config(n, hidden), conv=conv)
     assert ((got.float() - want).norm() / want.norm()) < 1e-2
     assert ((states.float() - want_states.float()).norm() / want_states.float().norm()) < 1e-2
     assert torch.equal(states[[0, 1, 3]], want_states[[0, 1, 3]])

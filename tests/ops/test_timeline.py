@@ -3,23 +3,15 @@ are written on the GPU only (their sm_90 compile: tests/ops/test_sm90_compile.py
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from krait.ops import timeline
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.utils import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("timeline_decode",
-                                                  ROOT / "scripts" / "timeline_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("timeline_decode")
 
 
 def test_off_the_gpu_and_outside_a_capture_nothing_is_recorded(monkeypatch):
