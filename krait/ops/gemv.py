@@ -140,7 +140,7 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
 
 
 @triton.jit
-def _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS: tl.constexpr,
+def finish_tile(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS: tl.constexpr,
             EPILOGUE: tl.constexpr):
     """The output tile in dtype dt: acc (+ bias), or with the SILU_MUL epilogue
     silu(gate) * up of the two halves, each rounded to dt first as a separate gate_up GEMM and
@@ -263,7 +263,7 @@ def _gemv_kernel(
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     dt = y_ptr.dtype.element_ty
     if SPLIT_K == 1:
-        _store_tile(out, _finish(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE),
+        _store_tile(out, finish_tile(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE),
                     mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok, offs_n,
                     pid_n, EPILOGUE, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
                     stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
@@ -286,7 +286,7 @@ def _gemv_kernel(
                     total_up += tl.load(part + s * M * width + N, mask=mn_ok, other=0.0,
                                         cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            _store_tile(out, _finish(total, total_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS,
+            _store_tile(out, finish_tile(total, total_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS,
                                      EPILOGUE), mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm,
                         offs_m, m_ok, offs_n, pid_n, EPILOGUE, n_ok, conv_lo, conv_dim,
                         slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d, stride_cw_k,

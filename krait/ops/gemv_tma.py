@@ -36,7 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from krait.ops._dispatch import cdiv
 from krait.ops.arrival import arrival_counters
-from krait.ops.gemv import conv_args, conv_tile
+from krait.ops.gemv import conv_args, conv_tile, finish_tile
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
@@ -131,11 +131,11 @@ def _gemv_tma_kernel(
             acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
             acc_up = _tile_dots(w_desc, x_ptr, N + n0, k0, acc_up, K, offs_n0, offs_k)
         pdl_trigger(PDL)
-        dt = y_ptr.dtype.element_ty
-        g = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-        up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
-        tl.store(y_ptr + n0 + offs_n0, (g / (1.0 + tl.exp(-g)) * up).to(dt),
-                 mask=n0 + offs_n0 < N)
+        offs_n = n0 + offs_n0
+        n_ok = offs_n < N
+        tl.store(y_ptr + offs_n, finish_tile(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), y_ptr,
+                                         offs_n, n_ok, N, y_ptr.dtype.element_ty, False, 1),
+                 mask=n_ok)
     else:
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
@@ -152,6 +152,12 @@ def _gemv_tma_kernel(
             _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
                         count_ptr, N, SPLIT_K, BLOCK_N)
     stamp(TL, tl_ptr, EXIT)
+
+
+def tma_readable(weight: Tensor) -> bool:
+    """TMA reads 16-byte aligned rows of a contiguous weight."""
+    return (weight.is_contiguous() and (weight.shape[1] * weight.element_size()) % 16 == 0
+            and weight.data_ptr() % 16 == 0)
 
 
 def tma_config(n: int, k: int, silu_mul_out: bool = False,
@@ -210,7 +216,7 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
         extra = dict(conv_args(conv, x.shape[0], n, False), CONV=True)
     if x.shape[1] != k:
         raise ValueError(f"gemv_tma: weight is [N, {k}], x gives K={x.shape[1]}")
-    if not weight.is_contiguous() or (k * weight.element_size()) % 16 or weight.data_ptr() % 16:
+    if not tma_readable(weight):
         raise ValueError("gemv_tma: TMA needs a contiguous weight with 16-byte aligned rows "
                          f"(K * itemsize % 16 == 0; K={k}, {weight.dtype})")
     if max(cfg["BLOCK_N"], cfg["BLOCK_K"]) > 256:

@@ -11,7 +11,7 @@ from torch import Tensor
 from krait.ops._dispatch import env, use_triton
 from krait.ops.activation import silu_and_mul
 from krait.ops.gemv import MAX_M, default_config, gemv_triton, norm_one_group, num_sms
-from krait.ops.gemv_tma import gemv_tma, tma_config
+from krait.ops.gemv_tma import gemv_tma, tma_config, tma_readable
 
 # one-row calls up to this many weight elements go to the GEMV: every projection of the
 # benchmarked models but granite's gate_up (33.5M, which takes the GEMV with its activation
@@ -65,11 +65,7 @@ def _tma(x: Tensor, weight: Tensor, bias: Tensor | None,
     graph ms off -> on: granite-micro 2.427 -> 2.287, llama-3.2-1b 0.998 -> 0.930, qwen3
     0.964 -> 0.943 (with the prefetch: 2.341, 0.956, 0.952)."""
     mode = env("KRAIT_GEMV_TMA", "1")
-    if mode == "0" or bias is not None or x.shape[0] != 1:
-        return None
-    # TMA reads 16-byte aligned rows of a contiguous weight
-    if (not weight.is_contiguous() or (weight.shape[1] * weight.element_size()) % 16
-            or weight.data_ptr() % 16):
+    if mode == "0" or bias is not None or x.shape[0] != 1 or not tma_readable(weight):
         return None
     cfg = tma_config(weight.shape[0], weight.shape[1], silu_mul_out, num_sms(x.device))
     if cfg is not None and mode == "prefetch":
