@@ -26,6 +26,13 @@ CANDIDATES = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w)
               for bn, bk, sk, w in itertools.product([8, 16], [256, 512], [1, 2, 4, 8], [4, 8])]
 
 
+def weight_copies(n: int, k: int, dev: torch.device) -> list[torch.Tensor]:
+    """Enough bf16 [n, k] weights (at least 4) to fill 400 MB: a graph cycling through them
+    reads each from DRAM, as a decode step reads every weight once."""
+    return [torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+            for _ in range(max(4, (400 << 20) // (n * k * 2)))]
+
+
 def time_us(fn, weights) -> float:
     """Median µs per call of fn(w) over a graph that cycles through all weight copies."""
     s = torch.cuda.Stream()
@@ -64,8 +71,7 @@ def quick() -> None:
     dev = torch.device("cuda")
     print(f"{'shape':16} {'cuBLAS us':>9} {'default us':>10} {'previous us':>11}  default config")
     for name, (n, k) in SHAPES.items():
-        copies = max(4, (400 << 20) // (n * k * 2))
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        weights = weight_copies(n, k, dev)
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         prev = previous_default(1, n, k)
         ref = F.linear(x.float(), weights[0].float())
@@ -108,8 +114,7 @@ def forms() -> None:
 def _forms_of(name: str, n: int, k: int, xdt: torch.dtype, group: int, run: int) -> None:
     dev, bf = torch.device("cuda"), torch.bfloat16
     nbytes = n * k * 2
-    copies = max(4, (400 << 20) // nbytes)
-    weights = [torch.randn(n, k, device=dev, dtype=bf) for _ in range(copies)]
+    weights = weight_copies(n, k, dev)
     x = torch.randn(1, k, device=dev, dtype=xdt)
     xb = x.to(bf)
     gate_up = name.endswith("gate_up")
@@ -184,8 +189,7 @@ def tma() -> None:
     rows = []
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
-        copies = max(4, (400 << 20) // nbytes)
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        weights = weight_copies(n, k, dev)
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         ref = F.linear(x.float(), weights[0].float())
         t_default = time_us(lambda w, x=x: gemv_triton(x, w), weights)
@@ -233,8 +237,7 @@ def main() -> None:
           f"{'best us':>8} {'TB/s':>5}  best config")
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
-        copies = max(4, (400 << 20) // nbytes)
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        weights = weight_copies(n, k, dev)
         for m in (1, 4, 8):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = F.linear(x.float(), weights[0].float())
