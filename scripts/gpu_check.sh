@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -366,6 +366,25 @@ case $what in
     done
     bash "$0" targets
     ;;
+  session15)  # the GPU tests of the ops changed in session 15, then the batch-1 A/Bs and
+    # timelines: rope/KV write with its operands before the wait, the TMA in_proj's conv
+    # operands before the wait (KRAIT_CONV_EARLY)
+    timeout 300 python3 -m pytest -q -m gpu tests/ops/test_rope_kv_write.py tests/ops/test_gemv_tma.py \
+      tests/ops/test_causal_conv1d.py tests/ops/test_gemv.py tests/ops/test_paged_attention.py \
+      tests/ops/test_timeline.py -p no:cacheprovider 2>&1 | tail -5 | tee "$LOG/kernels_s15.log"
+    for m in ${MODELS:-qwen3-0.6b llama-3.2-1b}; do
+      bench_latency $m "" --batch-sizes 1 --prompt-lens ""
+    done
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "" --batch-sizes 1 --prompt-lens ""
+      KRAIT_CONV_EARLY=1 bench_latency $m "_convearly" --batch-sizes 1 --prompt-lens ""
+    done
+    for m in qwen3-0.6b mamba2-1.3b; do
+      KRAIT_CONV_EARLY=1 timeout 150 python3 scripts/timeline_decode.py --config $m --launches 16 \
+        2>&1 | grep -v -E "Warn|INFO|deprecated" | tee "$LOG/timeline_$m.log"
+      pack
+    done
+    ;;
   timeline)  # per-program timestamps of the batch-1 decode chain (~6 min): its GPU test, then
     # scripts/timeline_decode.py per model (KRAIT_TIMELINE, krait/ops/timeline.py), then the
     # GEMV's early PDL trigger for one-wave grids (KRAIT_PDL_TRIGGER=auto) against the default
@@ -404,6 +423,6 @@ case $what in
     ;;
 esac
 # the A/B rows of this call in one table (the call's output keeps only its tail)
-case $what in ablate|tma|session14|timeline|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
+case $what in ablate|tma|session14|session15|timeline|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|ab|attn|attn1|late|newdef|fp8|fp8b|blockn|ropeattn|stats|prefetch|fuse|knobs1|bench|maxlen|others) python3 scripts/summarize_bench.py "$LOG" ;; esac
 # the device call brings back few files: pack the logs into one
 pack

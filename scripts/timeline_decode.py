@@ -20,6 +20,8 @@ import os
 import statistics
 import sys
 
+import torch
+
 
 def launch_rows(records: list[dict]) -> list[dict]:
     """Per launch: µs relative to the earliest entry of all, from programs that stamped."""
@@ -34,11 +36,16 @@ def launch_rows(records: list[dict]) -> list[dict]:
 
     for i, r in enumerate(records):
         e, w, x = (r[k][r[k] > 0] for k in ("entry", "waited", "exit"))
+        looped = r.get("looped", torch.zeros(0, dtype=torch.int64))
+        looped = looped[looped > 0]
         row = {"launch": i, "kernel": r["name"], "programs": r["programs"],
                "entry_first": us(e.min()) if len(e) else None,
                "entry_last": us(e.max()) if len(e) else None,
                "waited_first": us(w.min()) if len(w) else None,
+               "looped_last": us(looped.max()) if len(looped) else None,
+               "exit_median": us(x.median()) if len(x) else None,
                "exit_last": us(x.max()) if len(x) else None}
+        row.update(_per_sm(r))
         row["after_prev_exit"] = (row["exit_last"] - prev_exit
                                   if row["exit_last"] is not None and prev_exit is not None
                                   else None)
@@ -48,6 +55,22 @@ def launch_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _per_sm(r: dict) -> dict:
+    """How the launch's programs spread over SMs: SMs used, the most programs on one SM, and
+    how many of the last-exiting tenth of programs ran on an SM with that most."""
+    if "sm" not in r or not (r["entry"] > 0).any():
+        return {"sms": None, "most_per_sm": None, "tail_on_most": None}
+    ran = r["entry"] > 0
+    sm = r["sm"][ran]
+    counts = torch.bincount(sm)
+    most = int(counts.max())
+    exits = r["exit"][ran]
+    tail = exits.argsort(descending=True)[:max(1, len(exits) // 10)]
+    on_most = int((counts[sm[tail]] == most).sum())
+    return {"sms": int((counts > 0).sum()), "most_per_sm": most,
+            "tail_on_most": f"{on_most}/{len(tail)}"}
+
+
 def summary(rows: list[dict]) -> list[str]:
     """Mean µs per kernel: its share of the chain (last exit after the previous launch's last
     exit), its own span (first entry to last exit), wait-return to last exit."""
@@ -55,7 +78,8 @@ def summary(rows: list[dict]) -> list[str]:
     for r in rows:
         by.setdefault(r["kernel"], []).append(r)
     out = [f"{'kernel':16} {'launches':>8} {'chain us':>9} {'span us':>8} {'after wait':>10} "
-           f"{'placing':>8}"]
+           f"{'placing':>8} {'loop end':>8} {'p50 exit':>8}   (loop end: the last program's loop"
+           " end to the last exit; p50 exit: the median program's exit to the last's)"]
     def mean(rs: list[dict], f) -> float:
         vals = [v for v in (f(r) for r in rs) if v is not None]
         return statistics.fmean(vals) if vals else float("nan")
@@ -65,7 +89,9 @@ def summary(rows: list[dict]) -> list[str]:
             f"{name:16} {len(rs):>8} {mean(rs, lambda r: r['after_prev_exit']):>9.2f} "
             f"{mean(rs, lambda r: _minus(r['exit_last'], r['entry_first'])):>8.2f} "
             f"{mean(rs, lambda r: _minus(r['exit_last'], r['waited_first'])):>10.2f} "
-            f"{mean(rs, lambda r: _minus(r['entry_last'], r['entry_first'])):>8.2f}")
+            f"{mean(rs, lambda r: _minus(r['entry_last'], r['entry_first'])):>8.2f} "
+            f"{mean(rs, lambda r: _minus(r.get('exit_last'), r.get('looped_last'))):>8.2f} "
+            f"{mean(rs, lambda r: _minus(r.get('exit_last'), r.get('exit_median'))):>8.2f}")
     return out
 
 
@@ -83,8 +109,6 @@ def main() -> int:
     os.environ["KRAIT_TIMELINE"] = "1"
     os.environ.setdefault("KRAIT_PIECEWISE_GRAPHS", "0")  # only the decode graph captured
     os.environ.setdefault("KRAIT_PREFILL_GRAPHS", "0")
-
-    import torch
 
     from krait.bench.offline import _engine, _model_dir, _prompts
     from krait.cli import build_parser
@@ -110,11 +134,16 @@ def main() -> int:
     # launches of graphs never replayed (none expected) wrote nothing: dropped
     rows = launch_rows([r for r in timeline.read() if (r["entry"] > 0).any()])
     print(f"{'#':>4} {'kernel':16} {'progs':>6} {'entry':>8} {'last entry':>10} {'waited':>8} "
-          f"{'exit':>8} {'+chain':>7}   (µs from the step's first entry)")
+          f"{'looped':>8} {'exit p50':>8} {'exit':>8} {'+chain':>7} {'SMs':>4} {'most':>4} "
+          f"{'tail':>6}   (µs from the step's first entry; SMs used, most programs on one SM,"
+          " the last-exiting tenth's programs on such an SM)")
     for r in rows[:args.launches]:
         cells = [f"{r[k]:>{w}.2f}" if r[k] is not None else f"{'-':>{w}}" for k, w in
-                 (("entry_first", 8), ("entry_last", 10), ("waited_first", 8), ("exit_last", 8),
+                 (("entry_first", 8), ("entry_last", 10), ("waited_first", 8),
+                  ("looped_last", 8), ("exit_median", 8), ("exit_last", 8),
                   ("after_prev_exit", 7))]
+        cells += [f"{r[k] if r[k] is not None else '-':>{w}}" for k, w in
+                  (("sms", 4), ("most_per_sm", 4), ("tail_on_most", 6))]
         print(f"{r['launch']:>4} {r['kernel']:16} {r['programs']:>6} " + " ".join(cells))
     print("\n".join(summary(rows)))
     last = max((r["exit_last"] for r in rows if r["exit_last"] is not None), default=0.0)

@@ -122,26 +122,48 @@ def _conv_state_kernel(
 
 
 @triton.jit
+def conv_operands(st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d, stride_w_k, stride_s_d,
+                  stride_s_k, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """What a decode step of the conv reads besides the new input, for channels `ch`: the
+    state as the window's first WIDTH - 1 columns and shifted by one, [C, BLOCK_W] float32
+    (0 in the columns the new input fills), the weights [C, BLOCK_W] and the bias [C] float32
+    (0 without one). A kernel under PDL may load them before its wait: only this layer's conv
+    step of an earlier step wrote the state."""
+    base = st_ptr + ch[:, None] * stride_s_d
+    win_ok = ok[:, None] & (cols < WIDTH - 1)[None, :]
+    window = tl.load(base + cols[None, :] * stride_s_k, mask=win_ok, other=0.0).to(tl.float32)
+    shifted_ok = ok[:, None] & (cols < WIDTH - 2)[None, :]
+    shifted = tl.load(base + (cols + 1)[None, :] * stride_s_k, mask=shifted_ok,
+                      other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + ch[:, None] * stride_w_d + cols[None, :] * stride_w_k,
+                mask=ok[:, None] & (cols < WIDTH)[None, :], other=0.0).to(tl.float32)
+    bias = tl.zeros_like(ch).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+    return window, shifted, w, bias
+
+
+@triton.jit
+def conv_apply(x, window, shifted, w, bias, cols, WIDTH: tl.constexpr, SILU: tl.constexpr):
+    """`conv_step` on loaded operands (`conv_operands`)."""
+    window = tl.where((cols == WIDTH - 1)[None, :], x[:, None], window)  # [C, BLOCK_W]
+    shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], shifted)
+    acc = tl.sum(window * w, axis=1) + bias  # [C]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    return acc, shifted
+
+
+@triton.jit
 def conv_step(x, st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d, stride_w_k, stride_s_d,
               stride_s_k, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """One decode token of the conv for channels `ch` (x [C]: their new inputs in float32;
     st_ptr: the slot's state, column k = input k, oldest first). Returns (the activated output
     [C] float32, the slot's next state [C, BLOCK_W]) for `store_conv_state`."""
-    base = st_ptr + ch[:, None] * stride_s_d
-    win_ok = ok[:, None] & (cols < WIDTH - 1)[None, :]
-    window = tl.load(base + cols[None, :] * stride_s_k, mask=win_ok, other=0.0).to(tl.float32)
-    window = tl.where((cols == WIDTH - 1)[None, :], x[:, None], window)  # [C, BLOCK_W]
-    shifted_ok = ok[:, None] & (cols < WIDTH - 2)[None, :]
-    shifted = tl.load(base + (cols + 1)[None, :] * stride_s_k, mask=shifted_ok, other=0.0)
-    shifted = tl.where((cols == WIDTH - 2)[None, :], x[:, None], shifted.to(tl.float32))
-    w = tl.load(w_ptr + ch[:, None] * stride_w_d + cols[None, :] * stride_w_k,
-                mask=ok[:, None] & (cols < WIDTH)[None, :], other=0.0)
-    acc = tl.sum(window * w.to(tl.float32), axis=1)  # [C]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    return acc, shifted
+    window, shifted, w, bias = conv_operands(st_ptr, w_ptr, b_ptr, ch, ok, cols, stride_w_d,
+                                             stride_w_k, stride_s_d, stride_s_k, WIDTH,
+                                             HAS_BIAS)
+    return conv_apply(x, window, shifted, w, bias, cols, WIDTH, SILU)
 
 
 @triton.jit

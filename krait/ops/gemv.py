@@ -31,9 +31,9 @@ from torch import Tensor
 
 from krait.ops._dispatch import cdiv, env, next_pow2
 from krait.ops.arrival import arrival_counters
-from krait.ops.causal_conv1d import conv_step, store_conv_state
+from krait.ops.causal_conv1d import conv_apply, conv_operands, store_conv_state
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
+from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
 MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
@@ -164,15 +164,37 @@ def conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, c
     columns with their channels' states in the row's slot and writes their next states in
     place; no other program touches those channels. val [1, N] in dt; returns it with those
     columns replaced by the conv's (activated) outputs, rounded to dt as the conv kernel's."""
+    ch, ok, st, window, shifted, w, bias = conv_tile_operands(
+        offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d,
+        stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS)
+    return conv_tile_finish(val, ch, ok, st, window, shifted, w, bias, stride_cs_d, stride_cs_k,
+                            CONV_WIDTH, CONV_SILU)
+
+
+@triton.jit
+def conv_tile_operands(offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
+                       stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
+                       CONV_WIDTH: tl.constexpr, CONV_BIAS: tl.constexpr):
+    """`conv_tile`'s reads that do not need the projection (the slot, the state, the conv
+    weights) for `conv_tile_finish`, loadable before the PDL wait."""
     slot = tl.load(slots_ptr)
     ch = offs_n - conv_lo
     ok = n_ok & (ch >= 0) & (ch < conv_dim) & (slot >= 0)  # slot -1: the row is padding
     ch = tl.where(ok, ch, 0)
     st = cs_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_cs_slot
+    window, shifted, w, bias = conv_operands(
+        st, cw_ptr, cb_ptr, ch, ok, tl.arange(0, CONV_WIDTH), stride_cw_d, stride_cw_k,
+        stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS)
+    return ch, ok, st, window, shifted, w, bias
+
+
+@triton.jit
+def conv_tile_finish(val, ch, ok, st, window, shifted, w, bias, stride_cs_d, stride_cs_k,
+                     CONV_WIDTH: tl.constexpr, CONV_SILU: tl.constexpr):
+    """`conv_tile` with its operands loaded (`conv_tile_operands`)."""
     xv = tl.sum(val.to(tl.float32), axis=0)  # [N]: the row's projection, rounded to dt
     cols = tl.arange(0, CONV_WIDTH)
-    acc, shifted = conv_step(xv, st, cw_ptr, cb_ptr, ch, ok, cols, stride_cw_d, stride_cw_k,
-                             stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
+    acc, shifted = conv_apply(xv, window, shifted, w, bias, cols, CONV_WIDTH, CONV_SILU)
     store_conv_state(st, shifted, ch, ok, cols, stride_cs_d, stride_cs_k, CONV_WIDTH)
     return tl.where(ok, acc, xv).to(val.dtype)[None, :]
 
@@ -257,6 +279,7 @@ def _gemv_kernel(
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
                            BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
                            stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)
+    stamp(TL, tl_ptr, LOOPED)
     if TRIGGER_LATE:
         pdl_trigger(PDL)
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -295,14 +318,12 @@ def _gemv_kernel(
     stamp(TL, tl_ptr, EXIT)
 
 
-def _trigger_early(programs: int, device: torch.device) -> bool:
+def _trigger_early() -> bool:
     """Does the GEMV let the next kernel launch at its start rather than after its weight loop?
-    KRAIT_PDL_TRIGGER=early: always (slower in session 6: the waiting dependents took SM slots
-    that the GEMV's later programs needed); =auto: when its grid fits on the GPU at once (at
-    most 4 programs an SM: every program is placed at launch, so the dependents only take
-    free slots and can start their own loads before waiting; not yet measured); else never."""
-    mode = env("KRAIT_PDL_TRIGGER")
-    return mode == "early" or (mode == "auto" and programs <= 4 * num_sms(device))
+    KRAIT_PDL_TRIGGER=early: yes (slower in session 6: the waiting dependents took SM slots
+    that the GEMV's later programs needed; also when only one-wave grids did, session 15:
+    qwen3 +9%, mamba2 +9% at batch 1); else no."""
+    return env("KRAIT_PDL_TRIGGER") == "early"
 
 
 def num_sms(device: torch.device) -> int:
@@ -419,7 +440,7 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         x, weight, bias if bias is not None else weight, y, part, counters,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
-        TRIGGER_LATE=pdl and not _trigger_early(tiles * split, x.device),
+        TRIGGER_LATE=pdl and not _trigger_early(),
         EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else
                                                 (CONV if conv is not None else PLAIN)),
         **norm_args, **res_args, **conv_kwargs, **pdl_args(pdl), **cfg,

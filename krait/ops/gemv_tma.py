@@ -34,11 +34,11 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from krait.ops._dispatch import cdiv
+from krait.ops._dispatch import cdiv, env
 from krait.ops.arrival import arrival_counters
-from krait.ops.gemv import conv_args, conv_tile, finish_tile
+from krait.ops.gemv import conv_args, conv_tile, conv_tile_finish, conv_tile_operands, finish_tile
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
+from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
 DEFAULT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, STAGES=4, SPLIT_K=1, num_warps=4)
@@ -101,7 +101,8 @@ def _gemv_tma_kernel(
     conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None,
     stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
     CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
-    CONV_SILU: tl.constexpr = False, TL: tl.constexpr = False, tl_ptr=None,
+    CONV_SILU: tl.constexpr = False, CONV_EARLY: tl.constexpr = False,
+    TL: tl.constexpr = False, tl_ptr=None,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
     (w_ptr: the same weight, for the L2 prefetch only). SILU_MUL (SPLIT_K 1):
@@ -109,7 +110,9 @@ def _gemv_tma_kernel(
     dtype first as a gate_up GEMM and silu_and_mul would; each program streams its columns'
     gate and up boxes side by side. CONV (SPLIT_K 1): the output columns
     [conv_lo, conv_lo + conv_dim) go through a causal conv's decode step on the row's slot, as
-    krait/ops/gemv.py's CONV epilogue (`gemv_triton(conv=...)`) does."""
+    krait/ops/gemv.py's CONV epilogue (`gemv_triton(conv=...)`) does; with CONV_EARLY its
+    operands (slot, state, conv weights) are loaded before the PDL wait, off the epilogue's
+    dependent loads (the epilogue took ~1.7 µs after the loop in session 15's timeline)."""
     stamp(TL, tl_ptr, ENTRY)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -123,6 +126,11 @@ def _gemv_tma_kernel(
         _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N, PREFETCH_LINES)
         if SILU_MUL:
             _prefetch_l2(w_ptr, N + n0, k_lo, 2 * N, K, BLOCK_N, PREFETCH_LINES)
+    if CONV and CONV_EARLY:
+        ch, ok, st, window, shifted, cw, cb = conv_tile_operands(
+            n0 + offs_n0, n0 + offs_n0 < N, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
+            stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH,
+            CONV_BIAS)
     pdl_wait(PDL)
     stamp(TL, tl_ptr, WAITED)
     if SILU_MUL:
@@ -130,6 +138,7 @@ def _gemv_tma_kernel(
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
             acc_up = _tile_dots(w_desc, x_ptr, N + n0, k0, acc_up, K, offs_n0, offs_k)
+        stamp(TL, tl_ptr, LOOPED)
         pdl_trigger(PDL)
         offs_n = n0 + offs_n0
         n_ok = offs_n < N
@@ -139,14 +148,19 @@ def _gemv_tma_kernel(
     else:
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
+        stamp(TL, tl_ptr, LOOPED)
         pdl_trigger(PDL)
         if CONV:
             offs_n = n0 + offs_n0
             n_ok = offs_n < N
             val = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)[None, :]  # [1, BLOCK_N]
-            val = conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr,
-                             cb_ptr, cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot,
-                             stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
+            if CONV_EARLY:
+                val = conv_tile_finish(val, ch, ok, st, window, shifted, cw, cb, stride_cs_d,
+                                       stride_cs_k, CONV_WIDTH, CONV_SILU)
+            else:
+                val = conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr,
+                                cb_ptr, cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot,
+                                stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
             tl.store(y_ptr + offs_n[None, :], val, mask=n_ok[None, :])
         else:
             _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
@@ -213,7 +227,8 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     if conv is not None:
         if cfg["SPLIT_K"] != 1 or silu_mul_out:
             raise ValueError("gemv_tma: the conv epilogue takes SPLIT_K 1 and a plain output")
-        extra = dict(conv_args(conv, x.shape[0], n, False), CONV=True)
+        extra = dict(conv_args(conv, x.shape[0], n, False), CONV=True,
+                     CONV_EARLY=env("KRAIT_CONV_EARLY", "0") == "1")
     if x.shape[1] != k:
         raise ValueError(f"gemv_tma: weight is [N, {k}], x gives K={x.shape[1]}")
     if not tma_readable(weight):

@@ -22,7 +22,7 @@ from torch import Tensor
 from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
+from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
 
 @triton.jit
@@ -250,6 +250,7 @@ def _decode_split_kernel(
                 stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
                 True, USE_WINDOW, DOT_PRECISION, BLOCK_N,
             )
+        stamp(TL, tl_ptr, LOOPED)
         # partials: [rows, Hq, NUM_SPLITS, D] and [rows, Hq, NUM_SPLITS, 2]
         part = (row * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc,

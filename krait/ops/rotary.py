@@ -13,11 +13,14 @@ from krait.ops._dispatch import cdiv, next_pow2, use_triton
 
 
 @triton.jit
-def norm_rope_heads(
-    x_row, heads, num_heads, cs_row, w_ptr, eps, head_dim, rot_dim, stride_h,
+def rope_constants(
+    cs_row, w_ptr, head_dim, rot_dim,
     NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """[BLOCK_H, BLOCK_D] float32: heads of one token, normalised (NORM) then rotated."""
+    """What `norm_rope_heads` needs besides the heads themselves, all [BLOCK_D]: each dim's
+    rotation partner, which dims rotate, cos, signed sin, and the norm weight at the dim and at
+    its partner (1 without NORM). Nothing here depends on the fresh activations: a kernel under
+    PDL loads it before its wait."""
     d = tl.arange(0, BLOCK_D)
     half = rot_dim // 2
     if IS_NEOX:
@@ -29,6 +32,25 @@ def norm_rope_heads(
         partner = tl.where(first, d + 1, d - 1)
         cs_idx = d // 2
     rotated = d < rot_dim
+    cos = tl.load(cs_row + cs_idx, mask=rotated, other=1.0)
+    sin = tl.load(cs_row + half + cs_idx, mask=rotated, other=0.0)
+    sin = tl.where(first, -sin, sin)
+    w = tl.full([BLOCK_D], 1.0, tl.float32)
+    wp = w
+    if NORM:
+        w = tl.load(w_ptr + d, mask=d < head_dim, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+    return partner, rotated, cos, sin, w, wp
+
+
+@triton.jit
+def norm_rope_loaded(
+    x_row, heads, num_heads, eps, head_dim, stride_h, partner, rotated, cos, sin, w, wp,
+    NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """[BLOCK_H, BLOCK_D] float32: heads of one token, normalised (NORM) then rotated, with
+    the operands of `rope_constants`."""
+    d = tl.arange(0, BLOCK_D)
     in_d = d < head_dim
     hmask = heads[:, None] < num_heads
     ptr = x_row + heads[:, None] * stride_h
@@ -39,17 +61,24 @@ def norm_rope_heads(
     xp = xp.to(tl.float32)
     if NORM:
         inv = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)[:, None]
-        w = tl.load(w_ptr + d, mask=in_d, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
         # HF rounds the normalised value to the activation dtype before the weight
         x = (x * inv).to(dtype).to(tl.float32) * w[None, :]
         xp = (xp * inv).to(dtype).to(tl.float32) * wp[None, :]
         x = x.to(dtype).to(tl.float32)
         xp = xp.to(dtype).to(tl.float32)
-    cos = tl.load(cs_row + cs_idx, mask=rotated, other=1.0)
-    sin = tl.load(cs_row + half + cs_idx, mask=rotated, other=0.0)
-    sin = tl.where(first, -sin, sin)
     return x * cos[None, :] + xp * sin[None, :]
+
+
+@triton.jit
+def norm_rope_heads(
+    x_row, heads, num_heads, cs_row, w_ptr, eps, head_dim, rot_dim, stride_h,
+    NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """[BLOCK_H, BLOCK_D] float32: heads of one token, normalised (NORM) then rotated."""
+    partner, rotated, cos, sin, w, wp = rope_constants(cs_row, w_ptr, head_dim, rot_dim, NORM,
+                                                       IS_NEOX, BLOCK_D)
+    return norm_rope_loaded(x_row, heads, num_heads, eps, head_dim, stride_h, partner, rotated,
+                            cos, sin, w, wp, NORM, BLOCK_D)
 
 
 @triton.jit

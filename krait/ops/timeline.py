@@ -5,8 +5,10 @@ chain, which neither a profiler with PDL off (kernels then do not overlap) nor r
 With KRAIT_TIMELINE=1, every launch of an instrumented kernel made while a CUDA graph is being
 captured gets a slice of one device buffer, [programs, 4] int64 (launches outside a capture
 write to a scratch slice, unrecorded), and each of its programs
-writes the GPU's global timer (ns) there at ENTRY (its first instruction), WAITED (its PDL wait
-returned: the kernel before has finished and its writes are visible) and EXIT. `RECORDS` lists
+writes the GPU's global timer (ns) there at ENTRY (its first instruction, with the id of the SM
+it runs on in slot SM), WAITED (its PDL wait returned: the kernel before has finished and its
+writes are visible), LOOPED (where a kernel marks the end of its main loop, before its
+epilogue) and EXIT. `RECORDS` lists
 the launches in stream order (name, offset into the buffer, programs);
 `scripts/timeline_decode.py` replays a decode graph and prints them. A diagnostic: off, the
 kernels compile exactly as without it (TL is a constexpr)."""
@@ -23,7 +25,8 @@ from krait.ops._dispatch import env
 
 # the stamps of a program's record (constexpr globals: kernels read them)
 ENTRY, WAITED, EXIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-_SLOTS = 4  # int64 a program: ENTRY, WAITED, EXIT, spare
+SM, LOOPED = tl.constexpr(3), tl.constexpr(4)
+_SLOTS = 8  # int64 a program: ENTRY, WAITED, EXIT, SM, LOOPED, spare
 _SCRATCH = 1 << 18  # the buffer's first slots: where launches outside a capture write
 _CAPACITY = 1 << 22  # int64 slots: 32 MiB, ~1M programs
 
@@ -40,7 +43,11 @@ def stamp(TL: tl.constexpr, tl_ptr, WHICH: tl.constexpr):
             + tl.program_id(0)
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [pid],
                                         dtype=tl.int64, is_pure=False, pack=1)
-        tl.store(tl_ptr + pid.to(tl.int64) * 4 + WHICH, now)
+        tl.store(tl_ptr + pid.to(tl.int64) * 8 + WHICH, now)
+        if WHICH == ENTRY:
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [pid],
+                                           dtype=tl.int32, is_pure=False, pack=1)
+            tl.store(tl_ptr + pid.to(tl.int64) * 8 + SM, sm.to(tl.int64))
 
 
 def timeline_args(name: str, grid: tuple[int, ...], device: torch.device) -> dict:
@@ -68,8 +75,8 @@ def timeline_args(name: str, grid: tuple[int, ...], device: torch.device) -> dic
 
 
 def read() -> list[dict]:
-    """Every record as {name, programs, entry, waited, exit}: int64 ns tensors on the CPU (0
-    where a program did not write the slot), in launch order."""
+    """Every record as {name, programs, entry, waited, looped, exit, sm}: int64 tensors on the
+    CPU (ns; the SM's id for sm; 0 where a program did not write the slot), in launch order."""
     if _buffer is None:
         return []
     host = _buffer.cpu()
@@ -77,11 +84,13 @@ def read() -> list[dict]:
     for name, first, programs in RECORDS:
         rec = host[first:first + programs * _SLOTS].view(programs, _SLOTS)
         out.append({"name": name, "programs": programs, "entry": rec[:, ENTRY.value],
-                    "waited": rec[:, WAITED.value], "exit": rec[:, EXIT.value]})
+                    "waited": rec[:, WAITED.value], "looped": rec[:, LOOPED.value],
+                    "exit": rec[:, EXIT.value], "sm": rec[:, SM.value]})
     return out
 
 
 def clear() -> None:
     """Zeroes the stamps (the records stay: they belong to captured graphs)."""
     if _buffer is not None:
-        _buffer.zero_()
+        with torch.inference_mode():  # the buffer is born inside the engine's inference mode
+            _buffer.zero_()

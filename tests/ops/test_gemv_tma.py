@@ -66,11 +66,14 @@ def test_gemv_tma_silu_mul_epilogue_matches_gate_up_then_silu_and_mul(n, k):
         gemv_tma(x, w, config=dict(SPLIT_K=2), silu_mul_out=True)
 
 
+@pytest.mark.parametrize("early", ["0", "1"])
 @pytest.mark.parametrize("slot", [2, -1])
-def test_gemv_tma_conv_epilogue_matches_projection_then_conv_update(slot):
+def test_gemv_tma_conv_epilogue_matches_projection_then_conv_update(slot, early, monkeypatch):
     """A Mamba in_proj's xBC columns through the causal conv's decode step in the epilogue:
     equal to F.linear then causal_conv1d_update, the slot's state shifted the same way, the
-    other slots (every slot for a padding row, slot -1) untouched."""
+    other slots (every slot for a padding row, slot -1) untouched; the same with the conv's
+    operands loaded before the PDL wait (KRAIT_CONV_EARLY=1)."""
+    monkeypatch.setenv("KRAIT_CONV_EARLY", early)
     x, w, conv, want, want_states = small_conv_case(52, slot)
     states = conv[3]
     got = gemv_tma(x, w, config=dict(BLOCK_N=8, BLOCK_K=32, STAGES=2), conv=conv)
@@ -144,14 +147,16 @@ def test_prefetch_lines_cover_the_first_boxes():
 
 
 def _compile(block_n: int, block_k: int, stages: int, num_warps: int,
-             split: int = 1, pdl: bool = True, silu: bool = False, conv: bool = False) -> dict:
+             split: int = 1, pdl: bool = True, silu: bool = False, conv: bool = False,
+             conv_early: bool = False) -> dict:
     types = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{block_n}, {block_k}]>", w_ptr="*bf16",
                  y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", slots_ptr="*i32",
                  cw_ptr="*bf16", cb_ptr="*bf16", cs_ptr="*bf16")
     return compile_sm90("krait.ops.gemv_tma", "_gemv_tma_kernel", types, dict(
         SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         PDL=pdl, PREFETCH_LINES=prefetch_lines(stages, block_k, 2) if pdl else 0,
-        SILU_MUL=silu, CONV=conv, CONV_WIDTH=4, CONV_BIAS=conv, CONV_SILU=conv),
+        SILU_MUL=silu, CONV=conv, CONV_WIDTH=4, CONV_BIAS=conv, CONV_SILU=conv,
+        CONV_EARLY=conv_early),
         num_warps=num_warps)
 
 
@@ -179,8 +184,9 @@ def test_gemv_tma_silu_mul_compiles_without_spills(block_n, block_k, num_warps):
 
 
 @pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
-def test_gemv_tma_conv_epilogue_compiles_without_spills():
-    # mamba2's in_proj config with the conv in the epilogue
-    r = _compile(16, 256, 3, 4, conv=True)
-    print(f"\ngemv_tma conv sm_90: {r}")
+@pytest.mark.parametrize("early", [False, True])
+def test_gemv_tma_conv_epilogue_compiles_without_spills(early):
+    # mamba2's in_proj config with the conv in the epilogue (its operands before the wait)
+    r = _compile(16, 256, 3, 4, conv=True, conv_early=early)
+    print(f"\ngemv_tma conv early={early} sm_90: {r}")
     assert r["local"] == 0 and r["pdl"] and r["bulk_tensor_copies"] > 0, r
