@@ -400,7 +400,9 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                            device=q.device)
     part_ml = torch.empty(num_rows, num_q_heads, num_splits, 2, dtype=torch.float32,
                           device=q.device)
-    opts = {} if interpret else dict(num_warps=4, num_stages=2)
+    # KRAIT_DECODE_SPLIT_WARPS: an A/B knob (4 unless set)
+    opts = {} if interpret else dict(num_warps=int(env("KRAIT_DECODE_SPLIT_WARPS", "4")),
+                                     num_stages=2)
     pdl = use_pdl(q)
     if prefetch is None:
         prefetch = env("KRAIT_DECODE_PREFETCH", "1") != "0"
