@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -24,7 +24,7 @@ run_parity() {
   # there first and name .parity in the device call's carry.
   if [ -d .parity ]; then
     # the full log keeps the first traceback (a failure can break the models after it)
-    timeout 600 python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn > "$LOG/parity_full.log"
+    timeout ${PARITY_TIMEOUT:-600} python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn > "$LOG/parity_full.log"
     tail -40 "$LOG/parity_full.log" | tee "$LOG/parity.log"
   else
     echo "no .parity fixtures carried: GPU parity skipped" | tee "$LOG/parity.log"
@@ -384,6 +384,30 @@ case $what in
         2>&1 | grep -v -E "Warn|INFO|deprecated" | tee "$LOG/timeline_$m.log"
       pack
     done
+    ;;
+  session16)  # (~8 min) the GPU tests of the ops changed in session 16, then A/Bs of the
+    # split-KV decode at batch 1 and 8: 8 warps (KRAIT_DECODE_SPLIT_WARPS), the combine fused
+    # into the split kernel (KRAIT_DECODE_FUSED_COMBINE), one-tile splits (KRAIT_DECODE_SPLIT_KEYS
+    # =64); mamba2 and granite-micro at batch 1 with the TMA in_proj's conv operands early (now
+    # the default); GPU parity with the 8-warp fused split kernel
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_paged_attention_split.py \
+      tests/ops/test_paged_attention.py tests/ops/test_gemv_tma.py -p no:cacheprovider 2>&1 \
+      | tail -5 | tee "$LOG/kernels_s16.log"
+    pack
+    for arm in "4 0 256" "8 0 256" "8 1 256" "8 1 64"; do
+      set -- $arm
+      KRAIT_DECODE_SPLIT_WARPS=$1 KRAIT_DECODE_FUSED_COMBINE=$2 KRAIT_DECODE_SPLIT_KEYS=$3 \
+        bench_latency qwen3-0.6b "_w$1f$2k$3" --batch-sizes 1,8 --prompt-lens ""
+    done
+    for arm in "4 0" "8 1"; do
+      set -- $arm
+      KRAIT_DECODE_SPLIT_WARPS=$1 KRAIT_DECODE_FUSED_COMBINE=$2 \
+        bench_latency llama-3.2-1b "_w$1f$2" --batch-sizes 1 --prompt-lens ""
+    done
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "" --batch-sizes 1 --prompt-lens ""
+    done
+    KRAIT_DECODE_SPLIT_WARPS=8 KRAIT_DECODE_FUSED_COMBINE=1 PARITY_TIMEOUT=200 run_parity; pack
     ;;
   timeline)  # per-program timestamps of the batch-1 decode chain (~6 min): its GPU test, then
     # scripts/timeline_decode.py per model (KRAIT_TIMELINE, krait/ops/timeline.py), then the

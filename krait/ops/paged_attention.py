@@ -20,9 +20,12 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
+from krait.ops.arrival import arrival_counters
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
+
+_COUNTERS: dict[torch.device, Tensor] = {}  # per-(row, kv head) arrival counters, back to zero
 
 
 @triton.jit
@@ -183,10 +186,13 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+    FUSED_COMBINE: tl.constexpr = False, out_ptr=None, count_ptr=None, stride_ot=0, stride_oh=0,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
+    With FUSED_COMBINE the last split of a (row, kv head) to finish merges them all into `out`
+    (an arrival counter per pair, written back to zero) and no combine kernel runs.
     With PREFETCH (and PDL), the split's first K/V tile is loaded before waiting on the kernel
     before: every key but the row's newest was written by earlier steps, and the step's metadata
     (query starts, lengths, block table) by its input preparation, which completed before the
@@ -257,7 +263,41 @@ def _decode_split_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        if FUSED_COMBINE:
+            pair = row * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(count_ptr + pair, 1)  # acq_rel: orders the stores above
+            if arrived == NUM_SPLITS - 1:
+                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, part - split, q_start, head,
+                              row_ok, d, d_ok, stride_ot, stride_oh, NUM_SPLITS, BLOCK_D)
+                tl.atomic_xchg(count_ptr + pair, 0)
     stamp(TL, tl_ptr, EXIT)
+
+
+@triton.jit
+def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, base, q_start, head, row_ok, d, d_ok,
+                  stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merges the NUM_SPLITS partials of BLOCK_M query heads (base: each head's first split) in
+    split order, L2 reads (other programs wrote them), and stores the normalised output."""
+    m_run = tl.full(base.shape, -1.0e30, tl.float32)
+    l_run = tl.zeros(base.shape, tl.float32)
+    o_run = tl.zeros([base.shape[0], BLOCK_D], tl.float32)
+    ok = row_ok[:, None] & d_ok[None, :]
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_ml_ptr + (base + s) * 2, mask=row_ok, other=-1.0e30,
+                      cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=row_ok, other=0.0,
+                      cache_modifier=".cg")
+        a_s = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=ok,
+                      other=0.0, cache_modifier=".cg")  # [BLOCK_M, BLOCK_D]
+        m_new = tl.maximum(m_run, m_s)
+        alpha = tl.exp2(m_run - m_new)
+        beta = tl.where(l_s > 0.0, tl.exp2(m_s - m_new), 0.0)  # empty splits add nothing
+        l_run = l_run * alpha + l_s * beta
+        o_run = o_run * alpha[:, None] + a_s * beta[:, None]
+        m_run = m_new
+    out = o_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -340,11 +380,12 @@ def paged_attention_triton(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
     sliding_window: int | None = None, num_splits: int | None = None,
-    prefetch: bool | None = None,
+    prefetch: bool | None = None, fused_combine: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) split each
     row's keys over `num_splits` programs (flash-decoding; chosen from the batch shape when None)
-    when too few (row, kv head) programs would otherwise run. prefetch: see `_decode_split`."""
+    when too few (row, kv head) programs would otherwise run. prefetch, fused_combine: see
+    `_decode_split`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -365,7 +406,7 @@ def paged_attention_triton(
             num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len, q.device)
     if max_query_len == 1 and num_splits > 1:
         _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                      sliding_window, num_splits, interpret, prefetch)
+                      sliding_window, num_splits, interpret, prefetch, fused_combine)
         return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, cdiv(max_query_len, config["BLOCK_M"] // group))
@@ -386,10 +427,13 @@ def paged_attention_triton(
 
 
 def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                  sliding_window, num_splits, interpret, prefetch: bool | None = None) -> None:
+                  sliding_window, num_splits, interpret, prefetch: bool | None = None,
+                  fused_combine: bool | None = None) -> None:
     """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
     split's first K/V tile loaded before the PDL wait (None: on unless KRAIT_DECODE_PREFETCH=0;
-    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8)."""
+    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8). fused_combine: the last
+    split of each (row, kv head) merges them, no combine launch (None: KRAIT_DECODE_FUSED_COMBINE,
+    off unless 1)."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -406,6 +450,13 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     pdl = use_pdl(q)
     if prefetch is None:
         prefetch = env("KRAIT_DECODE_PREFETCH", "1") != "0"
+    if fused_combine is None:
+        fused_combine = env("KRAIT_DECODE_FUSED_COMBINE", "0") == "1"
+    fused = {}
+    if fused_combine:
+        counters = arrival_counters(_COUNTERS, q.device, num_rows * num_kv_heads)
+        fused = dict(FUSED_COMBINE=True, out_ptr=out, count_ptr=counters,
+                     stride_ot=out.stride(0), stride_oh=out.stride(1))
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
@@ -418,9 +469,11 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
-        PREFETCH=prefetch, **opts, **pdl_args(pdl),
+        PREFETCH=prefetch, **fused, **opts, **pdl_args(pdl),
         **timeline_args("decode_split", (num_rows, num_kv_heads, num_splits), q.device),
     )
+    if fused_combine:
+        return
     _decode_combine_kernel[(num_rows, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,

@@ -50,6 +50,23 @@ def test_prefetched_first_tile_matches_reference(window, splits):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("splits", [2, 4])
+def test_fused_combine_matches_reference_and_resets_counters(hq, hkv, splits):
+    """KRAIT_DECODE_FUSED_COMBINE: the last split of each (row, kv head) merges the partials;
+    the arrival counters are all zero again after the launch, so a second call agrees too."""
+    from krait.ops import paged_attention as pa
+
+    seq_lens = [1, 130, 0, 517, 64]
+    q, kc, vc, qsl, sl, bt = _decode_batch(seq_lens, hq, hkv, seed=20 + splits)
+    args = (q, kc, vc, qsl, sl, bt, 1, max(seq_lens), 0.2, 37 if splits == 4 else None)
+    want = paged_attention_ref(*args)
+    for _ in range(2):
+        got = paged_attention_triton(*args, num_splits=splits, prefetch=True, fused_combine=True)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert int(pa._COUNTERS[q.device].count_nonzero()) == 0
+
+
 def test_split_choice_fills_the_gpu_but_stays_bounded():
     cpu = torch.device("cpu")  # 4 "SMs" on CPU: 8 programs wanted
     assert decode_num_splits(1, 2, 4096, cpu) == 4
@@ -79,6 +96,7 @@ def test_split_decode_real_size_gpu(rows, ctx):
     q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
     args = (q, kc, vc, qsl, sl, bt, 1, ctx, d**-0.5, None)
     want = paged_attention_ref(*args).float()
-    for prefetch in (False, True):
-        got = paged_attention_triton(*args, prefetch=prefetch).float()
-        assert (got - want).norm() / want.norm() < 1e-2, prefetch
+    for prefetch, fused in ((False, False), (True, False), (True, True)):
+        for _ in range(2):  # the fused combine's counters back to zero: the second call agrees
+            got = paged_attention_triton(*args, prefetch=prefetch, fused_combine=fused).float()
+            assert (got - want).norm() / want.norm() < 1e-2, (prefetch, fused)
