@@ -385,29 +385,25 @@ case $what in
       pack
     done
     ;;
-  session16)  # (~8 min) the GPU tests of the ops changed in session 16, then A/Bs of the
-    # split-KV decode at batch 1 and 8: 8 warps (KRAIT_DECODE_SPLIT_WARPS), the combine fused
-    # into the split kernel (KRAIT_DECODE_FUSED_COMBINE), one-tile splits (KRAIT_DECODE_SPLIT_KEYS
-    # =64); mamba2 and granite-micro at batch 1 with the TMA in_proj's conv operands early (now
-    # the default); GPU parity with the 8-warp fused split kernel
+  session16)  # (~6 min) the split-KV decode's defaults of session 16 against the old ones at
+    # batch 1 and 8: 64 keys a split at least (KRAIT_DECODE_SPLIT_KEYS=256 was the default), 8
+    # warps while its grid fits one program an SM (KRAIT_DECODE_SPLIT_WARPS=4 fixes the old 4);
+    # mamba2 and granite-micro at batch 1 (the TMA in_proj's conv operands early, now the
+    # default); then GPU parity with every tiny model's decode rows split
     timeout 150 python3 -m pytest -q -m gpu tests/ops/test_paged_attention_split.py \
       tests/ops/test_paged_attention.py tests/ops/test_gemv_tma.py -p no:cacheprovider 2>&1 \
       | tail -5 | tee "$LOG/kernels_s16.log"
     pack
-    for arm in "4 0 256" "8 0 256" "8 1 256" "8 1 64"; do
-      set -- $arm
-      KRAIT_DECODE_SPLIT_WARPS=$1 KRAIT_DECODE_FUSED_COMBINE=$2 KRAIT_DECODE_SPLIT_KEYS=$3 \
-        bench_latency qwen3-0.6b "_w$1f$2k$3" --batch-sizes 1,8 --prompt-lens ""
-    done
-    for arm in "4 0" "8 1"; do
-      set -- $arm
-      KRAIT_DECODE_SPLIT_WARPS=$1 KRAIT_DECODE_FUSED_COMBINE=$2 \
-        bench_latency llama-3.2-1b "_w$1f$2" --batch-sizes 1 --prompt-lens ""
+    for m in qwen3-0.6b llama-3.2-1b; do
+      bench_latency $m "" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_DECODE_SPLIT_WARPS=4 bench_latency $m "_w4" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_DECODE_SPLIT_WARPS=4 KRAIT_DECODE_SPLIT_KEYS=256 bench_latency $m "_w4k256" \
+        --batch-sizes 1,8 --prompt-lens ""
     done
     for m in mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "" --batch-sizes 1 --prompt-lens ""
     done
-    KRAIT_DECODE_SPLIT_WARPS=8 KRAIT_DECODE_FUSED_COMBINE=1 PARITY_TIMEOUT=200 run_parity; pack
+    KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=300 run_parity; pack
     ;;
   timeline)  # per-program timestamps of the batch-1 decode chain (~6 min): its GPU test, then
     # scripts/timeline_decode.py per model (KRAIT_TIMELINE, krait/ops/timeline.py), then the

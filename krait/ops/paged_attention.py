@@ -12,6 +12,7 @@ tile is read once per group, and runs an online softmax over key tiles up to its
 position — the loop is bound by the row's real seq_len, never by max_seq_len.
 """
 
+import functools
 import math
 
 import torch
@@ -20,12 +21,9 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
-from krait.ops.arrival import arrival_counters
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
-
-_COUNTERS: dict[torch.device, Tensor] = {}  # per-(row, kv head) arrival counters, back to zero
 
 
 @triton.jit
@@ -186,13 +184,10 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-    FUSED_COMBINE: tl.constexpr = False, out_ptr=None, count_ptr=None, stride_ot=0, stride_oh=0,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
-    With FUSED_COMBINE the last split of a (row, kv head) to finish merges them all into `out`
-    (an arrival counter per pair, written back to zero) and no combine kernel runs.
     With PREFETCH (and PDL), the split's first K/V tile is loaded before waiting on the kernel
     before: every key but the row's newest was written by earlier steps, and the step's metadata
     (query starts, lengths, block table) by its input preparation, which completed before the
@@ -263,41 +258,7 @@ def _decode_split_kernel(
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-        if FUSED_COMBINE:
-            pair = row * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(count_ptr + pair, 1)  # acq_rel: orders the stores above
-            if arrived == NUM_SPLITS - 1:
-                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, part - split, q_start, head,
-                              row_ok, d, d_ok, stride_ot, stride_oh, NUM_SPLITS, BLOCK_D)
-                tl.atomic_xchg(count_ptr + pair, 0)
     stamp(TL, tl_ptr, EXIT)
-
-
-@triton.jit
-def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, base, q_start, head, row_ok, d, d_ok,
-                  stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merges the NUM_SPLITS partials of BLOCK_M query heads (base: each head's first split) in
-    split order, L2 reads (other programs wrote them), and stores the normalised output."""
-    m_run = tl.full(base.shape, -1.0e30, tl.float32)
-    l_run = tl.zeros(base.shape, tl.float32)
-    o_run = tl.zeros([base.shape[0], BLOCK_D], tl.float32)
-    ok = row_ok[:, None] & d_ok[None, :]
-    for s in tl.static_range(NUM_SPLITS):
-        m_s = tl.load(part_ml_ptr + (base + s) * 2, mask=row_ok, other=-1.0e30,
-                      cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=row_ok, other=0.0,
-                      cache_modifier=".cg")
-        a_s = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=ok,
-                      other=0.0, cache_modifier=".cg")  # [BLOCK_M, BLOCK_D]
-        m_new = tl.maximum(m_run, m_s)
-        alpha = tl.exp2(m_run - m_new)
-        beta = tl.where(l_s > 0.0, tl.exp2(m_s - m_new), 0.0)  # empty splits add nothing
-        l_run = l_run * alpha + l_s * beta
-        o_run = o_run * alpha[:, None] + a_s * beta[:, None]
-        m_run = m_new
-    out = o_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -336,20 +297,40 @@ def _decode_combine_kernel(
     stamp(TL, tl_ptr, EXIT)
 
 
+@functools.lru_cache(maxsize=8)
+def _num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 stands in for them on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device) -> int:
     """Splits per decode row so that rows x kv heads x splits fills the GPU about twice; 1 when
     the batch already does or the rows are short (a split takes at least
-    KRAIT_DECODE_SPLIT_KEYS keys, 256 unless set: an A/B knob, 64 = one key tile a split)."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 4
+    KRAIT_DECODE_SPLIT_KEYS keys, 64 unless set: one key tile. H200, session 16, batch-1 graph
+    with max_model_len 1077: qwen3-0.6b 0.938 -> 0.912 ms, llama-3.2-1b 0.931 -> 0.921 against
+    256, batch 8 unchanged; a longer max_model_len gave 16 splits at batch 1 either way)."""
+    sms = _num_sms(device)
     # programs to aim for, in multiples of the SM count (KRAIT_DECODE_SPLIT_WAVES: an A/B knob
     # for the GPU benchmarks; 2 unless set)
     waves = int(env("KRAIT_DECODE_SPLIT_WAVES", "2"))
     want = cdiv(waves * sms, max(num_rows * num_kv_heads, 1))
-    by_len = cdiv(max_seq_len, int(env("KRAIT_DECODE_SPLIT_KEYS", "256")))
+    by_len = cdiv(max_seq_len, int(env("KRAIT_DECODE_SPLIT_KEYS", "64")))
     return max(1, min(16, next_pow2(min(want, by_len))))
+
+
+def decode_split_warps(num_programs: int, device) -> int:
+    """Warps of a split-KV decode program: 8 when the grid fits on the GPU one program an SM
+    (each program streams its keys alone: more loads in flight), else 4. H200, session 16, graph
+    ms: qwen3-0.6b batch 1 (128 programs) 0.912 -> 0.901 with 8, batch 8 (512 programs) 1.503 ->
+    1.644. KRAIT_DECODE_SPLIT_WARPS (4 or 8) fixes it: an A/B knob."""
+    forced = env("KRAIT_DECODE_SPLIT_WARPS", "")
+    if forced:
+        if forced not in ("4", "8"):
+            raise ValueError(f"KRAIT_DECODE_SPLIT_WARPS must be 4 or 8, not {forced}")
+        return int(forced)
+    return 8 if num_programs <= _num_sms(device) else 4
 
 
 def _decode_block_n() -> int:
@@ -380,12 +361,11 @@ def paged_attention_triton(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
     sliding_window: int | None = None, num_splits: int | None = None,
-    prefetch: bool | None = None, fused_combine: bool | None = None,
+    prefetch: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) split each
     row's keys over `num_splits` programs (flash-decoding; chosen from the batch shape when None)
-    when too few (row, kv head) programs would otherwise run. prefetch, fused_combine: see
-    `_decode_split`."""
+    when too few (row, kv head) programs would otherwise run. prefetch: see `_decode_split`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -406,7 +386,7 @@ def paged_attention_triton(
             num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len, q.device)
     if max_query_len == 1 and num_splits > 1:
         _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                      sliding_window, num_splits, interpret, prefetch, fused_combine)
+                      sliding_window, num_splits, interpret, prefetch)
         return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, cdiv(max_query_len, config["BLOCK_M"] // group))
@@ -427,13 +407,10 @@ def paged_attention_triton(
 
 
 def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                  sliding_window, num_splits, interpret, prefetch: bool | None = None,
-                  fused_combine: bool | None = None) -> None:
+                  sliding_window, num_splits, interpret, prefetch: bool | None = None) -> None:
     """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
     split's first K/V tile loaded before the PDL wait (None: on unless KRAIT_DECODE_PREFETCH=0;
-    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8). fused_combine: the last
-    split of each (row, kv head) merges them, no combine launch (None: KRAIT_DECODE_FUSED_COMBINE,
-    off unless 1)."""
+    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8)."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -444,20 +421,13 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                            device=q.device)
     part_ml = torch.empty(num_rows, num_q_heads, num_splits, 2, dtype=torch.float32,
                           device=q.device)
-    # KRAIT_DECODE_SPLIT_WARPS: an A/B knob (4 unless set)
-    opts = {} if interpret else dict(num_warps=int(env("KRAIT_DECODE_SPLIT_WARPS", "4")),
-                                     num_stages=2)
+    grid = (num_rows, num_kv_heads, num_splits)
+    opts = {} if interpret else dict(
+        num_warps=decode_split_warps(num_rows * num_kv_heads * num_splits, q.device), num_stages=2)
     pdl = use_pdl(q)
     if prefetch is None:
         prefetch = env("KRAIT_DECODE_PREFETCH", "1") != "0"
-    if fused_combine is None:
-        fused_combine = env("KRAIT_DECODE_FUSED_COMBINE", "0") == "1"
-    fused = {}
-    if fused_combine:
-        counters = arrival_counters(_COUNTERS, q.device, num_rows * num_kv_heads)
-        fused = dict(FUSED_COMBINE=True, out_ptr=out, count_ptr=counters,
-                     stride_ot=out.stride(0), stride_oh=out.stride(1))
-    _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
         scale * math.log2(math.e), head_dim, k_cache.shape[1], sliding_window or 0,
@@ -469,11 +439,9 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
-        PREFETCH=prefetch, **fused, **opts, **pdl_args(pdl),
-        **timeline_args("decode_split", (num_rows, num_kv_heads, num_splits), q.device),
+        PREFETCH=prefetch, **opts, **pdl_args(pdl),
+        **timeline_args("decode_split", grid, q.device),
     )
-    if fused_combine:
-        return
     _decode_combine_kernel[(num_rows, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,

@@ -5,6 +5,7 @@ import torch
 
 from krait.ops.paged_attention import (
     decode_num_splits,
+    decode_split_warps,
     paged_attention_ref,
     paged_attention_triton,
 )
@@ -50,36 +51,32 @@ def test_prefetched_first_tile_matches_reference(window, splits):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
-@pytest.mark.parametrize("splits", [2, 4])
-def test_fused_combine_matches_reference_and_resets_counters(hq, hkv, splits):
-    """KRAIT_DECODE_FUSED_COMBINE: the last split of each (row, kv head) merges the partials;
-    the arrival counters are all zero again after the launch, so a second call agrees too."""
-    from krait.ops import paged_attention as pa
-
-    seq_lens = [1, 130, 0, 517, 64]
-    q, kc, vc, qsl, sl, bt = _decode_batch(seq_lens, hq, hkv, seed=20 + splits)
-    args = (q, kc, vc, qsl, sl, bt, 1, max(seq_lens), 0.2, 37 if splits == 4 else None)
-    want = paged_attention_ref(*args)
-    for _ in range(2):
-        got = paged_attention_triton(*args, num_splits=splits, prefetch=True, fused_combine=True)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        assert int(pa._COUNTERS[q.device].count_nonzero()) == 0
-
-
 def test_split_choice_fills_the_gpu_but_stays_bounded():
     cpu = torch.device("cpu")  # 4 "SMs" on CPU: 8 programs wanted
     assert decode_num_splits(1, 2, 4096, cpu) == 4
     assert decode_num_splits(64, 8, 4096, cpu) == 1  # the batch already fills it
-    assert decode_num_splits(1, 1, 100, cpu) == 1  # short rows do not split
+    assert decode_num_splits(1, 1, 64, cpu) == 1  # one key tile does not split
     assert decode_num_splits(1, 1, 10**6, cpu) <= 16
 
 
 def test_split_keys_knob(monkeypatch):
     cpu = torch.device("cpu")
-    assert decode_num_splits(1, 1, 512, cpu) == 2  # 256 keys a split at least
-    monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "64")
-    assert decode_num_splits(1, 1, 512, cpu) == 8
+    assert decode_num_splits(1, 1, 512, cpu) == 8  # 64 keys (one tile) a split at least
+    monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "256")
+    assert decode_num_splits(1, 1, 512, cpu) == 2
+
+
+def test_split_warps_follow_the_grid(monkeypatch):
+    """8 warps while the grid fits one program an SM (4 "SMs" on CPU), 4 beyond; the knob
+    fixes it and refuses other counts."""
+    cpu = torch.device("cpu")
+    assert decode_split_warps(4, cpu) == 8
+    assert decode_split_warps(5, cpu) == 4
+    monkeypatch.setenv("KRAIT_DECODE_SPLIT_WARPS", "4")
+    assert decode_split_warps(1, cpu) == 4
+    monkeypatch.setenv("KRAIT_DECODE_SPLIT_WARPS", "2")
+    with pytest.raises(ValueError, match="KRAIT_DECODE_SPLIT_WARPS"):
+        decode_split_warps(1, cpu)
 
 
 @pytest.mark.gpu
@@ -96,7 +93,6 @@ def test_split_decode_real_size_gpu(rows, ctx):
     q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
     args = (q, kc, vc, qsl, sl, bt, 1, ctx, d**-0.5, None)
     want = paged_attention_ref(*args).float()
-    for prefetch, fused in ((False, False), (True, False), (True, True)):
-        for _ in range(2):  # the fused combine's counters back to zero: the second call agrees
-            got = paged_attention_triton(*args, prefetch=prefetch, fused_combine=fused).float()
-            assert (got - want).norm() / want.norm() < 1e-2, (prefetch, fused)
+    for prefetch in (False, True):
+        got = paged_attention_triton(*args, prefetch=prefetch).float()
+        assert (got - want).norm() / want.norm() < 1e-2, prefetch
