@@ -24,8 +24,8 @@ run_parity() {
   # there first and name .parity in the device call's carry.
   if [ -d .parity ]; then
     # the full log keeps the first traceback (a failure can break the models after it)
-    timeout ${PARITY_TIMEOUT:-600} python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn > "$LOG/parity_full.log"
-    tail -40 "$LOG/parity_full.log" | tee "$LOG/parity.log"
+    timeout ${PARITY_TIMEOUT:-600} python3 scripts/gpu_parity.py check .parity 2>&1 | grep -v Warn > "$LOG/parity_full${PARITY_TAG:-}.log"
+    tail -40 "$LOG/parity_full${PARITY_TAG:-}.log" | tee "$LOG/parity${PARITY_TAG:-}.log"
   else
     echo "no .parity fixtures carried: GPU parity skipped" | tee "$LOG/parity.log"
   fi
@@ -385,17 +385,19 @@ case $what in
       pack
     done
     ;;
-  session16)  # (~6 min) the split-KV decode's defaults of session 16 against the old ones at
+  session16)  # (~9 min) the split-KV decode's defaults of session 16 against the old ones at
     # batch 1 and 8: 64 keys a split at least (KRAIT_DECODE_SPLIT_KEYS=256 was the default), 8
     # warps while its grid fits one program an SM (KRAIT_DECODE_SPLIT_WARPS=4 fixes the old 4);
     # mamba2 and granite-micro at batch 1 (the TMA in_proj's conv operands early, now the
     # default); then GPU parity with every tiny model's decode rows split
+    # rope + KV write folded into the split kernel (KRAIT_DECODE_ROPE_FOLD=1, new, unmeasured)
     timeout 150 python3 -m pytest -q -m gpu tests/ops/test_paged_attention_split.py \
-      tests/ops/test_paged_attention.py tests/ops/test_gemv_tma.py -p no:cacheprovider 2>&1 \
-      | tail -5 | tee "$LOG/kernels_s16.log"
+      tests/ops/test_paged_attention.py tests/ops/test_gemv_tma.py tests/ops/test_rope_attention.py \
+      -p no:cacheprovider 2>&1 | tail -5 | tee "$LOG/kernels_s16.log"
     pack
     for m in qwen3-0.6b llama-3.2-1b; do
       bench_latency $m "" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_DECODE_ROPE_FOLD=1 bench_latency $m "_fold" --batch-sizes 1,8 --prompt-lens ""
       KRAIT_DECODE_SPLIT_WARPS=4 bench_latency $m "_w4" --batch-sizes 1,8 --prompt-lens ""
       KRAIT_DECODE_SPLIT_WARPS=4 KRAIT_DECODE_SPLIT_KEYS=256 bench_latency $m "_w4k256" \
         --batch-sizes 1,8 --prompt-lens ""
@@ -404,6 +406,8 @@ case $what in
       bench_latency $m "" --batch-sizes 1 --prompt-lens ""
     done
     KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=300 run_parity; pack
+    KRAIT_DECODE_ROPE_FOLD=1 KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=300 PARITY_TAG=_fold run_parity
+    pack
     ;;
   timeline)  # per-program timestamps of the batch-1 decode chain (~6 min): its GPU test, then
     # scripts/timeline_decode.py per model (KRAIT_TIMELINE, krait/ops/timeline.py), then the

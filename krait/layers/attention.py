@@ -6,7 +6,7 @@ import torch
 
 from krait.ops.kv_write import write_kv
 from krait.ops.paged_attention import paged_attention
-from krait.ops.rope_kv_write import rope_kv_write
+from krait.ops.rope_attention import rope_paged_attention
 from krait.runner.attention_metadata import AttentionMetadata
 from krait.runner.piecewise_graphs import mixer_call
 
@@ -67,14 +67,16 @@ class Attention(torch.nn.Module):
         meta: AttentionMetadata, rotary, q_norm, k_norm,
     ) -> torch.Tensor:
         T = q.shape[0]
-        q = rope_kv_write(
+        out = rope_paged_attention(
             q, k, v, positions, rotary.cos_sin_cache, rotary.is_neox,
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0,
             self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T],
+            meta.query_start_loc, meta.seq_lens, meta.block_table, meta.max_query_len,
+            meta.max_seq_len, self.scale, self.sliding_window,
         )
-        return self.attend(q, meta)
+        return out.reshape(T, self.num_heads * self.head_dim)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D] over the cache (this step's K/V already written) -> [T, Hq*D]."""

@@ -21,8 +21,9 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
-from krait.ops.kv_write import from_cache
+from krait.ops.kv_write import from_cache, to_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.rotary import norm_rope_loaded, rope_constants
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
 
@@ -184,10 +185,17 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+    ROPE: tl.constexpr = False, NORM: tl.constexpr = False, IS_NEOX: tl.constexpr = False,
+    k_new_ptr=None, v_new_ptr=None, pos_ptr=None, cs_ptr=None, qw_ptr=None, kw_ptr=None, eps=0.0,
+    slot_ptr=None, rot_dim=0, stride_cs=0, stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
     exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
+    With ROPE, q is the projection's raw output and this kernel does `rope_kv_write`'s work for
+    its rows: each program normalises (NORM) and rotates its query heads itself, and the split
+    holding the row's newest key normalises and rotates that key from k_new and writes it and
+    v_new into the cache at the row's slot (one writer per (row, kv head)) before it reads it.
     With PREFETCH (and PDL), the split's first K/V tile is loaded before waiting on the kernel
     before: every key but the row's newest was written by earlier steps, and the step's metadata
     (query starts, lengths, block table) by its input preparation, which completed before the
@@ -224,6 +232,14 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = block_table_ptr + row * stride_bt
         rest = s_lo  # the first key the tile loop below starts at
+        holds_newest = (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi)
+        if ROPE:  # the step's inputs and constants: before the wait
+            cs_row = cs_ptr + tl.load(pos_ptr + q_start) * stride_cs
+            slot = tl.load(slot_ptr + q_start)
+            qp, qr, qcos, qsin, qw, qwp = rope_constants(cs_row, qw_ptr, head_dim, rot_dim, NORM,
+                                                         IS_NEOX, BLOCK_D)
+            kp, kr, kcos, ksin, kw, kwp = rope_constants(cs_row, kw_ptr, head_dim, rot_dim, NORM,
+                                                         IS_NEOX, BLOCK_D)
         if PREFETCH:
             cdt = q_ptr.dtype.element_ty
             k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
@@ -234,14 +250,32 @@ def _decode_split_kernel(
             v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok & ~fresh, cdt)  # [BLOCK_N, D]
             pdl_wait(PDL)
             stamp(TL, tl_ptr, WAITED)
+            if ROPE:
+                q = _rope_q_write_kv(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr,
+                                     q_start, head, row_ok, kv_head, GROUP * tl.num_programs(1),
+                                     holds_newest & (slot >= 0), slot, block_size, eps,
+                                     head_dim, stride_qt, stride_qh, stride_knt, stride_knh,
+                                     stride_vnt, stride_vnh, stride_kc_b, stride_kc_o,
+                                     stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                                     qp, qr, qcos, qsin, qw, qwp, kp, kr, kcos, ksin, kw, kwp,
+                                     NORM, BLOCK_D)
+            else:
+                q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
             if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
                 k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
                 v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
-            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
             sc = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, True, USE_WINDOW,
                          DOT_PRECISION)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_PRECISION)
             rest = s_lo + BLOCK_N
+        elif ROPE:
+            q = _rope_q_write_kv(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, q_start,
+                                 head, row_ok, kv_head, GROUP * tl.num_programs(1),
+                                 holds_newest & (slot >= 0), slot, block_size, eps, head_dim,
+                                 stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt,
+                                 stride_vnh, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
+                                 stride_vc_o, stride_vc_h, qp, qr, qcos, qsin, qw, qwp, kp, kr, kcos,
+                                 ksin, kw, kwp, NORM, BLOCK_D)
         else:
             q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
         for start_n in range(rest, s_hi, BLOCK_N):
@@ -259,6 +293,44 @@ def _decode_split_kernel(
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
     stamp(TL, tl_ptr, EXIT)
+
+
+@triton.jit
+def _rope_q_write_kv(
+    q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, q_start, head, row_ok, kv_head,
+    num_q_heads, writes, slot, block_size, eps, head_dim,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+    q_partner, q_rotated, q_cos, q_sin, q_w, q_wp,
+    k_partner, k_rotated, k_cos, k_sin, k_w, k_wp,
+    NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """ROPE's work after the PDL wait: the program's query heads normalised and rotated
+    ([BLOCK_M, BLOCK_D] in q's dtype, as rope_kv_write would have stored them); where `writes`,
+    the row's new key (normalised, rotated, rounded to q's dtype) and value stored at `slot`.
+    A barrier follows, so that every thread's later load of that key sees it."""
+    dt = q_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK_D)
+    q = norm_rope_loaded(q_ptr + q_start.to(tl.int64) * stride_qt, head, num_q_heads, eps,
+                         head_dim, stride_qh, q_partner, q_rotated, q_cos, q_sin, q_w, q_wp,
+                         NORM, BLOCK_D)
+    q = tl.where(row_ok[:, None], q, 0.0).to(dt)
+    if writes:
+        kh = kv_head + tl.arange(0, 2)  # the kv head, and one masked row (two-row tiles)
+        k = norm_rope_loaded(k_new_ptr + q_start.to(tl.int64) * stride_knt, kh, kv_head + 1, eps,
+                             head_dim, stride_knh, k_partner, k_rotated, k_cos, k_sin, k_w, k_wp,
+                             NORM, BLOCK_D)
+        kv_mask = (kh[:, None] == kv_head) & (d[None, :] < head_dim)
+        v = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vnt + kh[:, None] * stride_vnh
+                    + d[None, :], mask=kv_mask)
+        blk = (slot // block_size).to(tl.int64)
+        off = slot % block_size
+        kc = k_cache_ptr + blk * stride_kc_b + off * stride_kc_o + kh[:, None] * stride_kc_h
+        vc = v_cache_ptr + blk * stride_vc_b + off * stride_vc_o + kh[:, None] * stride_vc_h
+        tl.store(kc + d[None, :], to_cache(k.to(dt), k_cache_ptr), mask=kv_mask)
+        tl.store(vc + d[None, :], to_cache(v, v_cache_ptr), mask=kv_mask)
+    tl.debug_barrier()
+    return q
 
 
 @triton.jit
@@ -406,8 +478,37 @@ def paged_attention_triton(
     return out
 
 
+def decode_split_rope(
+    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, is_neox: bool,
+    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, eps: float,
+    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+    query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, scale: float,
+    sliding_window: int | None, num_splits: int, prefetch: bool | None = None,
+) -> Tensor:
+    """`rope_kv_write` then split-KV `paged_attention` for a batch of decode rows (every row
+    at most one token), in the split kernel's launch and its combine's: q [T, Hq, D] and k/v
+    [T, Hkv, D] as the projection left them (contiguous last dim), the rest as in
+    `rope_kv_write` and `paged_attention`. Returns the attention output [T, Hq, D]."""
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+    if q.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return out
+    norm = q_norm_weight is not None
+    rope = dict(
+        ROPE=True, NORM=norm, IS_NEOX=is_neox, k_new_ptr=k, v_new_ptr=v, pos_ptr=positions,
+        cs_ptr=cos_sin_cache, qw_ptr=q_norm_weight if norm else q,
+        kw_ptr=k_norm_weight if norm else k, eps=eps, slot_ptr=slot_mapping,
+        rot_dim=cos_sin_cache.shape[-1], stride_cs=cos_sin_cache.stride(0),
+        stride_knt=k.stride(0), stride_knh=k.stride(1), stride_vnt=v.stride(0),
+        stride_vnh=v.stride(1))
+    _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
+                  sliding_window, num_splits, q.device.type == "cpu", prefetch, rope)
+    return out
+
+
 def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                  sliding_window, num_splits, interpret, prefetch: bool | None = None) -> None:
+                  sliding_window, num_splits, interpret, prefetch: bool | None = None,
+                  rope: dict | None = None) -> None:
     """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
     split's first K/V tile loaded before the PDL wait (None: on unless KRAIT_DECODE_PREFETCH=0;
     H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8)."""
@@ -439,7 +540,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
-        PREFETCH=prefetch, **opts, **pdl_args(pdl),
+        PREFETCH=prefetch, **(rope or {}), **opts, **pdl_args(pdl),
         **timeline_args("decode_split", grid, q.device),
     )
     _decode_combine_kernel[(num_rows, num_q_heads)](

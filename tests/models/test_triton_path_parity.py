@@ -4,6 +4,7 @@ The other parity tests run the torch references on CPU; these route every op thr
 the GPU runs (`KRAIT_TRITON_CPU=1` under `TRITON_INTERPRET=1`), so an integration mistake in a
 kernel launch (strides, dtypes, slot indices, chunk boundaries) shows up without a GPU."""
 
+import os
 
 import pytest
 
@@ -17,10 +18,21 @@ NUM_TOKENS = 12
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv",
                                   "mamba2+gemv", "granitemoehybrid+routes", "nemotronh+routes",
-                                  "qwen3+tma", "mamba2+tma"])
+                                  "qwen3+tma", "mamba2+tma", "qwen3+ropefold"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
-    engine_args, routes_ran, tma_ran = {}, [], []
+    engine_args, routes_ran, tma_ran, folded = {}, [], [], []
+    if arch.endswith("+ropefold"):  # decode rows split (16 keys a split at least), rope and
+        # the K/V write inside the split kernel (KRAIT_DECODE_ROPE_FOLD=1), asserted to run
+        prompts, num_tokens = PROMPTS[:2], 8
+        arch = arch.removesuffix("+ropefold")
+        monkeypatch.setenv("KRAIT_DECODE_ROPE_FOLD", "1")
+        monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
+        import krait.ops.rope_attention as rope_attention_mod
+
+        run_fold = rope_attention_mod.decode_split_rope
+        monkeypatch.setattr(rope_attention_mod, "decode_split_rope",
+                            lambda *a, **kw: folded.append(1) or run_fold(*a, **kw))
     if arch.endswith("+tma"):  # one-row decode projections through the TMA GEMV: its
         # thresholds (millions of elements) lowered to the tiny models' weights, every form
         # (plain, gate_up with silu-and-mul, Mamba in_proj with the conv) asserted to run
@@ -69,6 +81,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     assert bool(routes_ran) == ("max_num_seqs" in engine_args and not tma_ran)
     if tma_ran:
         assert set(tma_ran) == ({"silu", "plain"} if arch == "qwen3" else {"conv", "plain"})
+    assert bool(folded) == ("KRAIT_DECODE_ROPE_FOLD" in os.environ)
 
 
 def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):

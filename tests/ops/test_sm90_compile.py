@@ -248,13 +248,17 @@ def test_timeline_stamps_compile():
         assert on["local"] == 0 and on["pdl"], (kernel, on)
 
 
-@pytest.mark.parametrize("warps", [4, 8])
-def test_decode_split_compiles_without_spills(warps):
-    # 8 warps while the grid fits one program an SM (qwen3's shape: 2 query heads a kv head,
-    # head dim 128, 16 splits)
+@pytest.mark.parametrize("warps,rope", [(4, False), (8, False), (8, True)])
+def test_decode_split_compiles_without_spills(warps, rope):
+    # 8 warps while the grid fits one program an SM; ROPE (KRAIT_DECODE_ROPE_FOLD): q/k norm,
+    # rotary and the K/V write in the kernel (qwen3's shape: 2 query heads a kv head, head dim
+    # 128, 16 splits)
     types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32,
-                 qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
+                 qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32",
+                 k_new_ptr=BF, v_new_ptr=BF, pos_ptr="*i64", cs_ptr=F32, qw_ptr=BF, kw_ptr=BF,
+                 eps="fp32", slot_ptr="*i64")
     r = compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
         GROUP=2, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=16, BLOCK_M=16, BLOCK_N=64,
-        BLOCK_D=128, PDL=True, PREFETCH=True), num_warps=warps)
+        BLOCK_D=128, PDL=True, PREFETCH=True, ROPE=rope, NORM=rope, IS_NEOX=True),
+        num_warps=warps)
     assert r["local"] == 0 and r["pdl"], r
