@@ -197,13 +197,20 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
         for params in param_sets:
             res = llm.generate(prompts, params, use_tqdm=False)
             out.append([(o.outputs[0].token_ids,
-                         [round(e[t].logprob, 4) for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                         [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                          if o.outputs[0].logprobs else None) for o in res])
         return out, replays
 
     want, _ = run(graphs=False)
     got, replays = run(graphs=True)
-    assert got == want
+    # the same tokens; logprobs within float32 rounding (graphs split keys by max_model_len, the
+    # eager steps by the batch's longest row: rounding to 4 decimals could split a value)
+    assert [[t for t, _ in rows] for rows in got] == [[t for t, _ in rows] for rows in want]
+    for got_rows, want_rows in zip(got, want):
+        for (_, got_lp), (_, want_lp) in zip(got_rows, want_rows):
+            assert (got_lp is None) == (want_lp is None)
+            if got_lp is not None:
+                assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4
     assert max(replays) == 3 and min(replays) == 1  # padded to 4, then smaller graphs
     if "KRAIT_MOE_ROUTES" in os.environ:
         assert 4 in routes_rows  # the padded graph of 4 rows ran the route GEMVs
