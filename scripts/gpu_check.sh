@@ -389,8 +389,9 @@ case $what in
     # batch 1 and 8: 64 keys a split at least (KRAIT_DECODE_SPLIT_KEYS=256 was the default), 8
     # warps while its grid fits one program an SM (KRAIT_DECODE_SPLIT_WARPS=4 fixes the old 4);
     # mamba2 and granite-micro at batch 1 (the TMA in_proj's conv operands early, now the
-    # default); then GPU parity with every tiny model's decode rows split
-    # rope + KV write folded into the split kernel (KRAIT_DECODE_ROPE_FOLD=1, new, unmeasured)
+    # default); rope + KV write folded into the split kernel (KRAIT_DECODE_ROPE_FOLD=1, new,
+    # unmeasured): its GPU test and A/B; then GPU parity with every tiny model's decode rows
+    # split, the fold off and on
     timeout 150 python3 -m pytest -q -m gpu tests/ops/test_paged_attention_split.py \
       tests/ops/test_paged_attention.py tests/ops/test_gemv_tma.py tests/ops/test_rope_attention.py \
       -p no:cacheprovider 2>&1 | tail -5 | tee "$LOG/kernels_s16.log"

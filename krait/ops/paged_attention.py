@@ -232,7 +232,6 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = block_table_ptr + row * stride_bt
         rest = s_lo  # the first key the tile loop below starts at
-        holds_newest = (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi)
         if ROPE:  # the step's inputs and constants: before the wait
             cs_row = cs_ptr + tl.load(pos_ptr + q_start) * stride_cs
             slot = tl.load(slot_ptr + q_start)
@@ -250,25 +249,8 @@ def _decode_split_kernel(
             v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok & ~fresh, cdt)  # [BLOCK_N, D]
             pdl_wait(PDL)
             stamp(TL, tl_ptr, WAITED)
-            if ROPE:
-                q = _rope_q_write_kv(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr,
-                                     q_start, head, row_ok, kv_head, GROUP * tl.num_programs(1),
-                                     holds_newest & (slot >= 0), slot, block_size, eps,
-                                     head_dim, stride_qt, stride_qh, stride_knt, stride_knh,
-                                     stride_vnt, stride_vnh, stride_kc_b, stride_kc_o,
-                                     stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-                                     qp, qr, qcos, qsin, qw, qwp, kp, kr, kcos, ksin, kw, kwp,
-                                     NORM, BLOCK_D)
-            else:
-                q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
-            if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
-                k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
-                v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
-            sc = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, True, USE_WINDOW,
-                         DOT_PRECISION)
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_PRECISION)
-            rest = s_lo + BLOCK_N
-        elif ROPE:
+        if ROPE:  # writes the newest key where this split holds it: before anything reads it
+            holds_newest = (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi)
             q = _rope_q_write_kv(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, q_start,
                                  head, row_ok, kv_head, GROUP * tl.num_programs(1),
                                  holds_newest & (slot >= 0), slot, block_size, eps, head_dim,
@@ -278,6 +260,14 @@ def _decode_split_kernel(
                                  ksin, kw, kwp, NORM, BLOCK_D)
         else:
             q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+        if PREFETCH:
+            if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
+                k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
+                v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
+            sc = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, True, USE_WINDOW,
+                         DOT_PRECISION)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_PRECISION)
+            rest = s_lo + BLOCK_N
         for start_n in range(rest, s_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, start_n, s_hi, q_pos, kv_head, qk_scale, sliding_window,
@@ -511,7 +501,8 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                   rope: dict | None = None) -> None:
     """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
     split's first K/V tile loaded before the PDL wait (None: on unless KRAIT_DECODE_PREFETCH=0;
-    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8)."""
+    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8). rope: the split kernel's
+    ROPE arguments (`decode_split_rope`), None for a q already rotated."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
