@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -385,13 +385,12 @@ case $what in
       pack
     done
     ;;
-  session16)  # (~9 min) the split-KV decode's defaults of session 16 against the old ones at
+  session16)  # (~6 min) the split-KV decode's defaults of session 16 against the old ones at
     # batch 1 and 8: 64 keys a split at least (KRAIT_DECODE_SPLIT_KEYS=256 was the default), 8
     # warps while its grid fits one program an SM (KRAIT_DECODE_SPLIT_WARPS=4 fixes the old 4);
     # mamba2 and granite-micro at batch 1 (the TMA in_proj's conv operands early, now the
     # default); rope + KV write folded into the split kernel (KRAIT_DECODE_ROPE_FOLD=1, new,
-    # unmeasured): its GPU test and A/B; then GPU parity with every tiny model's decode rows
-    # split, the fold off and on
+    # unmeasured): its GPU test and A/B. GPU parity: parity16
     timeout 150 python3 -m pytest -q -m gpu tests/ops/test_paged_attention_split.py \
       tests/ops/test_paged_attention.py tests/ops/test_gemv_tma.py tests/ops/test_rope_attention.py \
       -p no:cacheprovider 2>&1 | tail -5 | tee "$LOG/kernels_s16.log"
@@ -406,8 +405,10 @@ case $what in
     for m in mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "" --batch-sizes 1 --prompt-lens ""
     done
-    KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=300 run_parity; pack
-    KRAIT_DECODE_ROPE_FOLD=1 KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=300 PARITY_TAG=_fold run_parity
+    ;;
+  parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold off and on
+    KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=280 run_parity; pack
+    KRAIT_DECODE_ROPE_FOLD=1 KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=280 PARITY_TAG=_fold run_parity
     pack
     ;;
   timeline)  # per-program timestamps of the batch-1 decode chain (~6 min): its GPU test, then
