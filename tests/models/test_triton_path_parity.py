@@ -4,8 +4,6 @@ The other parity tests run the torch references on CPU; these route every op thr
 the GPU runs (`KRAIT_TRITON_CPU=1` under `TRITON_INTERPRET=1`), so an integration mistake in a
 kernel launch (strides, dtypes, slot indices, chunk boundaries) shows up without a GPU."""
 
-import os
-
 import pytest
 
 import krait.ops.fused_moe as fused_moe_mod
@@ -22,11 +20,12 @@ NUM_TOKENS = 12
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
     engine_args, routes_ran, tma_ran, folded = {}, [], [], []
-    if arch.endswith("+ropefold"):  # decode rows split (16 keys a split at least), rope and
-        # the K/V write inside the split kernel (KRAIT_DECODE_ROPE_FOLD=1), asserted to run
+    want_fold = arch.endswith("+ropefold")
+    if want_fold:  # decode rows split (16 keys a split at least), rope and the K/V write
+        # inside the split kernel (the default; KRAIT_DECODE_ROPE_FOLD=0 turns it off), asserted
         prompts, num_tokens = PROMPTS[:2], 8
         arch = arch.removesuffix("+ropefold")
-        monkeypatch.setenv("KRAIT_DECODE_ROPE_FOLD", "1")
+        monkeypatch.delenv("KRAIT_DECODE_ROPE_FOLD", raising=False)
         monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
         import krait.ops.rope_attention as rope_attention_mod
 
@@ -81,7 +80,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     assert bool(routes_ran) == ("max_num_seqs" in engine_args and not tma_ran)
     if tma_ran:
         assert set(tma_ran) == ({"silu", "plain"} if arch == "qwen3" else {"conv", "plain"})
-    assert bool(folded) == ("KRAIT_DECODE_ROPE_FOLD" in os.environ)
+    assert bool(folded) == want_fold
 
 
 def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):

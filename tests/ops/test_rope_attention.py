@@ -1,4 +1,4 @@
-"""rope + KV write folded into the split-KV decode kernel (KRAIT_DECODE_ROPE_FOLD=1) against
+"""rope + KV write folded into the split-KV decode kernel (KRAIT_DECODE_ROPE_FOLD, on) against
 `rope_kv_write` then `paged_attention` (torch references)."""
 
 import pytest
