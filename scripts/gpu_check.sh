@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -405,6 +405,27 @@ case $what in
     for m in mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "" --batch-sizes 1 --prompt-lens ""
     done
+    ;;
+  inproj)  # (~7 min) the Mamba in_proj's TMA config in the batch-1 chain (its 532 programs of
+    # 16 columns land unevenly: session 15's timeline): wider / narrower programs, persistent
+    # grids (5th field: programs an SM; 15 stages leave room for one), the L2 prefetch before
+    # the PDL wait; then qwen3 at batch 8 at 2221695 (OLD_TAR, made
+    # here with `git archive 2221695 krait > old_krait.tar`) against this tree: session 17
+    # read 1.75 ms where session 16 read 1.50
+    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv_tma.py -p no:cacheprovider 2>&1 \
+      | tail -3 | tee "$LOG/kernels_inproj.log"
+    bench_latency mamba2-1.3b "" --batch-sizes 1 --prompt-lens ""
+    KRAIT_GEMV_TMA=prefetch bench_latency mamba2-1.3b "_prefetch" --batch-sizes 1 --prompt-lens ""
+    for c in ${INPROJ_CONFIGS:-32,128,4,4 8,256,4,4 64,128,4,8 16,256,4,4,1 8,256,8,4,1 16,256,4,4,2 16,256,15,4,1}; do
+      KRAIT_INPROJ_TMA=$c bench_latency mamba2-1.3b "_$c" --batch-sizes 1 --prompt-lens ""
+    done
+    if [ -f "${OLD_TAR:-old_krait.tar}" ]; then
+      rm -rf /tmp/old && mkdir -p /tmp/old && tar xf "${OLD_TAR:-old_krait.tar}" -C /tmp/old
+      (cd /tmp/old && PYTHONPATH=/tmp/old timeout 300 python3 -m krait bench latency \
+        --config qwen3-0.6b --batch-sizes 1,8 --prompt-lens "" > "$LOG/lat_qwen3_old.json" \
+        2> "$LOG/lat_qwen3_old.err"); echo "== qwen3 old"; grep -v Warn "$LOG/lat_qwen3_old.err" | tail -4
+      bench_latency qwen3-0.6b "_new" --batch-sizes 1,8 --prompt-lens ""
+    fi
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold off and on
     KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=280 run_parity; pack

@@ -11,7 +11,7 @@ from torch import Tensor
 from krait.ops._dispatch import env, use_triton
 from krait.ops.activation import silu_and_mul
 from krait.ops.gemv import MAX_M, default_config, gemv_triton, norm_one_group, num_sms
-from krait.ops.gemv_tma import gemv_tma, tma_config, tma_readable
+from krait.ops.gemv_tma import config_from_text, gemv_tma, tma_config, tma_readable
 
 # one-row calls up to this many weight elements go to the GEMV: every projection of the
 # benchmarked models but granite's gate_up (33.5M, which takes the GEMV with its activation
@@ -86,8 +86,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def conv_linear(x: Tensor, weight: Tensor, bias: Tensor | None, conv: tuple) -> Tensor:
     """A one-row Mamba in_proj with its conv in the epilogue (`gemv_triton(conv=...)`), through
-    the TMA GEMV where `_tma` picks it (KRAIT_GEMV_TMA=noconv keeps this one on gemv.py)."""
+    the TMA GEMV where `_tma` picks it (KRAIT_GEMV_TMA=noconv keeps this one on gemv.py;
+    KRAIT_INPROJ_TMA="BLOCK_N,BLOCK_K,STAGES,WARPS" replaces its config: an A/B knob)."""
     cfg = _tma(x, weight, bias)
+    forced = env("KRAIT_INPROJ_TMA", "")
+    if cfg is not None and forced:
+        cfg = dict(config_from_text(forced), **{k: v for k, v in cfg.items()
+                                                if k == "PREFETCH_LINES"})
     if cfg is not None and cfg["SPLIT_K"] == 1 and env("KRAIT_GEMV_TMA") != "noconv":
         return gemv_tma(x, weight, cfg, conv=conv)
     return gemv_triton(x, weight, bias, conv=conv)
