@@ -185,7 +185,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-    ROPE: tl.constexpr = False, NORM: tl.constexpr = False, IS_NEOX: tl.constexpr = False,
+    Q_FIRST: tl.constexpr = False, ROPE: tl.constexpr = False, NORM: tl.constexpr = False, IS_NEOX: tl.constexpr = False,
     k_new_ptr=None, v_new_ptr=None, pos_ptr=None, cs_ptr=None, qw_ptr=None, kw_ptr=None, eps=0.0,
     slot_ptr=None, rot_dim=0, stride_cs=0, stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0,
     TL: tl.constexpr = False, tl_ptr=None,
@@ -199,7 +199,8 @@ def _decode_split_kernel(
     With PREFETCH (and PDL), the split's first K/V tile is loaded before waiting on the kernel
     before: every key but the row's newest was written by earlier steps, and the step's metadata
     (query starts, lengths, block table) by its input preparation, which completed before the
-    step's first non-PDL kernel; the newest key is loaded after the wait."""
+    step's first non-PDL kernel; the newest key is loaded after the wait. Q_FIRST: q is loaded
+    (with ROPE: normalised and rotated) before that reload, else after it."""
     pdl_trigger(PDL)
     stamp(TL, tl_ptr, ENTRY)
     if not PREFETCH:
@@ -232,6 +233,7 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = block_table_ptr + row * stride_bt
         rest = s_lo  # the first key the tile loop below starts at
+        qp, qr, qcos, qsin, qw, qwp = 0, 0, 0, 0, 0, 0  # ROPE's q constants (unused without)
         if ROPE:  # the step's inputs and constants: before the wait
             cs_row = cs_ptr + tl.load(pos_ptr + q_start) * stride_cs
             slot = tl.load(slot_ptr + q_start)
@@ -251,19 +253,27 @@ def _decode_split_kernel(
             stamp(TL, tl_ptr, WAITED)
         if ROPE:  # writes the newest key where this split holds it: before anything reads it
             holds_newest = (seq_len - 1 >= s_lo) & (seq_len - 1 < s_hi)
-            q = _rope_q_write_kv(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, q_start,
-                                 head, row_ok, kv_head, GROUP * tl.num_programs(1),
-                                 holds_newest & (slot >= 0), slot, block_size, eps, head_dim,
-                                 stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt,
-                                 stride_vnh, stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b,
-                                 stride_vc_o, stride_vc_h, qp, qr, qcos, qsin, qw, qwp, kp, kr, kcos,
-                                 ksin, kw, kwp, NORM, BLOCK_D)
-        else:
-            q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+            _rope_write_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head,
+                           holds_newest & (slot >= 0), slot, block_size, eps, head_dim,
+                           stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kc_b,
+                           stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                           kp, kr, kcos, ksin, kw, kwp, NORM, BLOCK_D)
+        # Q_FIRST: q before the newest key's reload (8-warp programs), else after it; either
+        # way the other order lost on the H200 (session 17, qwen3's shape, µs a layer: 1 row,
+        # 8 warps 7.51 vs 7.86; 8 rows, 4 warps 24.1 vs 14.7)
+        if Q_FIRST:
+            q = _split_q(q_ptr, q_start, head, row_ok, q_mask, q_ptrs, GROUP * tl.num_programs(1),
+                         eps, head_dim, stride_qt, stride_qh, qp, qr, qcos, qsin, qw, qwp,
+                         ROPE, NORM, BLOCK_D)
         if PREFETCH:
             if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
                 k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
                 v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
+        if not Q_FIRST:
+            q = _split_q(q_ptr, q_start, head, row_ok, q_mask, q_ptrs, GROUP * tl.num_programs(1),
+                         eps, head_dim, stride_qt, stride_qh, qp, qr, qcos, qsin, qw, qwp,
+                         ROPE, NORM, BLOCK_D)
+        if PREFETCH:
             sc = _scores(q, k, k_pos, k_ok, q_pos, qk_scale, sliding_window, True, USE_WINDOW,
                          DOT_PRECISION)
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_PRECISION)
@@ -286,25 +296,34 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _rope_q_write_kv(
-    q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, q_start, head, row_ok, kv_head,
-    num_q_heads, writes, slot, block_size, eps, head_dim,
-    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+def _split_q(q_ptr, q_start, head, row_ok, q_mask, q_ptrs, num_q_heads, eps, head_dim,
+             stride_qt, stride_qh, q_partner, q_rotated, q_cos, q_sin, q_w, q_wp,
+             ROPE: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The program's query heads [BLOCK_M, BLOCK_D]: loaded, or with ROPE normalised and
+    rotated from the projection's output (in q's dtype, as rope_kv_write would have stored
+    them)."""
+    if ROPE:
+        q = norm_rope_loaded(q_ptr + q_start.to(tl.int64) * stride_qt, head, num_q_heads, eps,
+                             head_dim, stride_qh, q_partner, q_rotated, q_cos, q_sin, q_w, q_wp,
+                             NORM, BLOCK_D)
+        q = tl.where(row_ok[:, None], q, 0.0).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    return q
+
+
+@triton.jit
+def _rope_write_kv(
+    k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, q_start, kv_head, writes, slot, block_size,
+    eps, head_dim, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
-    q_partner, q_rotated, q_cos, q_sin, q_w, q_wp,
-    k_partner, k_rotated, k_cos, k_sin, k_w, k_wp,
-    NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_partner, k_rotated, k_cos, k_sin, k_w, k_wp, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """ROPE's work after the PDL wait: the program's query heads normalised and rotated
-    ([BLOCK_M, BLOCK_D] in q's dtype, as rope_kv_write would have stored them); where `writes`,
-    the row's new key (normalised, rotated, rounded to q's dtype) and value stored at `slot`.
-    A barrier follows, so that every thread's later load of that key sees it."""
-    dt = q_ptr.dtype.element_ty
+    """ROPE's cache write after the PDL wait: where `writes`, the row's new key (normalised,
+    rotated, rounded to the cache's input dtype) and value stored at `slot`. A barrier
+    follows, so that every thread's later load of that key sees it."""
+    dt = k_new_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_D)
-    q = norm_rope_loaded(q_ptr + q_start.to(tl.int64) * stride_qt, head, num_q_heads, eps,
-                         head_dim, stride_qh, q_partner, q_rotated, q_cos, q_sin, q_w, q_wp,
-                         NORM, BLOCK_D)
-    q = tl.where(row_ok[:, None], q, 0.0).to(dt)
     if writes:
         kh = kv_head + tl.arange(0, 2)  # the kv head, and one masked row (two-row tiles)
         k = norm_rope_loaded(k_new_ptr + q_start.to(tl.int64) * stride_knt, kh, kv_head + 1, eps,
@@ -320,7 +339,6 @@ def _rope_q_write_kv(
         tl.store(kc + d[None, :], to_cache(k.to(dt), k_cache_ptr), mask=kv_mask)
         tl.store(vc + d[None, :], to_cache(v, v_cache_ptr), mask=kv_mask)
     tl.debug_barrier()
-    return q
 
 
 @triton.jit
@@ -514,8 +532,8 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     part_ml = torch.empty(num_rows, num_q_heads, num_splits, 2, dtype=torch.float32,
                           device=q.device)
     grid = (num_rows, num_kv_heads, num_splits)
-    opts = {} if interpret else dict(
-        num_warps=decode_split_warps(num_rows * num_kv_heads * num_splits, q.device), num_stages=2)
+    warps = decode_split_warps(num_rows * num_kv_heads * num_splits, q.device)
+    opts = {} if interpret else dict(num_warps=warps, num_stages=2)
     pdl = use_pdl(q)
     if prefetch is None:
         prefetch = env("KRAIT_DECODE_PREFETCH", "1") != "0"
@@ -531,7 +549,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
         BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
-        PREFETCH=prefetch, **(rope or {}), **opts, **pdl_args(pdl),
+        PREFETCH=prefetch, Q_FIRST=warps == 8, **(rope or {}), **opts, **pdl_args(pdl),
         **timeline_args("decode_split", grid, q.device),
     )
     _decode_combine_kernel[(num_rows, num_q_heads)](
