@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -406,26 +406,43 @@ case $what in
       bench_latency $m "" --batch-sizes 1 --prompt-lens ""
     done
     ;;
-  inproj)  # (~7 min) the Mamba in_proj's TMA config in the batch-1 chain (its 532 programs of
-    # 16 columns land unevenly: session 15's timeline): wider / narrower programs, persistent
-    # grids (5th field: programs an SM; 15 stages leave room for one), the L2 prefetch before
-    # the PDL wait; then qwen3 at batch 8 at 2221695 (OLD_TAR, made
-    # here with `git archive 2221695 krait > old_krait.tar`) against this tree: session 17
-    # read 1.75 ms where session 16 read 1.50
+  inproj)  # (~5 min) the Mamba in_proj's TMA config in the batch-1 chain (its 532 programs of
+    # 16 columns land unevenly: session 15's timeline): wider / narrower programs, deeper
+    # rings, the L2 prefetch before the PDL wait (session 17: none faster; persistent grids
+    # lost 14-54% and were removed)
     timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv_tma.py -p no:cacheprovider 2>&1 \
       | tail -3 | tee "$LOG/kernels_inproj.log"
     bench_latency mamba2-1.3b "" --batch-sizes 1 --prompt-lens ""
     KRAIT_GEMV_TMA=prefetch bench_latency mamba2-1.3b "_prefetch" --batch-sizes 1 --prompt-lens ""
-    for c in ${INPROJ_CONFIGS:-32,128,4,4 8,256,4,4 64,128,4,8 16,256,4,4,1 8,256,8,4,1 16,256,4,4,2 16,256,15,4,1}; do
+    for c in ${INPROJ_CONFIGS:-32,128,4,4 8,256,4,4 64,128,4,8 16,256,4,4 16,128,6,4}; do
       KRAIT_INPROJ_TMA=$c bench_latency mamba2-1.3b "_$c" --batch-sizes 1 --prompt-lens ""
     done
-    if [ -f "${OLD_TAR:-old_krait.tar}" ]; then
-      rm -rf /tmp/old && mkdir -p /tmp/old && tar xf "${OLD_TAR:-old_krait.tar}" -C /tmp/old
-      (cd /tmp/old && PYTHONPATH=/tmp/old timeout 300 python3 -m krait bench latency \
-        --config qwen3-0.6b --batch-sizes 1,8 --prompt-lens "" > "$LOG/lat_qwen3_old.json" \
-        2> "$LOG/lat_qwen3_old.err"); echo "== qwen3 old"; grep -v Warn "$LOG/lat_qwen3_old.err" | tail -4
-      bench_latency qwen3-0.6b "_new" --batch-sizes 1,8 --prompt-lens ""
-    fi
+    ;;
+  against)  # (~2 min) ${MODEL:-qwen3-0.6b} at batch 1 and 8 with an older krait against this
+    # tree, same machine: OLD_TAR made here with `git archive COMMIT krait > old_krait.tar`
+    # (session 17 found the batch-8 split-KV regression this way)
+    rm -rf /tmp/old && mkdir -p /tmp/old && tar xf "${OLD_TAR:-old_krait.tar}" -C /tmp/old
+    (cd /tmp/old && PYTHONPATH=/tmp/old timeout 300 python3 -m krait bench latency \
+      --config ${MODEL:-qwen3-0.6b} --batch-sizes 1,8 --prompt-lens "" > "$LOG/lat_old.json" \
+      2> "$LOG/lat_old.err"); echo "== old"; grep -v Warn "$LOG/lat_old.err" | tail -4
+    bench_latency ${MODEL:-qwen3-0.6b} "_new" --batch-sizes 1,8 --prompt-lens ""
+    ;;
+  session17)  # (~5 min) the split-KV kernel's q load order (after the newest key's reload in
+    # 4-warp programs, before it at 8 warps: Q_FIRST) and the rope fold, on by default: GPU
+    # tests, the attention alone (scripts/bench_decode_attention.py, fold on and off), qwen3
+    # and llama at batch 1 and 8 (fold on and off); GPU parity: parity16
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_paged_attention_split.py \
+      tests/ops/test_paged_attention.py tests/ops/test_rope_attention.py -p no:cacheprovider \
+      2>&1 | tail -3 | tee "$LOG/kernels_s17.log"
+    for f in 1 0; do
+      KRAIT_DECODE_ROPE_FOLD=$f timeout 120 python3 scripts/bench_decode_attention.py \
+        --json "$LOG/attn_fold$f.json" 2>&1 | grep -v Warn | tee "$LOG/attn_fold$f.log"
+    done
+    pack
+    for m in qwen3-0.6b llama-3.2-1b; do
+      bench_latency $m "" --batch-sizes 1,8 --prompt-lens ""
+      KRAIT_DECODE_ROPE_FOLD=0 bench_latency $m "_nofold" --batch-sizes 1,8 --prompt-lens ""
+    done
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold off and on
     KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=280 run_parity; pack

@@ -34,10 +34,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from krait.ops._dispatch import cdiv, env, next_pow2
+from krait.ops._dispatch import cdiv, env
 from krait.ops.arrival import arrival_counters
-from krait.ops.gemv import (conv_args, conv_tile, conv_tile_finish, conv_tile_operands,
-                            finish_tile, num_sms)
+from krait.ops.gemv import conv_args, conv_tile, conv_tile_finish, conv_tile_operands, finish_tile
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
@@ -103,7 +102,6 @@ def _gemv_tma_kernel(
     stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
     CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
     CONV_SILU: tl.constexpr = False, CONV_EARLY: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False, tiles=1, MAX_TILES: tl.constexpr = 1,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
@@ -116,17 +114,8 @@ def _gemv_tma_kernel(
     launcher's default, KRAIT_CONV_EARLY=0 off) its operands (slot, state, conv weights) are
     loaded before the PDL wait, off the epilogue's dependent loads (the epilogue took ~1.7 µs
     after the loop in session 15's timeline; batch-1 graph mamba2-1.3b -2.3%, granite-micro
-    -0.9% on the H200). PERSISTENT (SPLIT_K 1, no SILU_MUL, CONV_EARLY ignored): the grid is
-    smaller than `tiles`; program p takes column tiles p, p + grid, ... in one flattened loop
-    over (tile, K box), so the ring stays full across its tiles, and finishes each tile (conv,
-    store) at its last box."""
+    -0.9% on the H200)."""
     stamp(TL, tl_ptr, ENTRY)
-    if PERSISTENT:
-        _persistent_tiles(x_ptr, w_desc, y_ptr, N, K, tiles, BLOCK_N, BLOCK_K, STAGES, PDL, CONV,
-                          conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d,
-                          stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH,
-                          CONV_BIAS, CONV_SILU, MAX_TILES, TL, tl_ptr)
-        return
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -181,54 +170,6 @@ def _gemv_tma_kernel(
     stamp(TL, tl_ptr, EXIT)
 
 
-@triton.jit
-def _persistent_tiles(x_ptr, w_desc, y_ptr, N, K, tiles,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                      PDL: tl.constexpr, CONV: tl.constexpr, conv_lo, conv_dim, slots_ptr, cw_ptr,
-                      cb_ptr, cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d,
-                      stride_cs_k, CONV_WIDTH: tl.constexpr, CONV_BIAS: tl.constexpr,
-                      CONV_SILU: tl.constexpr, MAX_TILES: tl.constexpr, TL: tl.constexpr,
-                      tl_ptr):
-    """PERSISTENT's loop (see `_gemv_tma_kernel`). The loop stores each tile's plain
-    projection (a conv inside it would stop the pipeliner); with CONV the program then reads
-    back its (at most MAX_TILES) tiles at once and puts them through the conv's decode step,
-    its operands loaded before the PDL wait."""
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    mine = tl.cdiv(tiles - pid, nprog)
-    if CONV:
-        t = pid + tl.arange(0, MAX_TILES) * nprog  # [MAX_TILES] this program's tiles
-        cols = tl.reshape(t[:, None] * BLOCK_N + offs_n0[None, :], [MAX_TILES * BLOCK_N])
-        cols_ok = cols < N
-        ch, ok, st, window, shifted, cw, cb = conv_tile_operands(
-            cols, cols_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d,
-            stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS)
-    pdl_wait(PDL)
-    stamp(TL, tl_ptr, WAITED)
-    for i in tl.range(0, mine * k_steps, num_stages=STAGES):
-        n0 = (pid + (i // k_steps) * nprog) * BLOCK_N
-        step = i % k_steps
-        acc = _tile_dots(w_desc, x_ptr, n0, step * BLOCK_K, acc, K, offs_n0, offs_k)
-        if step == k_steps - 1:  # the tile's last box: store it, start the next
-            offs_n = n0 + offs_n0
-            tl.store(y_ptr + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty),
-                     mask=offs_n < N)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    stamp(TL, tl_ptr, LOOPED)
-    pdl_trigger(PDL)
-    if CONV:
-        tl.debug_barrier()  # every thread's stores above, visible to the reads below
-        val = tl.load(y_ptr + cols, mask=cols_ok, other=0.0)[None, :]  # [1, MAX_TILES*BLOCK_N]
-        val = conv_tile_finish(val, ch, ok, st, window, shifted, cw, cb, stride_cs_d,
-                               stride_cs_k, CONV_WIDTH, CONV_SILU)
-        tl.store(y_ptr + cols[None, :], val, mask=cols_ok[None, :])
-    stamp(TL, tl_ptr, EXIT)
-
-
 def tma_readable(weight: Tensor) -> bool:
     """TMA reads 16-byte aligned rows of a contiguous weight."""
     return (weight.is_contiguous() and (weight.shape[1] * weight.element_size()) % 16 == 0
@@ -259,23 +200,17 @@ def tma_config(n: int, k: int, silu_mul_out: bool = False,
 
 
 def config_from_text(text: str) -> dict[str, int]:
-    """A SPLIT_K-1 config from "BLOCK_N,BLOCK_K,STAGES,WARPS[,PERSISTENT]" (an A/B knob's
-    value; PERSISTENT: programs an SM of a persistent grid, 0 or absent for one a tile)."""
+    """A SPLIT_K-1 config from "BLOCK_N,BLOCK_K,STAGES,WARPS" (an A/B knob's value)."""
     parts = text.split(",")
-    if len(parts) not in (4, 5) or not all(p.strip().isdigit() for p in parts):
-        raise ValueError("a TMA GEMV config is BLOCK_N,BLOCK_K,STAGES,WARPS[,PERSISTENT], not "
-                         f"{text!r}")
-    bn, bk, stages, warps = (int(p) for p in parts[:4])
-    persistent = int(parts[4]) if len(parts) == 5 else 0
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"a TMA GEMV config is BLOCK_N,BLOCK_K,STAGES,WARPS, not {text!r}")
+    bn, bk, stages, warps = (int(p) for p in parts)
     for name, v in (("BLOCK_N", bn), ("BLOCK_K", bk), ("WARPS", warps)):
         if v < 1 or v & (v - 1) or (name != "WARPS" and v > 256):
             raise ValueError(f"{name} must be a power of two (at most 256 for a box), not {v}")
     if stages < 1:
         raise ValueError(f"STAGES must be at least 1, not {stages}")
-    cfg = dict(BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=1, num_warps=warps)
-    if persistent:
-        cfg["PERSISTENT"] = persistent
-    return cfg
+    return dict(BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=1, num_warps=warps)
 
 
 def prefetch_lines(stages: int, block_k: int, itemsize: int) -> int:
@@ -293,9 +228,9 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     SPLIT_K, num_warps, PREFETCH_LINES (the L2 prefetch before the PDL wait: 0, the default,
     off; None: the first STAGES boxes under PDL; slower in session 14's batch-1 chains).
     `conv`: as `gemv_triton(conv=...)` (a Mamba in_proj's conv in the epilogue; SPLIT_K 1).
-    PERSISTENT (config, programs an SM; 0 off): a grid of that many programs an SM walking the
-    column tiles (SPLIT_K 1, no silu_mul_out). Alone it never won session 14's sweep; session
-    17 measures it on the in_proj in the chain, where one-tile programs land unevenly."""
+    A persistent grid (each program walking several column tiles in one pipelined loop) was
+    never the fastest config in session 14's sweep (alone) nor in session 17's (mamba2's
+    in_proj with its conv in the batch-1 chain, graph ms 1.158 -> 1.32-1.78) and was removed."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv_tma: x must be [1, K], got {list(x.shape)}")
@@ -323,13 +258,9 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     if n == 0:
         return y
     split = cfg.pop("SPLIT_K")
-    per_sm = cfg.pop("PERSISTENT", 0)
-    if per_sm and (split != 1 or silu_mul_out):
-        raise ValueError("gemv_tma: a persistent grid takes SPLIT_K 1 and no silu_mul_out")
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     tiles = cdiv(n, cfg["BLOCK_N"])
-    grid = (min(tiles, per_sm * num_sms(x.device)) if per_sm else tiles, split)
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     desc = _descriptor(weight, cfg["BLOCK_N"], cfg["BLOCK_K"])
     if split > 1:
@@ -343,11 +274,11 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     lines = cfg.pop("PREFETCH_LINES", 0)
     if lines is None:
         lines = prefetch_lines(cfg["STAGES"], cfg["BLOCK_K"], weight.element_size()) if pdl else 0
-    _gemv_tma_kernel[grid](
+    _gemv_tma_kernel[(tiles, split)](
         x, desc, weight, y, part, counters, n, k, k_per_split,
         SPLIT_K=split, PREFETCH_LINES=lines, SILU_MUL=silu_mul_out,
-        PERSISTENT=bool(per_sm), tiles=tiles, MAX_TILES=next_pow2(cdiv(tiles, grid[0])), **extra, **pdl_args(pdl), **cfg,
-        **timeline_args("gemv_tma", grid, x.device))
+        **extra, **pdl_args(pdl), **cfg,
+        **timeline_args("gemv_tma", (tiles, split), x.device))
     return y
 
 

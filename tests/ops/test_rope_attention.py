@@ -122,3 +122,15 @@ def test_folded_rope_real_size_gpu(rows):
                                 None, 16).float()
         assert (got - want).norm() / want.norm() < 1e-2
         torch.testing.assert_close(got_caches, ref_caches, rtol=1e-2, atol=1e-2)
+
+
+def test_bench_decode_attention_script_checks_its_outputs(monkeypatch):
+    """scripts/bench_decode_attention.py on CPU (interpreted, rows split): both paths match the
+    torch references it checks them against."""
+    from scripts.bench_decode_attention import bench_rows
+
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
+    r = bench_rows(3, 40, (4, 2, 32), 64)
+    assert r["splits"] > 1
+    assert r["attention_err"] < 1e-5 and r["rope_attention_err"] < 1e-5, r
