@@ -134,3 +134,20 @@ def test_bench_decode_attention_script_checks_its_outputs(monkeypatch):
     r = bench_rows(3, 40, (4, 2, 32), 64)
     assert r["splits"] > 1
     assert r["attention_err"] < 1e-5 and r["rope_attention_err"] < 1e-5, r
+
+
+def test_folded_rope_on_fp8_caches():
+    """The fold's K/V write on an fp8 (e4m3) cache converts as rope_kv_write does (to within
+    one fp8 step where the fp32 rotary math differs in the last bit), and attention reads it."""
+    fp8 = torch.float8_e4m3fn
+    rope, attn, caches, slots = _decode_case(True, True, 32, seed=11)
+    want_caches = caches.to(fp8)
+    q = rope_kv_write_ref(*rope, want_caches[0], want_caches[1], slots)
+    want = paged_attention_ref(q, want_caches[0], want_caches[1], *attn, 1, max(SEQ_LENS), 0.2)
+    got_caches = caches.to(fp8)
+    got = decode_split_rope(*rope, got_caches[0], got_caches[1], slots, *attn, 0.2, None, 4,
+                            prefetch=True)
+    diff = (got_caches.float() - want_caches.float()).abs()
+    assert (diff <= want_caches.float().abs().clamp_min(2**-6) * 2**-3).all()
+    assert (diff > 0).float().mean() < 0.01
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
