@@ -40,9 +40,14 @@ def test_split_decode_matches_reference(hq, hkv, window, splits):
 
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("splits", [1, 2, 4])
-def test_prefetched_first_tile_matches_reference(window, splits):
+@pytest.mark.parametrize("warps", [4, 8])  # 8: q loaded before the newest key's reload
+def test_prefetched_first_tile_matches_reference(window, splits, warps, monkeypatch):
     """KRAIT_DECODE_PREFETCH: each split's first tile loaded before the PDL wait, its newest
-    key after (rows whose newest key falls in a split's first tile: 1, 64, 517 at 4 splits)."""
+    key after (rows whose newest key falls in a split's first tile: 1, 64, 517 at 4 splits);
+    q loaded before that reload (Q_FIRST, 8-warp programs) or after it."""
+    import krait.ops.paged_attention as pa
+
+    monkeypatch.setattr(pa, "decode_split_warps", lambda programs, device: warps)
     seq_lens = [1, 130, 0, 517, 64]
     q, kc, vc, qsl, sl, bt = _decode_batch(seq_lens, 8, 2, seed=10 + splits)
     args = (q, kc, vc, qsl, sl, bt, 1, max(seq_lens), 0.2, window)

@@ -52,8 +52,12 @@ def _reference(rope, attn, caches, slots, window):
                                                   (True, False, 32)])
 @pytest.mark.parametrize("splits,prefetch,window", [(2, False, None), (4, True, None),
                                                     (4, True, 37)])
+@pytest.mark.parametrize("warps", [4, 8])  # 8: q before the newest key's reload (Q_FIRST)
 def test_folded_rope_matches_rope_kv_write_then_attention(norm, is_neox, rot_dim, splits,
-                                                          prefetch, window):
+                                                          prefetch, window, warps, monkeypatch):
+    import krait.ops.paged_attention as pa
+
+    monkeypatch.setattr(pa, "decode_split_warps", lambda programs, device: warps)
     rope, attn, caches, slots = _decode_case(norm, is_neox, rot_dim, seed=splits + rot_dim)
     want, want_caches = _reference(rope, attn, caches, slots, window)
     got_caches = caches.clone()
