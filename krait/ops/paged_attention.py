@@ -21,8 +21,9 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
-from krait.ops.kv_write import from_cache, to_cache
+from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.rope_kv_write import store_rope_kv
 from krait.ops.rotary import norm_rope_loaded, rope_constants
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
@@ -185,7 +186,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-    Q_FIRST: tl.constexpr = False, ROPE: tl.constexpr = False, NORM: tl.constexpr = False, IS_NEOX: tl.constexpr = False,
+    Q_FIRST: tl.constexpr = False, ROPE: tl.constexpr = False, NORM: tl.constexpr = False,
+    IS_NEOX: tl.constexpr = False,
     k_new_ptr=None, v_new_ptr=None, pos_ptr=None, cs_ptr=None, qw_ptr=None, kw_ptr=None, eps=0.0,
     slot_ptr=None, rot_dim=0, stride_cs=0, stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0,
     TL: tl.constexpr = False, tl_ptr=None,
@@ -320,24 +322,16 @@ def _rope_write_kv(
     k_partner, k_rotated, k_cos, k_sin, k_w, k_wp, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """ROPE's cache write after the PDL wait: where `writes`, the row's new key (normalised,
-    rotated, rounded to the cache's input dtype) and value stored at `slot`. A barrier
-    follows, so that every thread's later load of that key sees it."""
-    dt = k_new_ptr.dtype.element_ty
-    d = tl.arange(0, BLOCK_D)
+    rotated) and value of this kv head stored at `slot` (`store_rope_kv`). A barrier follows,
+    so that every thread's later load of that key sees it."""
     if writes:
         kh = kv_head + tl.arange(0, 2)  # the kv head, and one masked row (two-row tiles)
-        k = norm_rope_loaded(k_new_ptr + q_start.to(tl.int64) * stride_knt, kh, kv_head + 1, eps,
-                             head_dim, stride_knh, k_partner, k_rotated, k_cos, k_sin, k_w, k_wp,
-                             NORM, BLOCK_D)
-        kv_mask = (kh[:, None] == kv_head) & (d[None, :] < head_dim)
-        v = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vnt + kh[:, None] * stride_vnh
-                    + d[None, :], mask=kv_mask)
-        blk = (slot // block_size).to(tl.int64)
-        off = slot % block_size
-        kc = k_cache_ptr + blk * stride_kc_b + off * stride_kc_o + kh[:, None] * stride_kc_h
-        vc = v_cache_ptr + blk * stride_vc_b + off * stride_vc_o + kh[:, None] * stride_vc_h
-        tl.store(kc + d[None, :], to_cache(k.to(dt), k_cache_ptr), mask=kv_mask)
-        tl.store(vc + d[None, :], to_cache(v, v_cache_ptr), mask=kv_mask)
+        store_rope_kv(k_new_ptr + q_start.to(tl.int64) * stride_knt,
+                      v_new_ptr + q_start.to(tl.int64) * stride_vnt, kh, kv_head + 1, eps,
+                      head_dim, stride_knh, stride_vnh, k_partner, k_rotated, k_cos, k_sin, k_w,
+                      k_wp, slot, block_size, k_cache_ptr, v_cache_ptr, stride_kc_b, stride_kc_o,
+                      stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                      k_new_ptr.dtype.element_ty, NORM, BLOCK_D)
     tl.debug_barrier()
 
 

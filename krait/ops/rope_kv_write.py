@@ -60,22 +60,36 @@ def _rope_kv_write_kernel(
         pdl_wait(PDL)
         stamp(TL, tl_ptr, WAITED)
         if slot >= 0:
-            k = norm_rope_loaded(k_ptr + token * stride_kt, heads, num_kv_heads, eps, head_dim,
-                                 stride_kh, partner, rotated, cos, sin, w, wp, NORM, BLOCK_D)
-            kv_mask = (heads[:, None] < num_kv_heads) & in_d
-            v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :],
-                        mask=kv_mask)
-            block_id = slot // block_size
-            offset = slot % block_size
-            kc = k_cache_ptr + block_id * stride_kc_b + offset * stride_kc_o
-            vc = v_cache_ptr + block_id * stride_vc_b + offset * stride_vc_o
-            # k rounded to the activation dtype first, as the unfused path hands it to write_kv
-            k = k.to(q_out_ptr.dtype.element_ty)
-            tl.store(kc + heads[:, None] * stride_kc_h + d[None, :], to_cache(k, k_cache_ptr),
-                     mask=kv_mask)
-            tl.store(vc + heads[:, None] * stride_vc_h + d[None, :], to_cache(v, v_cache_ptr),
-                     mask=kv_mask)
+            store_rope_kv(k_ptr + token * stride_kt, v_ptr + token * stride_vt, heads,
+                          num_kv_heads, eps, head_dim, stride_kh, stride_vh, partner, rotated,
+                          cos, sin, w, wp, slot, block_size, k_cache_ptr, v_cache_ptr,
+                          stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o,
+                          stride_vc_h, q_out_ptr.dtype.element_ty, NORM, BLOCK_D)
     stamp(TL, tl_ptr, EXIT)
+
+
+@triton.jit
+def store_rope_kv(k_row, v_row, heads, num_heads, eps, head_dim, stride_kh, stride_vh,
+                  partner, rotated, cos, sin, w, wp, slot, block_size, k_cache_ptr, v_cache_ptr,
+                  stride_kc_b, stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
+                  dt: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's k heads (normalised, rotated: `norm_rope_loaded` with the operands of
+    `rope_constants`) and v heads (those below num_heads) stored into the caches at `slot`
+    (>= 0), k rounded to the activation dtype dt first, as the unfused path hands it to
+    write_kv."""
+    d = tl.arange(0, BLOCK_D)
+    k = norm_rope_loaded(k_row, heads, num_heads, eps, head_dim, stride_kh, partner, rotated,
+                         cos, sin, w, wp, NORM, BLOCK_D)
+    kv_mask = (heads[:, None] < num_heads) & (d[None, :] < head_dim)
+    v = tl.load(v_row + heads[:, None] * stride_vh + d[None, :], mask=kv_mask)
+    block_id = slot // block_size
+    offset = slot % block_size
+    kc = k_cache_ptr + block_id * stride_kc_b + offset * stride_kc_o
+    vc = v_cache_ptr + block_id * stride_vc_b + offset * stride_vc_o
+    tl.store(kc + heads[:, None] * stride_kc_h + d[None, :], to_cache(k.to(dt), k_cache_ptr),
+             mask=kv_mask)
+    tl.store(vc + heads[:, None] * stride_vc_h + d[None, :], to_cache(v, v_cache_ptr),
+             mask=kv_mask)
 
 
 def rope_kv_write_triton(
