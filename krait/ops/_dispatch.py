@@ -2,8 +2,10 @@
 elsewhere), its knob reads and launch arithmetic — each at a fraction of a microsecond, since an
 eager step (a prefill) calls them for every op of every layer on the host's critical path."""
 
+import functools
 import os
 
+import torch
 from torch import Tensor
 
 # CPython's store behind os.environ (bytes keys and values on POSIX), kept current by every
@@ -51,3 +53,11 @@ def use_triton(t: Tensor) -> bool:
     if t.is_cuda:
         return True
     return env("KRAIT_TRITON_CPU") == "1" and interpreting()
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (4 off CUDA: the interpreter's small grids), looked up once."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

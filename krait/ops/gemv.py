@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2
+from krait.ops._dispatch import cdiv, env, next_pow2, num_sms
 from krait.ops.arrival import arrival_counters
 from krait.ops.causal_conv1d import conv_apply, conv_operands, store_conv_state
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
@@ -324,13 +324,6 @@ def _trigger_early() -> bool:
     that the GEMV's later programs needed; also when only one-wave grids did, session 15:
     qwen3 +9%, mamba2 +9% at batch 1); else no."""
     return env("KRAIT_PDL_TRIGGER") == "early"
-
-
-def num_sms(device: torch.device) -> int:
-    """The device's SM count (4 off CUDA: the interpreter's small grids)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]:

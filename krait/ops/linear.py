@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from krait.ops._dispatch import env, use_triton
+from krait.ops._dispatch import env, num_sms, use_triton
 from krait.ops.activation import silu_and_mul
-from krait.ops.gemv import MAX_M, default_config, gemv_triton, norm_one_group, num_sms
+from krait.ops.gemv import MAX_M, default_config, gemv_triton, norm_one_group
 from krait.ops.gemv_tma import config_from_text, gemv_tma, tma_config, tma_readable
 
 # one-row calls up to this many weight elements go to the GEMV: every projection of the

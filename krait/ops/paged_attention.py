@@ -12,7 +12,6 @@ tile is read once per group, and runs an online softmax over key tiles up to its
 position — the loop is bound by the row's real seq_len, never by max_seq_len.
 """
 
-import functools
 import math
 
 import torch
@@ -20,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, env, next_pow2, num_sms, use_triton
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rope_kv_write import store_rope_kv
@@ -371,21 +370,13 @@ def _decode_combine_kernel(
     stamp(TL, tl_ptr, EXIT)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 stands in for them on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device) -> int:
     """Splits per decode row so that rows x kv heads x splits fills the GPU about twice; 1 when
     the batch already does or the rows are short (a split takes at least
     KRAIT_DECODE_SPLIT_KEYS keys, 64 unless set: one key tile. H200, session 16, batch-1 graph
     with max_model_len 1077: qwen3-0.6b 0.938 -> 0.912 ms, llama-3.2-1b 0.931 -> 0.921 against
     256, batch 8 unchanged; a longer max_model_len gave 16 splits at batch 1 either way)."""
-    sms = _num_sms(device)
+    sms = num_sms(device)
     # programs to aim for, in multiples of the SM count (KRAIT_DECODE_SPLIT_WAVES: an A/B knob
     # for the GPU benchmarks; 2 unless set)
     waves = int(env("KRAIT_DECODE_SPLIT_WAVES", "2"))
@@ -404,7 +395,7 @@ def decode_split_warps(num_programs: int, device) -> int:
         if forced not in ("4", "8"):
             raise ValueError(f"KRAIT_DECODE_SPLIT_WARPS must be 4 or 8, not {forced}")
         return int(forced)
-    return 8 if num_programs <= _num_sms(device) else 4
+    return 8 if num_programs <= num_sms(device) else 4
 
 
 def _decode_block_n() -> int:
