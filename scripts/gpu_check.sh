@@ -444,9 +444,10 @@ case $what in
       KRAIT_DECODE_ROPE_FOLD=0 bench_latency $m "_nofold" --batch-sizes 1,8 --prompt-lens ""
     done
     ;;
-  parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold off and on
+  parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on
+    # (the default) and off
     KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=280 run_parity; pack
-    KRAIT_DECODE_ROPE_FOLD=1 KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=280 PARITY_TAG=_fold run_parity
+    KRAIT_DECODE_ROPE_FOLD=0 KRAIT_DECODE_SPLIT_KEYS=16 PARITY_TIMEOUT=280 PARITY_TAG=_nofold run_parity
     pack
     ;;
   timeline)  # per-program timestamps of the batch-1 decode chain (~6 min): its GPU test, then

@@ -282,16 +282,17 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     return y
 
 
-_DESCRIPTORS: dict[tuple, TensorDescriptor] = {}
-
-
 def _descriptor(weight: Tensor, block_n: int, block_k: int) -> TensorDescriptor:
     """The weight's TMA descriptor in [block_n, block_k] boxes, built once per weight and box
-    (weights live as long as the model; a descriptor only records where and how big)."""
+    and kept on the weight tensor itself: it goes with the weight (a module-level cache kept
+    granite-micro's 6 GiB of weights alive after its engine was deleted, and the HF baseline
+    of `krait bench throughput` ran out of memory beside them, session 18)."""
+    cache = getattr(weight, "_krait_tma_descriptors", None)
+    if cache is None:
+        cache = {}
+        weight._krait_tma_descriptors = cache  # a cycle through the weight: gc frees both
     key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, block_n, block_k)
-    desc = _DESCRIPTORS.get(key)
+    desc = cache.get(key)
     if desc is None:
-        if len(_DESCRIPTORS) >= 4096:  # each holds its tensor: never more than a model's worth
-            _DESCRIPTORS.clear()
-        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+        desc = cache[key] = TensorDescriptor.from_tensor(weight, [block_n, block_k])
     return desc

@@ -398,6 +398,29 @@ def decode_split_warps(num_programs: int, device) -> int:
     return 8 if num_programs <= num_sms(device) else 4
 
 
+def decode_prefetch(warps: int, block_n: int, block_d: int) -> bool:
+    """Whether split-KV programs load their first K/V tile before the PDL wait: when that tile
+    (K and V, 2 x block_n x block_d elements) is at most 64 elements a thread, i.e. it does not
+    cost the program its occupancy. H200, session 18, attention alone at context 1024, µs a
+    call: qwen3's shape (head dim 128) at 8 rows, 4 warps, 15.1 -> 14.0 without it (registers
+    159 -> 112) and 25.4 -> 16.2 with the rope fold (197 -> 126); at 1 row (8 warps) 8.6 ->
+    7.5 with it; llama's (head dim 64) at 8 rows 13.2 -> 11.6 with it.
+    KRAIT_DECODE_PREFETCH (1 or 0) fixes it: an A/B knob."""
+    forced = env("KRAIT_DECODE_PREFETCH", "")
+    if forced:
+        return forced != "0"
+    return 2 * block_n * block_d <= 64 * 32 * warps
+
+
+def _decode_split_stages() -> int:
+    """Software-pipeline stages of the split-KV program's key loop: 2; KRAIT_DECODE_SPLIT_STAGES
+    is an A/B knob."""
+    stages = int(env("KRAIT_DECODE_SPLIT_STAGES", "2"))
+    if stages not in (1, 2, 3):
+        raise ValueError(f"KRAIT_DECODE_SPLIT_STAGES must be 1, 2 or 3, not {stages}")
+    return stages
+
+
 def _decode_block_n() -> int:
     """Keys per tile of decode programs (the split-KV kernel, and the varlen kernel's small query
     tiles): 64 (H200, bf16 cache); KRAIT_DECODE_BLOCK_N is an A/B knob (an fp8 tile of 64 keys
@@ -503,8 +526,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                   sliding_window, num_splits, interpret, prefetch: bool | None = None,
                   rope: dict | None = None) -> None:
     """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
-    split's first K/V tile loaded before the PDL wait (None: on unless KRAIT_DECODE_PREFETCH=0;
-    H200, session 7: qwen3 graph step -2.3% at batch 1, -1.7% at 8). rope: the split kernel's
+    split's first K/V tile loaded before the PDL wait (None: `decode_prefetch`). rope: the split kernel's
     ROPE arguments (`decode_split_rope`), None for a q already rotated."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -518,10 +540,11 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                           device=q.device)
     grid = (num_rows, num_kv_heads, num_splits)
     warps = decode_split_warps(num_rows * num_kv_heads * num_splits, q.device)
-    opts = {} if interpret else dict(num_warps=warps, num_stages=2)
+    block_n = 128 if interpret else _decode_block_n()
+    opts = {} if interpret else dict(num_warps=warps, num_stages=_decode_split_stages())
     pdl = use_pdl(q)
     if prefetch is None:
-        prefetch = env("KRAIT_DECODE_PREFETCH", "1") != "0"
+        prefetch = decode_prefetch(warps, block_n, block_d)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
@@ -533,8 +556,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
-        BLOCK_N=128 if interpret else _decode_block_n(), BLOCK_D=block_d,
-        PREFETCH=prefetch, Q_FIRST=warps == 8, **(rope or {}), **opts, **pdl_args(pdl),
+        BLOCK_N=block_n, BLOCK_D=block_d, PREFETCH=prefetch, Q_FIRST=warps == 8, **(rope or {}), **opts, **pdl_args(pdl),
         **timeline_args("decode_split", grid, q.device),
     )
     _decode_combine_kernel[(num_rows, num_q_heads)](

@@ -1,9 +1,10 @@
 """An attention layer's work after its q/k/v projection: `rope_kv_write` (per-head q/k norm,
 rotary, the K/V write), then `paged_attention`. A decode batch that the split-KV kernel takes
 runs the first inside the second (`decode_split_rope`): one launch fewer an attention layer.
-H200, session 17, graph ms at context 1024: llama-3.2-1b batch 1 0.923 -> 0.902, batch 8
-1.214 -> 1.155; qwen3-0.6b 0.907 -> 0.901, 1.753 -> 1.738. KRAIT_DECODE_ROPE_FOLD=0 turns it
-off (an A/B knob)."""
+H200, graph ms at context 1024, fold off -> on: session 17, llama-3.2-1b batch 1 0.923 ->
+0.902, batch 8 1.214 -> 1.155; session 18 (after `decode_prefetch`), qwen3-0.6b batch 1
+0.905 -> 0.906, batch 8 1.573 -> 1.467, llama 0.929 -> 0.908, 1.194 -> 1.162.
+KRAIT_DECODE_ROPE_FOLD=0 turns it off (an A/B knob)."""
 
 from torch import Tensor
 

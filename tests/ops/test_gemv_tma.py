@@ -5,11 +5,14 @@ and its sm_90 compile: TMA bulk copies in the PTX, nothing spilled."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from krait.ops.gemv_tma import _COUNTERS, config_from_text, gemv_tma, prefetch_lines, tma_config
+from krait.ops.gemv_tma import _COUNTERS, _descriptor, config_from_text, gemv_tma, prefetch_lines, tma_config
 from tests.ops.conv_cases import mamba2_conv_case, small_conv_case
 from tests.ops.sm90 import compile_sm90, sm90_available
 
@@ -46,6 +49,19 @@ def test_gemv_tma_half_inputs_accumulate_in_float32(dtype):
     y = gemv_tma(x, w, config=dict(BLOCK_N=8, BLOCK_K=128, STAGES=2, SPLIT_K=2))
     assert y.dtype == dtype and y.shape == (1, 24)
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+
+
+def test_tma_descriptors_go_with_their_weight():
+    """A weight's TMA descriptor is built once per box and freed with the weight: no cache
+    outside the model keeps a deleted engine's weights alive (session 18: 6 GiB of them made
+    the HF baseline of `krait bench throughput` run out of memory)."""
+    w = torch.randn(64, 256)
+    desc = _descriptor(w, 16, 128)
+    assert _descriptor(w, 16, 128) is desc and _descriptor(w, 32, 128) is not desc
+    dead = weakref.ref(w)
+    del w, desc
+    gc.collect()
+    assert dead() is None
 
 
 def test_gemv_tma_default_config():

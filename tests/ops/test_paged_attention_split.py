@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from krait.ops.paged_attention import (
+    _decode_split_stages,
     decode_num_splits,
+    decode_prefetch,
     decode_split_warps,
     paged_attention_ref,
     paged_attention_triton,
@@ -82,6 +84,28 @@ def test_split_warps_follow_the_grid(monkeypatch):
     monkeypatch.setenv("KRAIT_DECODE_SPLIT_WARPS", "2")
     with pytest.raises(ValueError, match="KRAIT_DECODE_SPLIT_WARPS"):
         decode_split_warps(1, cpu)
+
+
+def test_prefetch_only_where_the_first_tile_keeps_occupancy(monkeypatch):
+    """The first K/V tile is loaded before the PDL wait only while it is at most 64 elements a
+    thread (session 18: qwen3's head dim 128 at 4 warps lost 7%, 60% with the rope fold); the
+    knob forces it either way."""
+    assert decode_prefetch(8, 64, 128)  # qwen3, one row: 8 warps
+    assert not decode_prefetch(4, 64, 128)  # qwen3, 8 rows: 4 warps
+    assert decode_prefetch(4, 64, 64)  # llama / granite head dim 64
+    monkeypatch.setenv("KRAIT_DECODE_PREFETCH", "1")
+    assert decode_prefetch(4, 64, 128)
+    monkeypatch.setenv("KRAIT_DECODE_PREFETCH", "0")
+    assert not decode_prefetch(8, 64, 64)
+
+
+def test_split_stages_knob(monkeypatch):
+    assert _decode_split_stages() == 2
+    monkeypatch.setenv("KRAIT_DECODE_SPLIT_STAGES", "1")
+    assert _decode_split_stages() == 1
+    monkeypatch.setenv("KRAIT_DECODE_SPLIT_STAGES", "4")
+    with pytest.raises(ValueError, match="KRAIT_DECODE_SPLIT_STAGES"):
+        _decode_split_stages()
 
 
 @pytest.mark.gpu
