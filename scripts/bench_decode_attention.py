@@ -1,10 +1,13 @@
 """A decode batch's attention alone on the GPU: µs a call of `paged_attention` (the split-KV
 kernel and its combine when the batch splits) and of `rope_paged_attention` (rope + KV write
 then attention, or the fold: KRAIT_DECODE_ROPE_FOLD), each replayed from a CUDA graph of 20
-calls, with the output's error against the torch reference.
+calls, with the output's error against the torch reference. The calls cycle through copies of
+the KV cache, together past the L2 cache (--cold-bytes), as in a whole model, where the layers'
+weights flush it between attention layers (session 18: with one copy, a few MB that stayed in
+L2, the rope fold read 20% slower at 8 rows and 32k keys; the whole model was 1% faster).
 
 PYTHONPATH=. python3 scripts/bench_decode_attention.py [--rows 1,8,32] [--context 1024]
-    [--heads 16,8,128] [--max-model-len 1077] [--json out.json]
+    [--heads 16,8,128] [--max-model-len 1077] [--cold-bytes 268435456] [--json out.json]
 (Without CUDA it runs the kernels once through the interpreter, in float32: a smoke test,
 e.g. `--rows 1,3 --context 40 --heads 4,2,32 --max-model-len 64`.)
 
@@ -30,19 +33,20 @@ from krait.ops.rope_attention import rope_paged_attention  # noqa: E402
 from krait.ops.rope_kv_write import rope_kv_write_ref  # noqa: E402
 
 
-def _graph_us(fn, calls: int = 20, reps: int = 20) -> float:
-    """µs a call of fn, replayed from a CUDA graph of `calls` calls (on CPU: called, once)."""
+def _graph_us(fns: list, calls: int = 20, reps: int = 20) -> float:
+    """µs a call, replayed from a CUDA graph of `calls` calls that cycle through `fns` (on
+    CPU: the first called, once)."""
     if not torch.cuda.is_available():  # a smoke run through the interpreter
         t0 = time.perf_counter()
-        fn()
+        fns[0]()
         return (time.perf_counter() - t0) * 1e6
-    for _ in range(3):
+    for fn in fns:
         fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fns[i % len(fns)]()
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -59,8 +63,9 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_rows(rows: int, context: int, heads: tuple[int, int, int], max_model_len: int,
-               block_size: int = 16) -> dict:
-    """One decode batch of `rows` rows, each `context` keys plus this step's."""
+               block_size: int = 16, cold_bytes: int = 0) -> dict:
+    """One decode batch of `rows` rows, each `context` keys plus this step's; the timed calls
+    cycle through enough copies of the KV cache (at most 20) to move `cold_bytes` (0: one)."""
     cuda = torch.cuda.is_available()
     dev, dt = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     hq, hkv, d = heads
@@ -87,16 +92,21 @@ def bench_rows(rows: int, context: int, heads: tuple[int, int, int], max_model_l
 
     rotated = q.contiguous()
     want = paged_attention_ref(rotated, k_cache, v_cache, *attn)
+    cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    copies = min(20, max(1, -(-cold_bytes // cache_bytes)))
+    kv = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(copies - 1)]
     out = {"rows": rows, "splits": decode_num_splits(rows, hkv, max_model_len, dev),
+           "cache_copies": copies,
            "attention_err": _rel_err(paged_attention(rotated, k_cache, v_cache, *attn), want),
-           "attention_us": _graph_us(lambda: paged_attention(rotated, k_cache, v_cache, *attn))}
+           "attention_us": _graph_us([lambda kc=kc, vc=vc: paged_attention(rotated, kc, vc, *attn)
+                                      for kc, vc in kv])}
     caches = [k_cache.clone(), v_cache.clone()]
     want_q = rope_kv_write_ref(*rope, caches[0], caches[1], slots)
     want = paged_attention_ref(want_q, caches[0], caches[1], *attn)
     got = rope_paged_attention(*rope, k_cache, v_cache, slots, *attn)
     out["rope_attention_err"] = _rel_err(got, want)
     out["rope_attention_us"] = _graph_us(
-        lambda: rope_paged_attention(*rope, k_cache, v_cache, slots, *attn))
+        [lambda kc=kc, vc=vc: rope_paged_attention(*rope, kc, vc, slots, *attn) for kc, vc in kv])
     return out
 
 
@@ -106,15 +116,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--heads", default="16,8,128", help="query heads, kv heads, head dim")
     ap.add_argument("--max-model-len", type=int, default=1077)
+    ap.add_argument("--cold-bytes", type=int, default=256 << 20,
+                    help="KV bytes the timed calls cycle through (past the L2); 0: one cache")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     heads = tuple(int(x) for x in args.heads.split(","))
     results = []
-    print(" rows splits  attention us  rope+attention us  errors")
+    print(" rows splits copies  attention us  rope+attention us  errors")
     for rows in (int(r) for r in args.rows.split(",")):
-        r = bench_rows(rows, args.context, heads, args.max_model_len)
+        r = bench_rows(rows, args.context, heads, args.max_model_len, cold_bytes=args.cold_bytes)
         results.append(r)
-        print(f"{rows:5d} {r['splits']:6d} {r['attention_us']:13.2f} {r['rope_attention_us']:18.2f}"
+        print(f"{rows:5d} {r['splits']:6d} {r['cache_copies']:6d} {r['attention_us']:13.2f} "
+              f"{r['rope_attention_us']:18.2f}"
               f"  {r['attention_err']:.1e} {r['rope_attention_err']:.1e}")
     if args.json:
         with open(args.json, "w") as f:

@@ -135,8 +135,8 @@ def test_bench_decode_attention_script_checks_its_outputs(monkeypatch):
 
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
-    r = bench_rows(3, 40, (4, 2, 32), 64)
-    assert r["splits"] > 1
+    r = bench_rows(3, 40, (4, 2, 32), 64, cold_bytes=100_000)  # 2 copies of 80 KB of KV
+    assert r["splits"] > 1 and r["cache_copies"] == 2
     assert r["attention_err"] < 1e-5 and r["rope_attention_err"] < 1e-5, r
 
 
