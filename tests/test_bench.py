@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.utils import make_tiny_llama
 
@@ -109,3 +110,26 @@ def test_workload_roofline_adds_prefills_and_decode_steps():
         return (1000 + rows * 10 * (ctx + 1) + rows * 2 * 5) / 1000
     want = 2 * prefill + step(2, 5) + step(2, 6) + prefill + step(1, 5) + step(1, 6)
     assert abs(workload_seconds(c, mb, 3, 4, 3, max_batch=2) - want) < 1e-9
+
+
+def test_hf_baseline_halves_its_batch_when_out_of_memory(tmp_path, monkeypatch, capsys):
+    """A batch HF cannot fit (its torch Mamba2 scan asks tens of GiB) is retried at half the
+    size; the result names the batch that ran and the one asked for."""
+    from transformers import AutoConfig
+
+    from krait.bench import offline
+
+    real = offline.hf_generate
+
+    def small_batches_only(model, dev, batch, new_tokens):
+        if len(batch) > 1:
+            raise torch.OutOfMemoryError("fake: batch too large")
+        return real(model, dev, batch, new_tokens)
+
+    monkeypatch.setattr(offline, "hf_generate", small_batches_only)
+    config = AutoConfig.from_pretrained(make_tiny_llama(tmp_path / "m"))
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    r = offline.hf_generate_rate(config, torch.float32, torch.device("cpu"), prompts, 2, 4)
+    assert r["batch_size"] == 1 and r["requested_batch_size"] == 4
+    assert r["output_tok_per_s"] > 0 and len(r["output_tok_per_s_each_pass"]) == 2
+    assert "retrying at batch 1" in capsys.readouterr().err

@@ -257,7 +257,7 @@ def bench_throughput(args) -> dict:
         out["roofline_speedup_vs_hf"] = out["roofline_tok_per_s"] / hf["output_tok_per_s"]
         rows.append(f"HF transformers: {hf['output_tok_per_s']:.1f} output tok/s, the best of "
                     f"{len(hf['output_tok_per_s_each_pass'])} passes "
-                    f"(batch {args.hf_batch_size}, {hf['output_len']} new tokens); "
+                    f"(batch {hf['batch_size']}, {hf['output_len']} new tokens); "
                     f"krait / HF = {out['speedup_vs_hf']:.1f}x (at the roofline: "
                     f"{out['roofline_speedup_vs_hf']:.1f}x)")
         rows.append(f"same workload ({len(hf_prompts)} prompts, {hf_out_len} new tokens): krait "
@@ -308,36 +308,61 @@ def hf_generate_rate(hf_config, dtype, dev, prompts, output_len, batch_size,
                      repeats: int = 2) -> dict:
     """HF transformers generate on the same config (random weights) and prompts: a short
     untimed warm-up, then `repeats` timed passes; the fastest pass is the baseline (its rate
-    moved ±7% between runs on the H200: the best of several keeps a ratio honest)."""
+    moved ±7% between runs on the H200: the best of several keeps a ratio honest). A batch
+    that runs out of GPU memory (HF's torch fallback of the Mamba2 chunk scan asks tens of GiB
+    at batch 32 × 256 tokens) is retried at half the batch, down to 1; the result names the
+    batch size that ran."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device(dev):  # random init on the device: minutes on the CPU for billions
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    requested = batch_size
+    while True:
+        try:
+            rates, times = _hf_passes(model, dev, prompts, output_len, batch_size, repeats)
+            break
+        except torch.OutOfMemoryError:
+            if batch_size == 1:
+                raise
+        batch_size //= 2  # after the except block: its traceback no longer holds the tensors
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"HF baseline: out of memory, retrying at batch {batch_size}", file=sys.stderr,
+              flush=True)
+    del model
+    best = max(range(len(rates)), key=rates.__getitem__)
+    return {"num_prompts": len(prompts), "batch_size": batch_size,
+            "requested_batch_size": requested, "output_len": output_len,
+            "elapsed_s": times[best], "output_tok_per_s": rates[best],
+            "output_tok_per_s_each_pass": rates}
 
-    def generate(model, batch: list[list[int]], new_tokens: int) -> int:
-        x = torch.tensor(batch, device=dev)
-        y = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=0)
-        return (y.shape[1] - x.shape[1]) * y.shape[0]
 
+def hf_generate(model, dev, batch: list[list[int]], new_tokens: int) -> int:
+    """Output tokens of one greedy HF `generate` call on `batch` (equal-length prompts)."""
+    x = torch.tensor(batch, device=dev)
+    y = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0)
+    return (y.shape[1] - x.shape[1]) * y.shape[0]
+
+
+def _hf_passes(model, dev, prompts, output_len, batch_size,
+               repeats: int) -> tuple[list[float], list[float]]:
+    """(output tok/s, seconds) of each timed pass over the prompts, after a warm-up."""
     rates, times = [], []
     with torch.no_grad():
-        generate(model, prompts[:batch_size], 2)  # warm-up: first-call kernel loading and setup
+        hf_generate(model, dev, prompts[:batch_size], 2)  # warm-up: kernel loading and setup
         for _ in range(max(repeats, 1)):
             n_out = 0
             _sync(dev)
             t = time.perf_counter()
             for i in range(0, len(prompts), batch_size):
-                n_out += generate(model, prompts[i : i + batch_size], output_len)
+                n_out += hf_generate(model, dev, prompts[i : i + batch_size], output_len)
             _sync(dev)
             times.append(time.perf_counter() - t)
             rates.append(n_out / times[-1])
-    del model
-    best = max(range(len(rates)), key=rates.__getitem__)
-    return {"num_prompts": len(prompts), "batch_size": batch_size, "output_len": output_len,
-            "elapsed_s": times[best], "output_tok_per_s": rates[best],
-            "output_tok_per_s_each_pass": rates}
+    return rates, times
 
 
 def _device_name(dev: torch.device) -> str:
