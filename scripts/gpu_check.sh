@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -443,6 +443,19 @@ case $what in
       bench_latency $m "" --batch-sizes 1,8 --prompt-lens ""
       KRAIT_DECODE_ROPE_FOLD=0 bench_latency $m "_nofold" --batch-sizes 1,8 --prompt-lens ""
     done
+    ;;
+  refresh)  # (~12 min, two device calls: `refresh` then `targets`) session 18's defaults: GPU tests
+    # of the split-KV and rope kernels, the attention alone with caches past the L2 (fold on
+    # and off), llama and qwen3 at batch 1 and 8, max_model_len 4096 vs 131072 (granite-micro)
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_paged_attention_split.py \
+      tests/ops/test_rope_attention.py -p no:cacheprovider 2>&1 | tail -3 | tee "$LOG/kernels_refresh.log"
+    for f in 1 0; do
+      KRAIT_DECODE_ROPE_FOLD=$f timeout 150 python3 scripts/bench_decode_attention.py \
+        --json "$LOG/attn_cold_fold$f.json" 2>&1 | grep -v Warn | tee "$LOG/attn_cold_fold$f.log"
+    done
+    pack
+    for m in qwen3-0.6b llama-3.2-1b; do bench_latency $m "_refresh" --batch-sizes 1,8 --prompt-lens ""; done
+    bash "$0" maxlen
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on
     # (the default) and off
