@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from krait.ops.gemv_tma import _COUNTERS, _descriptor, config_from_text, gemv_tma, prefetch_lines, tma_config
+from krait.ops.gemv_tma import (
+    _COUNTERS,
+    _descriptor,
+    config_from_text,
+    gemv_tma,
+    prefetch_lines,
+    tma_config,
+)
 from tests.ops.conv_cases import mamba2_conv_case, small_conv_case
 from tests.ops.sm90 import compile_sm90, sm90_available
 
