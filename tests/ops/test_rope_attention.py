@@ -1,6 +1,8 @@
 """rope + KV write folded into the split-KV decode kernel (KRAIT_DECODE_ROPE_FOLD, on) against
 `rope_kv_write` then `paged_attention` (torch references)."""
 
+import os
+
 import pytest
 import torch
 
@@ -131,8 +133,10 @@ def test_folded_rope_real_size_gpu(rows):
 def test_bench_decode_attention_script_checks_its_outputs(monkeypatch):
     """scripts/bench_decode_attention.py on CPU (interpreted, rows split): both paths match the
     torch references it checks them against."""
+    before = dict(os.environ)
     from scripts.bench_decode_attention import bench_rows
 
+    assert dict(os.environ) == before  # importing it changes nothing for later tests
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
     r = bench_rows(3, 40, (4, 2, 32), 64, cold_bytes=100_000)  # 2 copies of 80 KB of KV
