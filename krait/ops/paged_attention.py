@@ -526,8 +526,8 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                   sliding_window, num_splits, interpret, prefetch: bool | None = None,
                   rope: dict | None = None) -> None:
     """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
-    split's first K/V tile loaded before the PDL wait (None: `decode_prefetch`). rope: the split kernel's
-    ROPE arguments (`decode_split_rope`), None for a q already rotated."""
+    split's first K/V tile loaded before the PDL wait (None: `decode_prefetch`). rope: the
+    split kernel's ROPE arguments (`decode_split_rope`), None for a q already rotated."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -556,7 +556,8 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, PREFETCH=prefetch, Q_FIRST=warps == 8, **(rope or {}), **opts, **pdl_args(pdl),
+        BLOCK_N=block_n, BLOCK_D=block_d, PREFETCH=prefetch, Q_FIRST=warps == 8,
+        **(rope or {}), **opts, **pdl_args(pdl),
         **timeline_args("decode_split", grid, q.device),
     )
     _decode_combine_kernel[(num_rows, num_q_heads)](
