@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -456,6 +456,19 @@ case $what in
     pack
     for m in qwen3-0.6b llama-3.2-1b; do bench_latency $m "_refresh" --batch-sizes 1,8 --prompt-lens ""; done
     bash "$0" maxlen
+    ;;
+  session19)  # (~8 min) the block's RMSNorm inside the TMA GEMVs' loop (the residual fold,
+    # KRAIT_NORM_PROLOGUE=1: no RMSNorm launch) and each TMA GEMV's first box loaded before
+    # the PDL wait (KRAIT_TMA_EARLY_BOX=1), batch 1; their GPU tests first
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_gemv_tma.py -p no:cacheprovider 2>&1 \
+      | tail -3 | tee "$LOG/kernels_s19.log"
+    for m in mamba2-1.3b granite-4.0-h-micro qwen3-0.6b; do
+      bench_latency $m "_s19base" --batch-sizes 1 --prompt-lens ""
+      KRAIT_NORM_PROLOGUE=1 bench_latency $m "_s19fold" --batch-sizes 1 --prompt-lens ""
+      KRAIT_TMA_EARLY_BOX=1 bench_latency $m "_s19early" --batch-sizes 1 --prompt-lens ""
+      KRAIT_NORM_PROLOGUE=1 KRAIT_TMA_EARLY_BOX=1 bench_latency $m "_s19both" --batch-sizes 1 \
+        --prompt-lens ""
+    done
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on
     # (the default) and off

@@ -45,17 +45,37 @@ DEFAULT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, STAGES=4, SPLIT_K=1, num_warps=4)
 
 
 @triton.jit
-def _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n, offs_k):
-    """acc [BLOCK_N, BLOCK_K] float32 plus the products of weight box [n0:, k0:] with x[k0:]."""
-    w = w_desc.load([n0, k0])  # [BLOCK_N, BLOCK_K], zeros past N and K
+def _x_tile(x_ptr, norm_ptr, k0, K, offs_k, NORM: tl.constexpr):
+    """x[k0:k0 + BLOCK_K] as [1, BLOCK_K] float32 (times the norm weight with NORM) and its
+    squares (zeros unless NORM: the RMSNorm's sum, taken from the row as it streams)."""
     k = k0 + offs_k[None, :]
     # [1, BLOCK_K]: the pipeliner copies it to shared memory too (cp.async, STAGES - 1 ahead)
     # and reads it in the weight's layout. Broadcast over N by its pointers (gemv.py's way),
     # its ring would be BLOCK_N times larger; through a second descriptor, one more barrier a
     # step and x 16-byte aligned. This load's coalesced layout is the tile's: vectors of
     # BLOCK_K / (32 * num_warps) elements (one when BLOCK_K = 32 * num_warps: scalar reads)
-    x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-    return acc + x.to(tl.float32) * w.to(tl.float32)
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    if NORM:
+        g = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        return x * g, x * x
+    return x, tl.zeros_like(x)
+
+
+@triton.jit
+def _tile_dots(w_desc, n0, k0, x, acc):
+    """acc [BLOCK_N, BLOCK_K] float32 plus the products of weight box [n0:, k0:] (zeros past N
+    and K) with x [1, BLOCK_K] float32."""
+    return acc + x * w_desc.load([n0, k0]).to(tl.float32)
+
+
+@triton.jit
+def _first_box(w_ptr, n0, k0, N, K, offs_n, offs_k):
+    """Weight box [n0:, k0:] through plain loads (EARLY_BOX: issued before the PDL wait,
+    used after it), zeros past N and K."""
+    rows = n0 + offs_n[:, None]
+    cols = k0 + offs_k[None, :]
+    return tl.load(w_ptr + rows.to(tl.int64) * K + cols, mask=(rows < N) & (cols < K),
+                   other=0.0)
 
 
 @triton.jit
@@ -102,6 +122,7 @@ def _gemv_tma_kernel(
     stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
     CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
     CONV_SILU: tl.constexpr = False, CONV_EARLY: tl.constexpr = False,
+    NORM: tl.constexpr = False, norm_ptr=None, eps=0.0, EARLY_BOX: tl.constexpr = False,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
@@ -133,29 +154,56 @@ def _gemv_tma_kernel(
             n0 + offs_n0, n0 + offs_n0 < N, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
             stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH,
             CONV_BIAS)
+    rows = 2 * N if SILU_MUL else N
+    if EARLY_BOX:  # the first box in flight while the previous kernel drains
+        w0 = _first_box(w_ptr, n0, k_lo, rows, K, offs_n0, offs_k)
+        if SILU_MUL:
+            u0 = _first_box(w_ptr, N + n0, k_lo, rows, K, offs_n0, offs_k)
     pdl_wait(PDL)
     stamp(TL, tl_ptr, WAITED)
+    sq = tl.zeros([1, BLOCK_K], dtype=tl.float32)  # NORM: the row's squares, summed at the end
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_start = k_lo
+    if EARLY_BOX:
+        x, x2 = _x_tile(x_ptr, norm_ptr, k_lo, K, offs_k, NORM)
+        if NORM:
+            sq += x2
+        acc += x * w0.to(tl.float32)
+        if SILU_MUL:
+            acc_up += x * u0.to(tl.float32)
+        k_start = k_lo + BLOCK_K
     if SILU_MUL:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-            acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
-            acc_up = _tile_dots(w_desc, x_ptr, N + n0, k0, acc_up, K, offs_n0, offs_k)
+        for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
+            x, x2 = _x_tile(x_ptr, norm_ptr, k0, K, offs_k, NORM)
+            if NORM:
+                sq += x2
+            acc = _tile_dots(w_desc, n0, k0, x, acc)
+            acc_up = _tile_dots(w_desc, N + n0, k0, x, acc_up)
         stamp(TL, tl_ptr, LOOPED)
         pdl_trigger(PDL)
         offs_n = n0 + offs_n0
         n_ok = offs_n < N
-        tl.store(y_ptr + offs_n, finish_tile(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), y_ptr,
-                                         offs_n, n_ok, N, y_ptr.dtype.element_ty, False, 1),
-                 mask=n_ok)
+        dots, dots_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(sq) / K + eps)
+            dots, dots_up = dots * rstd, dots_up * rstd
+        tl.store(y_ptr + offs_n, finish_tile(dots, dots_up, y_ptr, offs_n, n_ok, N,
+                                             y_ptr.dtype.element_ty, False, 1), mask=n_ok)
     else:
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-            acc = _tile_dots(w_desc, x_ptr, n0, k0, acc, K, offs_n0, offs_k)
+        for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
+            x, x2 = _x_tile(x_ptr, norm_ptr, k0, K, offs_k, NORM)
+            if NORM:
+                sq += x2
+            acc = _tile_dots(w_desc, n0, k0, x, acc)
         stamp(TL, tl_ptr, LOOPED)
         pdl_trigger(PDL)
+        dots = tl.sum(acc, axis=1)
+        if NORM:
+            dots = dots * tl.rsqrt(tl.sum(sq) / K + eps)
         if CONV:
             offs_n = n0 + offs_n0
             n_ok = offs_n < N
-            val = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)[None, :]  # [1, BLOCK_N]
+            val = dots.to(y_ptr.dtype.element_ty)[None, :]  # [1, BLOCK_N]
             if CONV_EARLY:
                 val = conv_tile_finish(val, ch, ok, st, window, shifted, cw, cb, stride_cs_d,
                                        stride_cs_k, CONV_WIDTH, CONV_SILU)
@@ -165,8 +213,8 @@ def _gemv_tma_kernel(
                                 stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
             tl.store(y_ptr + offs_n[None, :], val, mask=n_ok[None, :])
         else:
-            _write_tile(tl.sum(acc, axis=1), pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr,
-                        count_ptr, N, SPLIT_K, BLOCK_N)
+            _write_tile(dots, pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr, count_ptr, N,
+                        SPLIT_K, BLOCK_N)
     stamp(TL, tl_ptr, EXIT)
 
 
@@ -220,7 +268,8 @@ def prefetch_lines(stages: int, block_k: int, itemsize: int) -> int:
 
 
 def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
-             silu_mul_out: bool = False, conv: tuple | None = None) -> Tensor:
+             silu_mul_out: bool = False, conv: tuple | None = None,
+             norm: tuple[Tensor, float] | None = None) -> Tensor:
     """x [1, K] (bf16, fp16 or float32) @ weight [N, K]^T (contiguous, K * itemsize a multiple
     of 16 bytes) -> y [1, N] in x's dtype, float32 accumulation. With `silu_mul_out`, weight
     is [2N, K] = [gate; up] (a merged gate_up) and y [1, N] = silu_and_mul of the [1, 2N]
@@ -228,6 +277,12 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     SPLIT_K, num_warps, PREFETCH_LINES (the L2 prefetch before the PDL wait: 0, the default,
     off; None: the first STAGES boxes under PDL; slower in session 14's batch-1 chains).
     `conv`: as `gemv_triton(conv=...)` (a Mamba in_proj's conv in the epilogue; SPLIT_K 1).
+    `norm` = (norm weight [K], eps): x is a block's residual stream h and the input is
+    rms_norm(h) (SPLIT_K 1): every program sums the squares of the row as it streams it and
+    scales its dots by 1 / rms at the end, no partials and no RMSNorm launch (the normalized
+    input is not rounded to the weight dtype first: equal in float32, within bf16 rounding
+    otherwise). EARLY_BOX in config (KRAIT_TMA_EARLY_BOX=1 in the launchers, an A/B knob):
+    each program loads its first box through plain loads before the PDL wait.
     A persistent grid (each program walking several column tiles in one pipelined loop) was
     never the fastest config in session 14's sweep (alone) nor in session 17's (mamba2's
     in_proj with its conv in the batch-1 chain, graph ms 1.158 -> 1.32-1.78) and was removed."""
@@ -246,6 +301,14 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
             raise ValueError("gemv_tma: the conv epilogue takes SPLIT_K 1 and a plain output")
         extra = dict(conv_args(conv, x.shape[0], n, False), CONV=True,
                      CONV_EARLY=env("KRAIT_CONV_EARLY", "1") != "0")
+    if norm is not None:
+        if cfg["SPLIT_K"] != 1:
+            raise ValueError("gemv_tma: the norm prologue takes SPLIT_K 1 (each program sums "
+                             "the whole row)")
+        if norm[0].shape != (k,):
+            raise ValueError(f"gemv_tma: the norm weight must be [{k}], got "
+                             f"{list(norm[0].shape)}")
+        extra.update(NORM=True, norm_ptr=norm[0], eps=float(norm[1]))
     if x.shape[1] != k:
         raise ValueError(f"gemv_tma: weight is [N, {k}], x gives K={x.shape[1]}")
     if not tma_readable(weight):

@@ -70,6 +70,8 @@ def _tma(x: Tensor, weight: Tensor, bias: Tensor | None,
     cfg = tma_config(weight.shape[0], weight.shape[1], silu_mul_out, num_sms(x.device))
     if cfg is not None and mode == "prefetch":
         cfg["PREFETCH_LINES"] = None
+    if cfg is not None and env("KRAIT_TMA_EARLY_BOX") == "1":
+        cfg["EARLY_BOX"] = True
     return cfg
 
 
@@ -92,7 +94,7 @@ def conv_linear(x: Tensor, weight: Tensor, bias: Tensor | None, conv: tuple) -> 
     forced = env("KRAIT_INPROJ_TMA", "")
     if cfg is not None and forced:
         cfg = dict(config_from_text(forced), **{k: v for k, v in cfg.items()
-                                                if k == "PREFETCH_LINES"})
+                                                if k in ("PREFETCH_LINES", "EARLY_BOX")})
     if cfg is not None and cfg["SPLIT_K"] == 1 and env("KRAIT_GEMV_TMA") != "noconv":
         return gemv_tma(x, weight, cfg, conv=conv)
     return gemv_triton(x, weight, bias, conv=conv)
@@ -180,6 +182,9 @@ def norm_linear(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, weigh
     """linear(rms_norm(h, norm_weight, eps), weight, bias) for one row h [1, H] whose sums of
     squares per run of RESIDUAL_PART columns are `parts` (a residual-folding GEMV wrote both):
     the norm in the GEMV's prologue (and `conv` as gemv_triton takes it in its epilogue)."""
+    cfg = _tma(h, weight, bias)
+    if cfg is not None and cfg["SPLIT_K"] == 1 and env("KRAIT_GEMV_TMA") != "noconv":
+        return gemv_tma(h, weight, cfg, conv=conv, norm=(norm_weight, eps))
     hidden = h.shape[1]
     return gemv_triton(h, weight, bias, config=_norm_config(weight, hidden),
                        norm=(norm_weight, parts, hidden, eps, RESIDUAL_PART), conv=conv)
@@ -224,7 +229,11 @@ def norm_silu_mlp(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, gat
     folding `residual` (returns gemv_triton(residual=..., residual_scale=...)'s (h',
     partials))."""
     hidden = h.shape[1]
-    act = gemv_triton(h, gate_up, gate_up_bias, config=_norm_config(gate_up, hidden),
-                      silu_mul_out=True,
-                      norm=(norm_weight, parts, hidden, eps, RESIDUAL_PART))  # [1, I]
+    cfg = _tma(h, gate_up, gate_up_bias, silu_mul_out=True)
+    if cfg is not None:
+        act = gemv_tma(h, gate_up, cfg, silu_mul_out=True, norm=(norm_weight, eps))  # [1, I]
+    else:
+        act = gemv_triton(h, gate_up, gate_up_bias, config=_norm_config(gate_up, hidden),
+                          silu_mul_out=True,
+                          norm=(norm_weight, parts, hidden, eps, RESIDUAL_PART))  # [1, I]
     return gemv_triton(act, down, down_bias, residual=residual, residual_scale=residual_scale)
