@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -468,6 +468,22 @@ case $what in
       KRAIT_TMA_EARLY_BOX=1 bench_latency $m "_s19early" --batch-sizes 1 --prompt-lens ""
       KRAIT_NORM_PROLOGUE=1 KRAIT_TMA_EARLY_BOX=1 bench_latency $m "_s19both" --batch-sizes 1 \
         --prompt-lens ""
+    done
+    ;;
+  session19b)  # (~6 min) mamba2's batch-1 chain per kernel with the fold (the RMSNorm inside
+    # in_proj's TMA loop) and with the early first box, against the default; the early box on
+    # llama and granite (batch 1 and 64) against the default, same machine
+    for arm in base fold early; do
+      case $arm in base) knobs="";; fold) knobs="KRAIT_NORM_PROLOGUE=1";;
+        early) knobs="KRAIT_TMA_EARLY_BOX=1";; esac
+      env $knobs timeout 150 python3 scripts/timeline_decode.py --config mamba2-1.3b \
+        --json "$LOG/timeline_mamba2_$arm.json" 2>&1 | grep -v -E "Warn|INFO" \
+        | tail -25 | tee "$LOG/timeline_mamba2_$arm.log"
+      pack
+    done
+    for m in llama-3.2-1b granite-4.0-h-micro; do
+      bench_latency $m "_s19base" --batch-sizes 1,64 --prompt-lens ""
+      KRAIT_TMA_EARLY_BOX=1 bench_latency $m "_s19early" --batch-sizes 1,64 --prompt-lens ""
     done
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on
