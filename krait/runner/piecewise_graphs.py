@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 
 from krait.ops._dispatch import env
+from krait.runner.cuda_graphs import warmup_stream
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class PiecewiseGraphs:
             gc.disable()
             if self.pool is None:  # one side stream and one memory pool for every capture
                 self.pool = torch.cuda.graph_pool_handle()
-                self.stream = torch.cuda.Stream()
+                self.stream = warmup_stream(torch.cuda.current_device())
             stream = self.stream
             stream.wait_stream(torch.cuda.current_stream())
         _recorder = rec

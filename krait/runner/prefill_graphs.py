@@ -29,7 +29,7 @@ import logging
 import torch
 
 from krait.ops._dispatch import env
-from krait.runner.cuda_graphs import capture_window, copy_tensors
+from krait.runner.cuda_graphs import capture_window, copy_tensors, warmup_stream
 from krait.runner.input_batch import InputBatch, build_input_batch
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class PrefillGraphs:
             if not self.record:
                 self.graphs[(tokens, rows)] = _Graph(None, batch, meta, None)
                 return
-            stream = torch.cuda.Stream()
+            stream = warmup_stream(torch.cuda.current_device())
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # Triton compiles and tunes outside the graph
                 r.model(batch.input_ids, batch.positions, meta)
