@@ -281,7 +281,7 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     rms_norm(h) (SPLIT_K 1): every program sums the squares of the row as it streams it and
     scales its dots by 1 / rms at the end, no partials and no RMSNorm launch (the normalized
     input is not rounded to the weight dtype first: equal in float32, within bf16 rounding
-    otherwise). EARLY_BOX in config (KRAIT_TMA_EARLY_BOX=1 in the launchers, an A/B knob):
+    otherwise). EARLY_BOX in config (krait/ops/linear.py `_tma` sets it for the big weights):
     each program loads its first box through plain loads before the PDL wait.
     A persistent grid (each program walking several column tiles in one pipelined loop) was
     never the fastest config in session 14's sweep (alone) nor in session 17's (mamba2's

@@ -30,6 +30,13 @@ ROW_GEMV_SMALL_MAX_ELEMENTS = 8 << 20
 GATE_UP_GEMV_MAX_ELEMENTS = 64 << 20
 
 
+# TMA GEMVs over weights this large load their first box before the PDL wait (EARLY_BOX).
+# H200, session 19, batch-1 graph ms, default -> early box on every TMA weight, two runs:
+# granite-micro 2.231 -> 2.191 and 2.215 -> 2.175, llama-3.2-1b 0.901 -> 0.896, mamba2-1.3b
+# 1.148 -> 1.146; qwen3-0.6b (its 6.3M gate_up the only TMA weight) 0.912 -> 0.945
+TMA_EARLY_BOX_MIN_ELEMENTS = 12 << 20
+
+
 def _gemv_allowed(x: Tensor) -> bool:
     """The GEMV serves x at all: at most MAX_M rows, Triton on, KRAIT_GEMV not 0."""
     if x.dim() != 2 or not 0 < x.shape[0] <= MAX_M:  # shape first: prefill pays no lookup
@@ -61,7 +68,9 @@ def _tma(x: Tensor, weight: Tensor, bias: Tensor | None,
          silu_mul_out: bool = False) -> dict | None:
     """The TMA GEMV's config (krait/ops/gemv_tma.py) for a one-row call the GEMV serves,
     where `tma_config` says it streams faster, or None. KRAIT_GEMV_TMA=0 turns it off;
-    =prefetch adds its L2 prefetch before the PDL wait (A/B knobs). H200, session 14, batch-1
+    =prefetch adds its L2 prefetch before the PDL wait (A/B knobs). Weights of at least
+    TMA_EARLY_BOX_MIN_ELEMENTS load their first box before the wait (KRAIT_TMA_EARLY_BOX=0/1
+    forces it off/on for every TMA weight). H200, session 14, batch-1
     graph ms off -> on: granite-micro 2.427 -> 2.287, llama-3.2-1b 0.998 -> 0.930, qwen3
     0.964 -> 0.943 (with the prefetch: 2.341, 0.956, 0.952)."""
     mode = env("KRAIT_GEMV_TMA", "1")
@@ -70,7 +79,9 @@ def _tma(x: Tensor, weight: Tensor, bias: Tensor | None,
     cfg = tma_config(weight.shape[0], weight.shape[1], silu_mul_out, num_sms(x.device))
     if cfg is not None and mode == "prefetch":
         cfg["PREFETCH_LINES"] = None
-    if cfg is not None and env("KRAIT_TMA_EARLY_BOX") == "1":
+    early = env("KRAIT_TMA_EARLY_BOX", "")
+    if cfg is not None and (early == "1" or (early != "0"
+                                             and weight.numel() >= TMA_EARLY_BOX_MIN_ELEMENTS)):
         cfg["EARLY_BOX"] = True
     return cfg
 

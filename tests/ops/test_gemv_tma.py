@@ -337,3 +337,21 @@ def test_gemv_tma_norm_prologue_real_sizes_gpu(early_box):
     cfg = dict(tma_config(16384, 2048, True), EARLY_BOX=early_box)
     got = gemv_tma(x, w, cfg, silu_mul_out=True, norm=(nw, 1e-5))
     assert ((got.float() - want).norm() / want.norm()) < 1e-2
+
+
+def test_early_box_rule_takes_the_big_weights(monkeypatch):
+    """`_tma` loads the first box before the PDL wait for TMA weights of at least
+    TMA_EARLY_BOX_MIN_ELEMENTS (measured wins: granite-micro, llama; qwen3's 6.3M gate_up
+    lost); KRAIT_TMA_EARLY_BOX=0/1 forces it for every TMA weight."""
+    from krait.ops.linear import _tma
+
+    x = torch.zeros(1, 2048, dtype=torch.bfloat16)
+    in_proj = torch.zeros(8512, 2048, dtype=torch.bfloat16)  # mamba2's, 17.4M
+    gate_up = torch.zeros(6144, 1024, dtype=torch.bfloat16)  # qwen3's, 6.3M
+    monkeypatch.delenv("KRAIT_TMA_EARLY_BOX", raising=False)
+    assert _tma(x, in_proj, None)["EARLY_BOX"] is True
+    assert "EARLY_BOX" not in _tma(x[:, :1024], gate_up, None, silu_mul_out=True)
+    monkeypatch.setenv("KRAIT_TMA_EARLY_BOX", "1")
+    assert _tma(x[:, :1024], gate_up, None, silu_mul_out=True)["EARLY_BOX"] is True
+    monkeypatch.setenv("KRAIT_TMA_EARLY_BOX", "0")
+    assert "EARLY_BOX" not in _tma(x, in_proj, None)
