@@ -21,7 +21,10 @@ early: the pipeliner also prefetches x (cp.async into shared memory) in its prol
 what the previous kernel writes. With PREFETCH_LINES > 0, the program asks L2 for its first
 STAGES boxes (`prefetch.global.L2`, one per 128-byte line) before the wait, so that DRAM
 streams them while the previous kernel drains; measured slower in the batch-1 chain (session
-14: granite-micro +2.4%, llama-3.2-1b +2.8%, qwen3 +1%), so off unless asked for.
+14: granite-micro +2.4%, llama-3.2-1b +2.8%, qwen3 +1%), so off unless asked for. With
+EARLY_BOX the first box itself comes in through plain loads into registers before the wait
+(session 19: granite-micro -1.8%, llama -0.6%, qwen3's small gate_up +3.6%; krait/ops/linear.py
+takes it for weights of at least 12M elements).
 TMA needs 16-byte aligned rows: K * itemsize % 16 == 0 (K a multiple of 8 in bf16/fp16, of 4 in
 float32); boxes past N or K read zeros.
 """
@@ -126,7 +129,7 @@ def _gemv_tma_kernel(
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
-    (w_ptr: the same weight, for the L2 prefetch only). SILU_MUL (SPLIT_K 1):
+    (w_ptr: the same weight, for the L2 prefetch and the EARLY_BOX loads only). SILU_MUL (SPLIT_K 1):
     W is [2N, K] = [gate; up] and y = silu(x @ gate^T) * (x @ up^T), each half rounded to y's
     dtype first as a gate_up GEMM and silu_and_mul would; each program streams its columns'
     gate and up boxes side by side. CONV (SPLIT_K 1): the output columns
@@ -135,7 +138,9 @@ def _gemv_tma_kernel(
     launcher's default, KRAIT_CONV_EARLY=0 off) its operands (slot, state, conv weights) are
     loaded before the PDL wait, off the epilogue's dependent loads (the epilogue took ~1.7 µs
     after the loop in session 15's timeline; batch-1 graph mamba2-1.3b -2.3%, granite-micro
-    -0.9% on the H200)."""
+    -0.9% on the H200). NORM: x is a residual stream h and the input rms_norm(h) with the
+    weight at norm_ptr (SPLIT_K 1; `gemv_tma(norm=...)`). EARLY_BOX: the first box through
+    plain loads before the PDL wait, the loop from the second."""
     stamp(TL, tl_ptr, ENTRY)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
