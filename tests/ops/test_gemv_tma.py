@@ -223,15 +223,18 @@ def test_gemv_tma_conv_epilogue_real_sizes_gpu(config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("early_box", [False, True])
 @pytest.mark.parametrize("n,k,silu", [(2048, 8192, False), (16384, 2048, True),
                                       (6144, 1024, True)])
-def test_gemv_tma_real_sizes_gpu(n, k, silu):
-    """granite-micro's down and gate_up, qwen3's gate_up, in bf16 with their dispatch configs
-    (under PDL: the L2 prefetch before the wait), against F.linear (then silu_and_mul)."""
+def test_gemv_tma_real_sizes_gpu(n, k, silu, early_box):
+    """granite-micro's down (K split in 4) and gate_up, qwen3's gate_up, in bf16 with their
+    dispatch configs, with and without the first box before the PDL wait, against F.linear
+    (then silu_and_mul)."""
     x, w = _inputs(n, k, dtype=torch.bfloat16, seed=7)
     x, w = x.cuda(), w.cuda()
     for _ in range(2):
-        got = gemv_tma(x, w, tma_config(n, k, silu), silu_mul_out=silu)
+        got = gemv_tma(x, w, dict(tma_config(n, k, silu), EARLY_BOX=early_box),
+                       silu_mul_out=silu)
         proj = F.linear(x.float(), w.float())
         want = F.silu(proj[:, :n // 2]) * proj[:, n // 2:] if silu else proj
         assert ((got.float() - want).norm() / want.norm()) < 1e-2
