@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -485,6 +485,14 @@ case $what in
       bench_latency $m "_s19base" --batch-sizes 1,64 --prompt-lens ""
       KRAIT_TMA_EARLY_BOX=1 bench_latency $m "_s19early" --batch-sizes 1,64 --prompt-lens ""
     done
+    ;;
+  session20)  # (~8 min) session 19's left-overs: the TMA GEMV's GPU tests (the early box at
+    # every dispatch config, granite's split-K down among them: not yet run on the GPU) and the
+    # engine memory test, then `targets` (HF's best pass moved 200-215 tok/s between runs)
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_gemv_tma.py \
+      tests/runner/test_engine_memory.py -p no:cacheprovider 2>&1 | tail -3 \
+      | tee "$LOG/kernels_s20.log"
+    bash "$0" targets
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on
     # (the default) and off
