@@ -78,11 +78,10 @@ def main() -> int:
     for g in graphs[:5]:
         print(f"  graph <- {_referrer_names(g, skip)}")
     segs = torch.cuda.memory_snapshot()
-    live = sorted(((b["size"], s["segment_type"], s.get("is_expandable", False))
-                   for s in segs for b in s["blocks"] if b["state"] == "active_allocated"),
-                  reverse=True)
+    live = sorted(((b["size"], s["segment_type"]) for s in segs for b in s["blocks"]
+                   if b["state"] == "active_allocated"), reverse=True)
     print(f"{len(live)} allocated blocks; largest: "
-          + ", ".join(f"{sz / 2**20:.1f} MiB ({kind})" for sz, kind, _ in live[:12]))
+          + ", ".join(f"{sz / 2**20:.1f} MiB ({kind})" for sz, kind in live[:12]))
     return 0
 
 

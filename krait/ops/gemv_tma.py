@@ -48,9 +48,9 @@ DEFAULT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, STAGES=4, SPLIT_K=1, num_warps=4)
 
 
 @triton.jit
-def _x_tile(x_ptr, norm_ptr, k0, K, offs_k, NORM: tl.constexpr):
-    """x[k0:k0 + BLOCK_K] as [1, BLOCK_K] float32 (times the norm weight with NORM) and its
-    squares (zeros unless NORM: the RMSNorm's sum, taken from the row as it streams)."""
+def _x_tile(x_ptr, norm_ptr, k0, K, offs_k, sq, NORM: tl.constexpr):
+    """(x[k0:k0 + BLOCK_K] as [1, BLOCK_K] float32, times the norm weight with NORM; sq plus
+    its squares with NORM: the RMSNorm's sum, taken from the row as it streams)."""
     k = k0 + offs_k[None, :]
     # [1, BLOCK_K]: the pipeliner copies it to shared memory too (cp.async, STAGES - 1 ahead)
     # and reads it in the weight's layout. Broadcast over N by its pointers (gemv.py's way),
@@ -60,8 +60,8 @@ def _x_tile(x_ptr, norm_ptr, k0, K, offs_k, NORM: tl.constexpr):
     x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
     if NORM:
         g = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        return x * g, x * x
-    return x, tl.zeros_like(x)
+        return x * g, sq + x * x
+    return x, sq
 
 
 @triton.jit
@@ -170,18 +170,14 @@ def _gemv_tma_kernel(
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = k_lo
     if EARLY_BOX:
-        x, x2 = _x_tile(x_ptr, norm_ptr, k_lo, K, offs_k, NORM)
-        if NORM:
-            sq += x2
+        x, sq = _x_tile(x_ptr, norm_ptr, k_lo, K, offs_k, sq, NORM)
         acc += x * w0.to(tl.float32)
         if SILU_MUL:
             acc_up += x * u0.to(tl.float32)
         k_start = k_lo + BLOCK_K
     if SILU_MUL:
         for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-            x, x2 = _x_tile(x_ptr, norm_ptr, k0, K, offs_k, NORM)
-            if NORM:
-                sq += x2
+            x, sq = _x_tile(x_ptr, norm_ptr, k0, K, offs_k, sq, NORM)
             acc = _tile_dots(w_desc, n0, k0, x, acc)
             acc_up = _tile_dots(w_desc, N + n0, k0, x, acc_up)
         stamp(TL, tl_ptr, LOOPED)
@@ -196,9 +192,7 @@ def _gemv_tma_kernel(
                                              y_ptr.dtype.element_ty, False, 1), mask=n_ok)
     else:
         for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-            x, x2 = _x_tile(x_ptr, norm_ptr, k0, K, offs_k, NORM)
-            if NORM:
-                sq += x2
+            x, sq = _x_tile(x_ptr, norm_ptr, k0, K, offs_k, sq, NORM)
             acc = _tile_dots(w_desc, n0, k0, x, acc)
         stamp(TL, tl_ptr, LOOPED)
         pdl_trigger(PDL)

@@ -97,16 +97,29 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def conv_linear(x: Tensor, weight: Tensor, bias: Tensor | None, conv: tuple) -> Tensor:
-    """A one-row Mamba in_proj with its conv in the epilogue (`gemv_triton(conv=...)`), through
-    the TMA GEMV where `_tma` picks it (KRAIT_GEMV_TMA=noconv keeps this one on gemv.py;
-    KRAIT_INPROJ_TMA="BLOCK_N,BLOCK_K,STAGES,WARPS" replaces its config: an A/B knob)."""
+def _one_slice_tma(x: Tensor, weight: Tensor, bias: Tensor | None,
+                   conv: tuple | None) -> dict | None:
+    """`_tma`'s config for a projection whose epilogue (the conv) or prologue (the norm) needs
+    each program to stream all of K, or None where it splits K. With `conv` (a Mamba in_proj):
+    KRAIT_INPROJ_TMA="BLOCK_N,BLOCK_K,STAGES,WARPS" replaces the config (an A/B knob) and
+    KRAIT_GEMV_TMA=noconv keeps it on gemv.py."""
     cfg = _tma(x, weight, bias)
+    if cfg is None or conv is None:
+        return cfg if cfg is not None and cfg["SPLIT_K"] == 1 else None
     forced = env("KRAIT_INPROJ_TMA", "")
-    if cfg is not None and forced:
+    if forced:
         cfg = dict(config_from_text(forced), **{k: v for k, v in cfg.items()
                                                 if k in ("PREFETCH_LINES", "EARLY_BOX")})
-    if cfg is not None and cfg["SPLIT_K"] == 1 and env("KRAIT_GEMV_TMA") != "noconv":
+    if cfg["SPLIT_K"] != 1 or env("KRAIT_GEMV_TMA") == "noconv":
+        return None
+    return cfg
+
+
+def conv_linear(x: Tensor, weight: Tensor, bias: Tensor | None, conv: tuple) -> Tensor:
+    """A one-row Mamba in_proj with its conv in the epilogue (`gemv_triton(conv=...)`), through
+    the TMA GEMV where `_one_slice_tma` picks it."""
+    cfg = _one_slice_tma(x, weight, bias, conv)
+    if cfg is not None:
         return gemv_tma(x, weight, cfg, conv=conv)
     return gemv_triton(x, weight, bias, conv=conv)
 
@@ -193,8 +206,8 @@ def norm_linear(h: Tensor, parts: Tensor, norm_weight: Tensor, eps: float, weigh
     """linear(rms_norm(h, norm_weight, eps), weight, bias) for one row h [1, H] whose sums of
     squares per run of RESIDUAL_PART columns are `parts` (a residual-folding GEMV wrote both):
     the norm in the GEMV's prologue (and `conv` as gemv_triton takes it in its epilogue)."""
-    cfg = _tma(h, weight, bias)
-    if cfg is not None and cfg["SPLIT_K"] == 1 and env("KRAIT_GEMV_TMA") != "noconv":
+    cfg = _one_slice_tma(h, weight, bias, conv)
+    if cfg is not None:
         return gemv_tma(h, weight, cfg, conv=conv, norm=(norm_weight, eps))
     hidden = h.shape[1]
     return gemv_triton(h, weight, bias, config=_norm_config(weight, hidden),
