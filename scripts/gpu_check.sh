@@ -486,13 +486,19 @@ case $what in
       KRAIT_TMA_EARLY_BOX=1 bench_latency $m "_s19early" --batch-sizes 1,64 --prompt-lens ""
     done
     ;;
-  session20)  # (~8 min) session 19's left-overs: the TMA GEMV's GPU tests (the early box at
+  session20)  # (~7 min) session 19's left-overs: the TMA GEMV's GPU tests (the early box at
     # every dispatch config, granite's split-K down among them: not yet run on the GPU) and the
-    # engine memory test, then `targets` (HF's best pass moved 200-215 tok/s between runs)
+    # engine memory test; the batch-1 baselines of the two Mamba models; then where the
+    # throughput workload's time goes (granite-micro, bf16 state: a batch-256 decode step at
+    # context 384 and one 8192-token prefill, per kernel)
     timeout 150 python3 -m pytest -q -m gpu tests/ops/test_gemv_tma.py \
       tests/runner/test_engine_memory.py -p no:cacheprovider 2>&1 | tail -3 \
       | tee "$LOG/kernels_s20.log"
-    bash "$0" targets
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_s20" --batch-sizes 1 --prompt-lens ""
+    done
+    PROFILE_SPECS="granite-4.0-h-micro:256:384" PROFILE_PREFILL=8192 PROFILE_LOG=profile_tp \
+      PROFILE_EXTRA="--mamba-ssm-cache-dtype bfloat16" bash "$0" profile
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on
     # (the default) and off
