@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session20b|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -496,6 +496,28 @@ case $what in
       | tee "$LOG/kernels_s20.log"
     for m in mamba2-1.3b granite-4.0-h-micro; do
       bench_latency $m "_s20" --batch-sizes 1 --prompt-lens ""
+    done
+    PROFILE_SPECS="granite-4.0-h-micro:256:384" PROFILE_PREFILL=8192 PROFILE_LOG=profile_tp \
+      PROFILE_EXTRA="--mamba-ssm-cache-dtype bfloat16" bash "$0" profile
+    ;;
+  session20b)  # (~8 min) the one-launch state update + out_proj (krait/ops/mamba_decode_out.py):
+    # its GPU tests (the grid barrier; a hang here is the barrier: the benches then run with it
+    # off), GPU parity of the Mamba fixtures one request at a time, batch 1 on and off
+    if timeout 200 python3 -m pytest -q -m gpu tests/ops/test_mamba_decode_out.py \
+        tests/ops/test_gemv_tma.py tests/runner/test_engine_memory.py -p no:cacheprovider 2>&1 \
+        | tail -3 | tee "$LOG/kernels_s20b.log" | grep -q " passed" \
+        && ! grep -q -E "failed|error" "$LOG/kernels_s20b.log"; then
+      mkdir -p .parity_m && for f in mamba2 mamba2-g1 granitemoehybrid-g1 granitemoehybrid-dense; do
+        ln -sfn "$PWD/.parity/$f" .parity_m/$f; done
+      PARITY_MODES=batch1 timeout 200 python3 scripts/gpu_parity.py check .parity_m 2>&1 \
+        | grep -v Warn | tail -12 | tee "$LOG/parity_s20b.log"
+    else
+      export KRAIT_SSU_OUT=0; echo "ssu_out tests failed: benches with KRAIT_SSU_OUT=0"
+    fi
+    pack
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_ssuout" --batch-sizes 1 --prompt-lens ""
+      KRAIT_SSU_OUT=0 bench_latency $m "_nossuout" --batch-sizes 1 --prompt-lens ""
     done
     PROFILE_SPECS="granite-4.0-h-micro:256:384" PROFILE_PREFILL=8192 PROFILE_LOG=profile_tp \
       PROFILE_EXTRA="--mamba-ssm-cache-dtype bfloat16" bash "$0" profile

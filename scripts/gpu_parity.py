@@ -1,5 +1,5 @@
-"""HF parity on the GPU: krait on CUDA in float32 (CUDA graphs, chunked prefill, eager) against
-Hugging Face transformers on CPU in float32.
+"""HF parity on the GPU: krait on CUDA in float32 (CUDA graphs, chunked prefill, eager, one
+request at a time) against Hugging Face transformers on CPU in float32.
 
 The oracle is best computed here, with the project's transformers, and carried to the device
 machine: its older transformers gives other tokens for the Mamba-family models.
@@ -33,6 +33,13 @@ DENSE_GRANITE = {"granitemoehybrid-dense": ("granitemoehybrid",
                                             {"num_local_experts": 0, "mamba_n_groups": 1})}
 
 
+# engine settings each model is checked under; "batch1": one request at a time, every decode
+# step one row (the GEMV, TMA, epilogue and fused-kernel paths of batch 1, graphed)
+MODES = {"graphs": {}, "chunked": {"max_num_batched_tokens": 7}, "eager": {"enforce_eager": True},
+         "batch1": {"max_num_seqs": 1}}
+DEFAULT_MODES = "graphs,chunked,eager,batch1"  # PARITY_MODES=graphs,batch1 picks some
+
+
 def make(root: Path) -> None:
     fixtures = {a: (a, {}) for a in DENSE + HYBRID} | ONE_GROUP | DENSE_GRANITE
     for name, (arch, overrides) in fixtures.items():
@@ -50,8 +57,9 @@ def check_arch(d: Path) -> bool:
 
     ref = json.loads((d / "reference.json").read_text())
     ok = True
-    for label, kw in [("graphs", {}), ("chunked", {"max_num_batched_tokens": 7}),
-                      ("eager", {"enforce_eager": True})]:
+    for label, kw in MODES.items():
+        if label not in os.environ.get("PARITY_MODES", DEFAULT_MODES).split(","):
+            continue
         device = os.environ.get("KRAIT_PARITY_DEVICE", "cuda")  # "cpu" for a dry run here
         llm = LLM(str(d), device=device, dtype="float32", **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],

@@ -19,6 +19,7 @@ from krait.ops.linear import (
     gated_norm_linear,
     norm_linear,
 )
+from krait.ops.mamba_decode_out import ssu_out_ok, ssu_out_proj
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import (
     gated_part_size,
@@ -135,12 +136,17 @@ class Mamba2Mixer(torch.nn.Module):
         out_proj GEMV then adds to its output times `residual_scale`: a FoldedResidual comes
         back (`block_fold_ok`)."""
         d = self.d
-        group = d.norm_group_size or d.intermediate // d.n_groups
+        group = self._norm_group()
         rows = x.h if isinstance(x, NormedInput) else x
         conv = None
         if (rows.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
                 and use_triton(rows)):
             conv = self._conv_epilogue(rows, meta)
+            if residual is None and ssu_out_ok(rows, self.out_proj.weight, group, d.head_dim,
+                                               d.d_state):
+                gate, xbc, dt = self._project(x, conv)
+                return mixer_call(self._decode_out, (xbc, dt, gate), meta, "mamba",
+                                  conv is not None)
             part = gated_part_size(d.head_dim, d.d_state)
             if gated_norm_in_gemv(rows, self.out_proj.weight, group, part):
                 gate, xbc, dt = self._project(x, conv)
@@ -157,6 +163,10 @@ class Mamba2Mixer(torch.nn.Module):
             return self.out_proj(normed)
         return FoldedResidual(*gemv_triton(normed, self.out_proj.weight, self.out_proj.bias,
                                            residual=residual, residual_scale=residual_scale))
+
+    def _norm_group(self) -> int:
+        """Channels a group of the gated RMSNorm spans."""
+        return self.d.norm_group_size or self.d.intermediate // self.d.n_groups
 
     def _conv_epilogue(self, rows: torch.Tensor, meta: MambaMetadata) -> tuple | None:
         """The conv's decode step as the one-row in_proj GEMV's epilogue takes it
@@ -188,6 +198,21 @@ class Mamba2Mixer(torch.nn.Module):
             d.time_step_limit, gate=gate, g_out=packed[:, :inter], parts_out=packed[:, inter:],
         )
         return packed
+
+    def _decode_out(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor,
+                    meta: MambaMetadata, convolved: bool = False) -> torch.Tensor:
+        """One decode row's conv (unless in_proj's epilogue did it: `convolved`), state update,
+        gated norm and out_proj: [1, hidden] (the last three in one launch, `ssu_out_proj`)."""
+        d = self.d
+        idx = meta.decode_state_indices[:1]
+        xbc_d = xbc if convolved else causal_conv1d_update(
+            xbc, self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
+            d.activation,
+        )
+        xs, B, C = self._split_xbc(xbc_d)
+        return ssu_out_proj(self.ssm_state, xs, dt, self.neg_A(), B, C, self.D, self.dt_bias,
+                            idx, gate, self.out_proj.weight, self.out_proj.bias,
+                            self.norm_weight, d.eps, self._norm_group(), d.time_step_limit)
 
     def scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing
