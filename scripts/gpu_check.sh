@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session20b|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session20b|session20c|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -521,6 +521,21 @@ case $what in
     done
     PROFILE_SPECS="granite-4.0-h-micro:256:384" PROFILE_PREFILL=8192 PROFILE_LOG=profile_tp \
       PROFILE_EXTRA="--mamba-ssm-cache-dtype bfloat16" bash "$0" profile
+    ;;
+  session20c)  # (~5 min) the one-launch state update + out_proj, second form (8 warps, 1024-wide
+    # K tiles two ahead, one poller a program): its GPU tests, batch 1 on and off, mamba2's
+    # timeline with it (a hang in the tests is the barrier: the rest then runs with it off)
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_mamba_decode_out.py \
+      -p no:cacheprovider 2>&1 | tail -3 | tee "$LOG/kernels_s20c.log"
+    grep -q -E "failed|error|Timeout" "$LOG/kernels_s20c.log" && export KRAIT_SSU_OUT=0
+    grep -q " passed" "$LOG/kernels_s20c.log" || export KRAIT_SSU_OUT=0
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      bench_latency $m "_ssuout2" --batch-sizes 1 --prompt-lens ""
+      KRAIT_SSU_OUT=0 bench_latency $m "_nossuout2" --batch-sizes 1 --prompt-lens ""
+    done
+    timeout 150 python3 scripts/timeline_decode.py --config mamba2-1.3b \
+      --json "$LOG/timeline_ssuout.json" 2>&1 | grep -v -E "Warn|INFO" \
+      | tee "$LOG/timeline_ssuout.log"
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on
     # (the default) and off

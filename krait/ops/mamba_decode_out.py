@@ -12,8 +12,9 @@ with the gated norm in the prologue (its first weight tile requested before the 
 The barrier: each program adds one to an arrival counter, then spins (volatile loads) until all
 programs have arrived; after it, a departure counter, whose last program resets both (zero
 between launches: graph-safe, no memset). Spinning programs wait for programs that must be
-resident too: the launcher keeps the grid at most two programs an SM at four warps (two such
-programs fit an SM even at 255 registers a thread), so every program is resident at once.
+resident too: the launcher keeps the grid at most two programs an SM, of eight warps capped at
+128 registers a thread (`maxnreg`: two fill an SM's 64K registers), so every program is
+resident at once.
 The interpreter runs programs one after another: there the two phases go as two launches
 (PHASE 1, then 2), and one program alone passes the barrier (the CPU tests use both).
 
@@ -36,19 +37,23 @@ from krait.ops.selective_state_update import gated_part_size, ssu_step
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # [arrivals, departures], always back to zero
-WARPS = 4
-PROGRAMS_PER_SM = 2  # resident at once whatever the register count (see the module docstring)
+WARPS = 8
+MAX_REGISTERS = 128  # a thread: two programs of WARPS warps fill an SM's 64K registers
+PROGRAMS_PER_SM = 2  # resident at once (see the module docstring)
 
 
 @triton.jit
 def _grid_barrier(count_ptr, programs):
     """Returns once all `programs` programs of the grid have called it; the writes each made
     before its call are visible after. Returns the departure count (the last program to
-    depart, count programs - 1, resets the counters: `_reset_barrier`)."""
+    depart, count programs - 1, resets the counters: `_reset_barrier`). One thread of each
+    program polls (a masked volatile load; every warp polling one L2 line slowed the grid)."""
     tl.atomic_add(count_ptr, 1, sem="release")
-    seen = tl.load(count_ptr, volatile=True)
+    lane = tl.arange(0, 32)
+    seen = 0
     while seen < programs:
-        seen = tl.load(count_ptr, volatile=True)
+        seen = tl.max(tl.load(count_ptr + lane * 0, mask=lane == 0, other=0, volatile=True),
+                      axis=0)
     tl.atomic_add(count_ptr, 0, sem="acquire")  # orders the loads after it
     return tl.atomic_add(count_ptr + 1, 1, sem="relaxed")
 
@@ -153,6 +158,9 @@ def _ssu_out_kernel(
                              C_ptr, z_ptr, g_ptr, part_ptr, head_dim, heads_per_group,
                              stride_x_h, stride_dt_h, stride_B_g, stride_C_g, dt_min, dt_max,
                              DT_SOFTPLUS, DT_CLAMP)
+    if PHASE != 1:  # the second tile in flight across the barrier
+        w1 = tl.load(w_rows + BLOCK_K + offs_k[None, :],
+                     mask=w_ok & (BLOCK_K + offs_k < K)[None, :], other=0.0)
     departed = 0
     if PHASE == 0:
         departed = _grid_barrier(count_ptr, programs)
@@ -173,10 +181,11 @@ def _ssu_out_kernel(
                 ps = tl.load(part_ptr + (k0 // group_size) * parts_per_group + j,
                              mask=j < parts_per_group, other=0.0, cache_modifier=".cg")
                 x = x * tl.rsqrt(tl.sum(ps, axis=0) / group_size + eps)
-            k_next = k + BLOCK_K
+            k_next = k + 2 * BLOCK_K  # two tiles ahead
             w_next = tl.load(w_rows + k_next, mask=w_ok & (k_next < K), other=0.0)
             acc += x * w.to(tl.float32)
-            w = w_next
+            w = w1
+            w1 = w_next
         stamp(TL, tl_ptr, LOOPED)
         pdl_trigger(PDL)
         dots = tl.sum(acc, axis=1) * rstd
@@ -191,13 +200,13 @@ def _ssu_out_kernel(
 def ssu_out_config(n: int, group_size: int, device: torch.device) -> dict[str, int] | None:
     """Tiles for an out_proj of n columns whose norm groups span group_size channels: BLOCK_N,
     the smallest power of two from 8 that keeps the grid within PROGRAMS_PER_SM programs an
-    SM; BLOCK_K, up to 256 dividing the group. None past 256 columns a program or below 16
-    channels a K tile."""
+    SM; BLOCK_K, up to 1024 dividing the group (few and large weight loads a program: its
+    loop waits on each). None past 256 columns a program or below 16 channels a K tile."""
     limit = PROGRAMS_PER_SM * num_sms(device)
     block_n = 8
     while cdiv(n, block_n) > limit:
         block_n *= 2
-    block_k = 256
+    block_k = 1024 // block_n * 8
     while group_size % block_k:
         block_k //= 2
     return dict(BLOCK_N=block_n, BLOCK_K=block_k) if block_n <= 256 and block_k >= 16 else None
@@ -252,7 +261,7 @@ def ssu_out_proj(ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor
         PARTS=next_pow2(group_size // block_p), ONE_GROUP=group_size == k, HAS_BIAS=bias is not None, **cfg,
     )
     if x.is_cuda:
-        common["num_warps"] = WARPS
+        common.update(num_warps=WARPS, maxnreg=MAX_REGISTERS)
     counters = arrival_counters(_COUNTERS, x.device, 2)
     phases = (1, 2) if interpreting() and grid > 1 else (0,)
     for phase in phases:

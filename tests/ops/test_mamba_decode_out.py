@@ -128,7 +128,7 @@ def test_ok_and_config(monkeypatch):
     assert not ssu_out_ok(torch.zeros(2, 4), w, 4096, 64, 128)
     # the CPU counts 4 SMs: 8 programs at most, so BLOCK_N grows with the columns
     cpu = torch.device("cpu")
-    assert ssu_out_config(64, 4096, cpu) == dict(BLOCK_N=8, BLOCK_K=256)
+    assert ssu_out_config(64, 4096, cpu) == dict(BLOCK_N=8, BLOCK_K=1024)
     assert ssu_out_config(2048, 96, cpu) == dict(BLOCK_N=256, BLOCK_K=32)
     assert ssu_out_config(4096, 4096, cpu) is None
 
