@@ -216,8 +216,10 @@ def ssu_out_ok(rows: Tensor, weight: Tensor, group_size: int, head_dim: int,
                d_state: int) -> bool:
     """Does `ssu_out_proj` serve this decode row? One row through Triton, norm groups of whole
     state-update row blocks, head_dim a multiple of that block, a grid that fits
-    (`ssu_out_config`); KRAIT_SSU_OUT=0 turns it off (an A/B knob)."""
-    if env("KRAIT_SSU_OUT", "1") == "0" or rows.shape[0] != 1 or not use_triton(rows):
+    (`ssu_out_config`); only with KRAIT_SSU_OUT=1 (an opt-in: slower than the two kernels on
+    the H200, session 20, batch-1 graph ms mamba2-1.3b 1.138 -> 1.306, granite-micro 2.180 ->
+    2.311)."""
+    if env("KRAIT_SSU_OUT", "0") != "1" or rows.shape[0] != 1 or not use_triton(rows):
         return False
     block_p = gated_part_size(head_dim, d_state)
     if weight.shape[1] % group_size or group_size % block_p or head_dim % block_p:

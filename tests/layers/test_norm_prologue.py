@@ -2,7 +2,7 @@
 tokens and logprobs equal the unfused path's.
 - KRAIT_MAMBA_NORM_PROLOGUE=1: the state update hands over y * silu(z) and partial sums of its
   squares, and out_proj's GEMV applies the gated RMSNorm from them;
-- the default (KRAIT_SSU_OUT): the state update, gated norm and out_proj in one launch;
+- KRAIT_SSU_OUT=1: the state update, gated norm and out_proj in one launch;
 - KRAIT_NORM_PROLOGUE=1 (mamba2 blocks, llama-family layers): the GEMV that ends a residual
   branch (out_proj; o_proj, down) adds the residual and sums each tile's squares, and the next
   GEMV that reads the stream (in_proj; qkv, gate_up) applies the RMSNorm from them."""
@@ -74,16 +74,16 @@ def test_gated_norm_in_out_proj_prologue(arch, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch,groups", [("mamba2", 2), ("mamba2", 1), ("granitemoehybrid", 2)])
 def test_state_update_and_out_proj_in_one_launch(arch, groups, tmp_path, monkeypatch):
-    """The default batch-1 Mamba decode (`ssu_out_proj`: state update, gated norm and out_proj
-    in one launch) gives the tokens and logprobs of the separate kernels, one norm group or
-    several."""
+    """The batch-1 Mamba decode with KRAIT_SSU_OUT=1 (`ssu_out_proj`: state update, gated norm
+    and out_proj in one launch) gives the tokens and logprobs of the separate kernels, one norm
+    group or several."""
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     key = "n_groups" if arch == "mamba2" else "mamba_n_groups"
     d = make_tiny_hybrid(tmp_path / arch, arch, **{key: groups})
     monkeypatch.setenv("KRAIT_SSU_OUT", "0")
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "0")
     want = _batch1(d)
-    monkeypatch.delenv("KRAIT_SSU_OUT")
+    monkeypatch.setenv("KRAIT_SSU_OUT", "1")
     monkeypatch.delenv("KRAIT_MAMBA_NORM_PROLOGUE")
     calls = _count(monkeypatch, mamba2_layer, "ssu_out_proj")
     _close(_batch1(d), want)
