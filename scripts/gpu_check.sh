@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session20b|session20c|session20d|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session20b|session20c|session20e|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -537,27 +537,11 @@ case $what in
       --json "$LOG/timeline_ssuout.json" 2>&1 | grep -v -E "Warn|INFO" \
       | tee "$LOG/timeline_ssuout.log"
     ;;
-  session20d)  # (~7 min) the TMA GEMM for decode batches (krait/ops/gemm_tma.py,
-    # KRAIT_DECODE_GEMM=1) against cuBLAS: its GPU tests, alone per shape, then granite-micro and
-    # mamba2 at batch 64 / 256 (context 384, bf16 state: the throughput workload's step) and
-    # granite-micro's throughput (krait only), off and on
-    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_gemm_tma.py -p no:cacheprovider \
-      2>&1 | tail -3 | tee "$LOG/kernels_s20d.log"
-    timeout 200 python3 scripts/bench_gemm_forms.py --rows 64,256 2>&1 | grep -v Warn \
-      | tee "$LOG/gemm_forms_s20d.log"
-    pack
-    for m in granite-4.0-h-micro mamba2-1.3b; do
-      for g in 0 1; do
-        KRAIT_DECODE_GEMM=$g bench_latency $m "_gemm$g" --batch-sizes 64,256 --context-len 384 \
-          --prompt-lens "" --mamba-ssm-cache-dtype bfloat16
-      done
-    done
-    for g in 0 1; do
-      KRAIT_DECODE_GEMM=$g timeout 150 python3 -m krait bench throughput \
-        --config granite-4.0-h-micro --num-prompts 256 --input-len 256 --output-len 256 \
-        --mamba-ssm-cache-dtype bfloat16 > "$LOG/tp_gemm$g.json" 2> "$LOG/tp_gemm$g.err"
-      echo "== throughput KRAIT_DECODE_GEMM=$g"; grep -v Warn "$LOG/tp_gemm$g.err" | tail -2; pack
-    done
+  session20e)  # (~3 min) where the one-launch state update + out_proj (KRAIT_SSU_OUT=1) loses
+    # its time: mamba2's timeline with the LOOPED stamp at the grid barrier's exit
+    KRAIT_SSU_OUT=1 timeout 150 python3 scripts/timeline_decode.py --config mamba2-1.3b \
+      --json "$LOG/timeline_ssuout_barrier.json" 2>&1 | grep -v -E "Warn|INFO" \
+      | tee "$LOG/timeline_ssuout_barrier.log"
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on
     # (the default) and off

@@ -10,7 +10,6 @@ from torch import Tensor
 
 from krait.ops._dispatch import env, num_sms, use_triton
 from krait.ops.activation import silu_and_mul
-from krait.ops.gemm_tma import gemm_tma, tma_gemm_readable
 from krait.ops.gemv import MAX_M, default_config, gemv_triton, norm_one_group
 from krait.ops.gemv_tma import config_from_text, gemv_tma, tma_config, tma_readable
 
@@ -87,33 +86,14 @@ def _tma(x: Tensor, weight: Tensor, bias: Tensor | None,
     return cfg
 
 
-# decode batches from this many rows up to DECODE_GEMM_MAX_M may take the TMA GEMM
-# (krait/ops/gemm_tma.py) instead of cuBLAS, for weights of at least DECODE_GEMM_MIN_ELEMENTS
-DECODE_GEMM_MIN_M, DECODE_GEMM_MAX_M = 16, 256
-DECODE_GEMM_MIN_ELEMENTS = 4 << 20
-
-
-def _use_decode_gemm(x: Tensor, weight: Tensor) -> bool:
-    """A decode batch's projection through `gemm_tma`? KRAIT_DECODE_GEMM=1 (an A/B knob, off
-    by default): M in [DECODE_GEMM_MIN_M, DECODE_GEMM_MAX_M], a weight of at least
-    DECODE_GEMM_MIN_ELEMENTS, both operands TMA-readable in bf16 or fp16, Triton on."""
-    if x.dim() != 2 or not DECODE_GEMM_MIN_M <= x.shape[0] <= DECODE_GEMM_MAX_M:
-        return False
-    if env("KRAIT_DECODE_GEMM", "0") != "1" or weight.numel() < DECODE_GEMM_MIN_ELEMENTS:
-        return False
-    return use_triton(x) and tma_gemm_readable(x, weight)
-
-
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear, through gemv_triton (or the TMA GEMV, `_tma`) for the decode shapes
-    `_use_gemv` picks, through the TMA GEMM for the decode batches `_use_decode_gemm` picks."""
+    `_use_gemv` picks."""
     if _use_gemv(x, weight):
         cfg = _tma(x, weight, bias)
         if cfg is not None:
             return gemv_tma(x, weight, cfg)
         return gemv_triton(x, weight, bias)
-    if _use_decode_gemm(x, weight):
-        return gemm_tma(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

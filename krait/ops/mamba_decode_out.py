@@ -164,6 +164,7 @@ def _ssu_out_kernel(
     departed = 0
     if PHASE == 0:
         departed = _grid_barrier(count_ptr, programs)
+    stamp(TL, tl_ptr, LOOPED)  # the timeline's loop-end column: past the barrier
     if PHASE != 1:
         j = tl.arange(0, PARTS)
         parts_per_group = group_size // BLOCK_P
@@ -186,7 +187,6 @@ def _ssu_out_kernel(
             acc += x * w.to(tl.float32)
             w = w1
             w1 = w_next
-        stamp(TL, tl_ptr, LOOPED)
         pdl_trigger(PDL)
         dots = tl.sum(acc, axis=1) * rstd
         if HAS_BIAS:
