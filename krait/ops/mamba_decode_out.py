@@ -33,7 +33,7 @@ from torch import Tensor
 from krait.ops._dispatch import cdiv, env, interpreting, next_pow2, num_sms, use_triton
 from krait.ops.arrival import arrival_counters
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-from krait.ops.selective_state_update import gated_part_size, ssu_step
+from krait.ops.selective_state_update import gated_part_size, ssu_advance
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # [arrivals, departures], always back to zero
@@ -43,12 +43,18 @@ PROGRAMS_PER_SM = 2  # resident at once (see the module docstring)
 
 
 @triton.jit
-def _grid_barrier(count_ptr, programs):
-    """Returns once all `programs` programs of the grid have called it; the writes each made
-    before its call are visible after. Returns the departure count (the last program to
-    depart, count programs - 1, resets the counters: `_reset_barrier`). One thread of each
-    program polls (a masked volatile load; every warp polling one L2 line slowed the grid)."""
+def _arrive(count_ptr):
+    """This program's arrival at the grid barrier: its writes before it are visible to the
+    programs past `_wait_all`."""
     tl.atomic_add(count_ptr, 1, sem="release")
+
+
+@triton.jit
+def _wait_all(count_ptr, programs):
+    """Returns once all `programs` programs have arrived (`_arrive`), with the departure count
+    (the last program to depart, count programs - 1, resets the counters: `_reset_barrier`).
+    One thread of each program polls (a masked volatile load; every warp polling one L2 line
+    slowed the grid)."""
     lane = tl.arange(0, 32)
     seen = 0
     while seen < programs:
@@ -69,9 +75,11 @@ def _reset_barrier(count_ptr, departed, programs):
 def _gated_piece(state, s_ptrs, s_ok, piece, h, offs_p, p_ok, offs_s, s_n_ok, a_h, d_h, dtb_h,
                  x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, g_ptr, part_ptr, head_dim,
                  heads_per_group, stride_x_h, stride_dt_h, stride_B_g, stride_C_g,
-                 dt_min, dt_max, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+                 dt_min, dt_max, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
+                 STORE_STATE: tl.constexpr):
     """One piece of the gated state update (head h, state rows offs_p; its state tile already
-    loaded): writes g = y * silu(z) of its channels and their sum of g^2 at `piece`."""
+    loaded): writes g = y * silu(z) of its channels and their sum of g^2 at `piece`, and the
+    new state with STORE_STATE. Returns the new state (float32)."""
     grp = h // heads_per_group
     x = tl.load(x_ptr + h * stride_x_h + offs_p, mask=p_ok, other=0.0)
     dt = tl.load(dt_ptr + h * stride_dt_h).to(tl.float32)
@@ -79,12 +87,15 @@ def _gated_piece(state, s_ptrs, s_ok, piece, h, offs_p, p_ok, offs_s, s_n_ok, a_
     cv = tl.load(C_ptr + grp * stride_C_g + offs_s, mask=s_n_ok, other=0.0).to(tl.float32)
     col = h * head_dim + offs_p  # channel within the row [H * P]
     z = tl.load(z_ptr + col, mask=p_ok, other=0.0).to(tl.float32)
-    y = ssu_step(state, s_ptrs, s_ok, x.to(tl.float32), dt + dtb_h, bv, cv, a_h, d_h, dt_min,
-                 dt_max, DT_SOFTPLUS, DT_CLAMP)
+    state, y = ssu_advance(state, x.to(tl.float32), dt + dtb_h, bv, cv, a_h, d_h, dt_min,
+                           dt_max, DT_SOFTPLUS, DT_CLAMP)
+    if STORE_STATE:
+        tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_ok)
     gv = y.to(x.dtype).to(tl.float32) * (z * tl.sigmoid(z))  # y rounded as the norm reads it
     gv = tl.where(p_ok, gv, 0.0)
     tl.store(g_ptr + col, gv, mask=p_ok)
     tl.store(part_ptr + piece, tl.sum(gv * gv, axis=0))
+    return state
 
 
 @triton.jit
@@ -137,11 +148,12 @@ def _ssu_out_kernel(
     pdl_wait(PDL)
     stamp(TL, tl_ptr, WAITED)
     if PHASE != 2:
-        if mine:
-            _gated_piece(state, s_ptrs, s_ok, pid, h, offs_p, p_ok, offs_s, s_n_ok, a_h, d_h,
-                         dtb_h, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, g_ptr, part_ptr, head_dim,
-                         heads_per_group, stride_x_h, stride_dt_h, stride_B_g, stride_C_g,
-                         dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
+        if mine:  # the new state is written after the arrival (off the release's wait)
+            state = _gated_piece(state, s_ptrs, s_ok, pid, h, offs_p, p_ok, offs_s, s_n_ok,
+                                 a_h, d_h, dtb_h, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, g_ptr,
+                                 part_ptr, head_dim, heads_per_group, stride_x_h, stride_dt_h,
+                                 stride_B_g, stride_C_g, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP,
+                                 False)
         # more pieces than programs (small grids): the rest, state read after the wait
         for piece in range(pid + programs, num_pieces, programs):
             hp = piece // p_blocks
@@ -157,13 +169,17 @@ def _ssu_out_kernel(
                              tl.load(dt_bias_ptr + hp).to(tl.float32), x_ptr, dt_ptr, B_ptr,
                              C_ptr, z_ptr, g_ptr, part_ptr, head_dim, heads_per_group,
                              stride_x_h, stride_dt_h, stride_B_g, stride_C_g, dt_min, dt_max,
-                             DT_SOFTPLUS, DT_CLAMP)
+                             DT_SOFTPLUS, DT_CLAMP, True)
+    if PHASE == 0:
+        _arrive(count_ptr)
+    if PHASE != 2:
+        tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_ok)
     if PHASE != 1:  # the second tile in flight across the barrier
         w1 = tl.load(w_rows + BLOCK_K + offs_k[None, :],
                      mask=w_ok & (BLOCK_K + offs_k < K)[None, :], other=0.0)
     departed = 0
     if PHASE == 0:
-        departed = _grid_barrier(count_ptr, programs)
+        departed = _wait_all(count_ptr, programs)
     stamp(TL, tl_ptr, LOOPED)  # the timeline's loop-end column: past the barrier
     if PHASE != 1:
         j = tl.arange(0, PARTS)

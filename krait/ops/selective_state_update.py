@@ -21,16 +21,26 @@ from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
 
 
 @triton.jit
-def ssu_step(state, s_ptrs, s_ok, x, dt, bv, cv, a_h, d_h, dt_min, dt_max,
-             DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """One token of a head's update of the [P, N] state tile `state` (float32, as loaded from
-    s_ptrs), written back in place: x [P], bv, cv [N], dt (raw plus the head's dt bias), the
-    head's A and D, float32. Returns y [P] float32."""
+def ssu_advance(state, x, dt, bv, cv, a_h, d_h, dt_min, dt_max,
+                DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """One token of a head's update of the [P, N] state tile `state` (float32): x [P], bv, cv
+    [N], dt (raw plus the head's dt bias), the head's A and D, float32. Returns (the new state
+    [P, N], y [P]) in float32."""
     dt = softplus_clamp(dt, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
     decay = tl.exp(dt * a_h)
     state = state * decay + (dt * x)[:, None] * bv[None, :]
+    return state, tl.sum(state * cv[None, :], axis=1) + d_h * x
+
+
+@triton.jit
+def ssu_step(state, s_ptrs, s_ok, x, dt, bv, cv, a_h, d_h, dt_min, dt_max,
+             DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """`ssu_advance` with the new state written back in place (s_ptrs, as it was loaded).
+    Returns y [P] float32."""
+    state, y = ssu_advance(state, x, dt, bv, cv, a_h, d_h, dt_min, dt_max, DT_SOFTPLUS,
+                           DT_CLAMP)
     tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_ok)
-    return tl.sum(state * cv[None, :], axis=1) + d_h * x
+    return y
 
 
 @triton.jit
