@@ -538,17 +538,12 @@ case $what in
       | tee "$LOG/timeline_ssuout.log"
     ;;
   session20e)  # (~4 min) where the one-launch state update + out_proj (KRAIT_SSU_OUT=1) loses
-    # its time: mamba2's timeline with the LOOPED stamp at the grid barrier's exit; its GPU
-    # tests and batch 1 of both Mamba models with it
-    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_mamba_decode_out.py \
-      -p no:cacheprovider 2>&1 | tail -3 | tee "$LOG/kernels_s20e.log"
-    grep -q " passed" "$LOG/kernels_s20e.log" && ! grep -q -E "failed|error" "$LOG/kernels_s20e.log" \
-      || exit 1
-    KRAIT_SSU_OUT=1 timeout 150 python3 scripts/timeline_decode.py --config mamba2-1.3b \
-      --json "$LOG/timeline_ssuout_barrier.json" 2>&1 | grep -v -E "Warn|INFO" \
-      | tail -6 | tee "$LOG/timeline_ssuout_barrier.log"
-    for m in mamba2-1.3b granite-4.0-h-micro; do
-      KRAIT_SSU_OUT=1 bench_latency $m "_ssuout3" --batch-sizes 1 --prompt-lens ""
+    # its time: mamba2's timeline with the LOOPED stamp at the end of each program's state
+    # piece, at its barrier arrival and past the barrier (KRAIT_TIMELINE_SSU_MARK)
+    for mark in piece arrival barrier; do
+      KRAIT_TIMELINE_SSU_MARK=$mark KRAIT_SSU_OUT=1 timeout 150 python3 scripts/timeline_decode.py \
+        --config mamba2-1.3b --launches 9 2>&1 | grep -v -E "Warn|INFO" \
+        | tee "$LOG/timeline_ssuout_$mark.log"
     done
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on

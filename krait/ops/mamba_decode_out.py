@@ -109,10 +109,12 @@ def _ssu_out_kernel(
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTS: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
-    TL: tl.constexpr = False, tl_ptr=None,
+    TL: tl.constexpr = False, tl_ptr=None, MARK: tl.constexpr = 2,
 ):
     """PHASE 0: both phases with the grid barrier between them; 1: the state update only; 2:
-    out_proj only (the interpreter's two launches). Program i does pieces i, i + grid, ... of
+    out_proj only (the interpreter's two launches). The timeline's LOOPED stamp marks the
+    end of the program's state-update piece (MARK 0), its barrier arrival (1) or its passing
+    of the barrier (2). Program i does pieces i, i + grid, ... of
     the state update (piece = head * p_blocks + row block), then output columns
     [i * BLOCK_N, (i + 1) * BLOCK_N) of out_proj over all of K, the gated norm per group of
     group_size channels (ONE_GROUP: the whole row)."""
@@ -154,6 +156,8 @@ def _ssu_out_kernel(
                                  part_ptr, head_dim, heads_per_group, stride_x_h, stride_dt_h,
                                  stride_B_g, stride_C_g, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP,
                                  False)
+        if MARK == 0:
+            stamp(TL, tl_ptr, LOOPED)
         # more pieces than programs (small grids): the rest, state read after the wait
         for piece in range(pid + programs, num_pieces, programs):
             hp = piece // p_blocks
@@ -172,6 +176,8 @@ def _ssu_out_kernel(
                              DT_SOFTPLUS, DT_CLAMP, True)
     if PHASE == 0:
         _arrive(count_ptr)
+    if MARK == 1:
+        stamp(TL, tl_ptr, LOOPED)
     if PHASE != 2:
         tl.store(s_ptrs, state.to(s_ptrs.dtype.element_ty), mask=s_ok)
     if PHASE != 1:  # the second tile in flight across the barrier
@@ -180,7 +186,8 @@ def _ssu_out_kernel(
     departed = 0
     if PHASE == 0:
         departed = _wait_all(count_ptr, programs)
-    stamp(TL, tl_ptr, LOOPED)  # the timeline's loop-end column: past the barrier
+    if MARK == 2:
+        stamp(TL, tl_ptr, LOOPED)
     if PHASE != 1:
         j = tl.arange(0, PARTS)
         parts_per_group = group_size // BLOCK_P
@@ -292,5 +299,6 @@ def ssu_out_proj(ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor
             n, k, weight.stride(0), group_size, float(eps), PHASE=phase,
             **common, **pdl_args(pdl and phase == 0),
             **timeline_args("ssu_out", (grid,), x.device),
+            MARK=("piece", "arrival", "barrier").index(env("KRAIT_TIMELINE_SSU_MARK", "barrier")),
         )
     return y
