@@ -120,6 +120,11 @@ def _block_p(head_dim: int, d_state: int) -> int:
     return max(1, min(next_pow2(head_dim), 2048 // next_pow2(d_state)))
 
 
+def ssu_warps(batch: int, heads: int, block_p: int, d_state: int) -> int:
+    """Warps a program (`scripts/bench_ssu.py` sweeps it with `_block_p`)."""
+    return 4
+
+
 def gated_part_size(head_dim: int, d_state: int) -> int:
     """Channels per partial sum of `selective_state_update_triton(gate=...)`: its P block."""
     return min(_block_p(head_dim, d_state), head_dim)
@@ -169,6 +174,7 @@ def selective_state_update_triton(
         stride_g_b=g_out.stride(0) if gated else 0,
         stride_part_b=parts_out.stride(0) if gated else 0, GATED=gated,
         PREFETCH=pdl and env("KRAIT_SSU_PREFETCH", "1") != "0", **pdl_args(pdl),
+        num_warps=ssu_warps(batch, heads, block_p, d_state),
         **timeline_args("ssu", (batch, heads, cdiv(head_dim, block_p)), x.device),
     )
     return y
