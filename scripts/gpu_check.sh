@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session20b|session20c|session20e|session21|dualbatch|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session20b|session20c|session20e|session21|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -423,9 +423,10 @@ case $what in
     # (session 17 found the batch-8 split-KV regression this way)
     rm -rf /tmp/old && mkdir -p /tmp/old && tar xf "${OLD_TAR:-old_krait.tar}" -C /tmp/old
     (cd /tmp/old && PYTHONPATH=/tmp/old timeout 300 python3 -m krait bench latency \
-      --config ${MODEL:-qwen3-0.6b} --batch-sizes 1,8 --prompt-lens "" > "$LOG/lat_old.json" \
-      2> "$LOG/lat_old.err"); echo "== old"; grep -v Warn "$LOG/lat_old.err" | tail -4
-    bench_latency ${MODEL:-qwen3-0.6b} "_new" --batch-sizes 1,8 --prompt-lens ""
+      --config ${MODEL:-qwen3-0.6b} --batch-sizes ${BATCHES:-1,8} --prompt-lens "" \
+      > "$LOG/lat_old_${MODEL:-qwen3-0.6b}.json" 2> "$LOG/lat_old_${MODEL:-qwen3-0.6b}.err")
+    echo "== old ${MODEL:-qwen3-0.6b}"; grep -v Warn "$LOG/lat_old_${MODEL:-qwen3-0.6b}.err" | tail -4
+    bench_latency ${MODEL:-qwen3-0.6b} "_new" --batch-sizes ${BATCHES:-1,8} --prompt-lens ""
     ;;
   session17)  # (~5 min) the split-KV kernel's q load order (after the newest key's reload in
     # 4-warp programs, before it at 8 warps: Q_FIRST) and the rope fold, on by default: GPU
@@ -546,26 +547,14 @@ case $what in
         | tee "$LOG/timeline_ssuout_$mark.log"
     done
     ;;
-  session21)  # (~8 min) large decode graphs as two half-batches on two streams
-    # (KRAIT_DUAL_BATCH, krait/runner/dual_batch.py), after the state update's program shapes
-    # alone (scripts/bench_ssu.py): GPU parity of the graphs with every graph of 2+ rows split,
-    # granite-micro's batch 64/128/256 steps and its throughput, off and on
+  session21)  # (~5 min) the state update's program shapes alone (scripts/bench_ssu.py), then
+    # batch 1 and 64 of mamba2 and granite-micro with session 21's shapes against the old ones
+    # (OLD_TAR: `git archive bb22bb4 krait > old_krait.tar` here, carried)
     timeout 200 python3 scripts/bench_ssu.py 2>&1 | grep -v Warn | tee "$LOG/ssu.log"; pack
-    KRAIT_DUAL_BATCH=2 PARITY_MODES=graphs PARITY_TIMEOUT=200 PARITY_TAG=_dual run_parity; pack
-    MODELS=granite-4.0-h-micro bash "$0" dualbatch
-    for d in 0 128; do
-      KRAIT_DUAL_BATCH=$d timeout 200 python3 -m krait bench throughput --config granite-4.0-h-micro \
-        --num-prompts 256 --input-len 256 --output-len 256 --mamba-ssm-cache-dtype bfloat16 \
-        > "$LOG/tp_dual$d.json" 2> "$LOG/tp_dual$d.err"
-      echo "== throughput dual $d"; grep -v Warn "$LOG/tp_dual$d.err" | tail -3; pack
-    done
-    ;;
-  dualbatch)  # (~2 min a model) batch 64/128/256 steps with and without two half-batches
-    for m in ${MODELS:-mamba2-1.3b qwen3-0.6b}; do
-      for d in 0 64; do
-        KRAIT_DUAL_BATCH=$d bench_latency $m "_dual$d" --batch-sizes 64,128,256 --prompt-lens "" \
-          --num-steps 10 --mamba-ssm-cache-dtype bfloat16
-      done
+    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_selective_state_update.py \
+      -p no:cacheprovider 2>&1 | tail -3 | tee "$LOG/kernels_s21.log"
+    for m in mamba2-1.3b granite-4.0-h-micro; do
+      MODEL=$m BATCHES=1,64 bash "$0" against
     done
     ;;
   parity16)  # (~7 min) GPU parity with every tiny model's decode rows split, the rope fold on

@@ -23,7 +23,6 @@ import torch
 
 from krait.ops.argmax import argmax
 from krait.ops.write_tokens import write_tokens
-from krait.runner.dual_batch import dual_batch_min_rows, dual_forward
 from krait.runner.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -187,20 +186,11 @@ class CudaGraphRunner:
 
     def _body(self, batch: InputBatch, meta) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.runner
-        if self._dual(batch.num_reqs_padded):
-            hidden = dual_forward(r.model, batch.input_ids, batch.positions, meta)
-        else:
-            hidden = r.model(batch.input_ids, batch.positions, meta)
-        logits = r.model.compute_logits(hidden)
+        logits = r.model.compute_logits(r.model(batch.input_ids, batch.positions, meta))
         greedy = argmax(logits)
         if r.tables is not None:  # each row's token goes at its sequence length
             write_tokens(r.tables.token_ids, batch.idx_mapping, batch.seq_lens, greedy)
         return logits, greedy
-
-    def _dual(self, n: int) -> bool:
-        """Does the graph of n rows run as two half-batches (`krait.runner.dual_batch`)?"""
-        least = dual_batch_min_rows()
-        return 0 < least <= n and self.runner.model_state.num_accepted_tokens is None
 
     def captured_batch(self, size: int) -> InputBatch:
         """The input buffers of the graph of `size` rows (`build_input_batch(into=...)`)."""

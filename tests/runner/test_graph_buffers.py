@@ -133,8 +133,7 @@ def test_capture_pauses_python_gc(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+gemv", "qwen3+split",
-                                  "granitemoehybrid+routes", "granitemoehybrid+fused",
-                                  "granitemoehybrid+dual"])
+                                  "granitemoehybrid+routes", "granitemoehybrid+fused"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
@@ -144,8 +143,7 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     +routes: KRAIT_MOE_ROUTES=1 with 16 experts, so every decode graph (padded rows too) takes
     the few-route expert GEMVs; +fused: dense granite layers at batch 1 with every GEMV fusion
     (KRAIT_NORM_PROLOGUE, KRAIT_MAMBA_NORM_PROLOGUE, KRAIT_CONV_EPILOGUE), the conv epilogue
-    reading the row's slot from the captured buffers; +dual: every graph of 2 rows or more as
-    two half-batches (KRAIT_DUAL_BATCH=2), their metadata views of the captured buffers."""
+    reading the row's slot from the captured buffers."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
 
@@ -156,15 +154,7 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     if arch.endswith("+split"):
         arch = arch.removesuffix("+split")
         monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # the captured batches split
-    overrides, routes_rows, conv_fused, dual_rows = {}, [], [], []
-    if arch.endswith("+dual"):
-        arch = arch.removesuffix("+dual")
-        monkeypatch.setenv("KRAIT_DUAL_BATCH", "2")
-        import krait.runner.cuda_graphs as graphs_mod
-
-        real_dual = graphs_mod.dual_forward
-        monkeypatch.setattr(graphs_mod, "dual_forward",
-                            lambda m, ids, *a: dual_rows.append(len(ids)) or real_dual(m, ids, *a))
+    overrides, routes_rows, conv_fused = {}, [], []
     if arch.endswith("+fused"):
         arch = arch.removesuffix("+fused")
         for knob in ("KRAIT_NORM_PROLOGUE", "KRAIT_MAMBA_NORM_PROLOGUE", "KRAIT_CONV_EPILOGUE"):
@@ -224,8 +214,6 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     assert max(replays) == 3 and min(replays) == 1  # padded to 4, then smaller graphs
     if "KRAIT_MOE_ROUTES" in os.environ:
         assert 4 in routes_rows  # the padded graph of 4 rows ran the route GEMVs
-    if "KRAIT_DUAL_BATCH" in os.environ:
-        assert 4 in dual_rows and 2 in dual_rows and 1 not in dual_rows
     if "KRAIT_CONV_EPILOGUE" in os.environ:
         assert any(conv_fused)  # the batch-1 steps (and the graph of 1 row) took it
 
