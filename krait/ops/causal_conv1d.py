@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, interpreting, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
@@ -180,30 +180,28 @@ def store_conv_state(st_ptr, shifted, ch, ok, cols, stride_s_d, stride_s_k,
 @triton.jit
 def _conv_update_kernel(
     x_ptr, w_ptr, b_ptr, states_ptr, out_ptr, slots_ptr,
-    batch, dim, stride_x_b, stride_x_d, stride_w_d, stride_w_k,
+    dim, stride_x_b, stride_x_d, stride_w_d, stride_w_k,
     stride_s_slot, stride_s_d, stride_s_k, stride_o_b,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    # One program: ROWS batch rows x BLOCK_D channels.
-    chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    chan_ok = chans < dim
-    cols = tl.arange(0, BLOCK_K)
-    for r in tl.static_range(ROWS):
-        row = tl.program_id(0) * ROWS + r
-        slot = tl.load(slots_ptr + row, mask=row < batch, other=-1)
-        if slot >= 0:
-            st = states_ptr + slot.to(tl.int64) * stride_s_slot
-            x = tl.load(x_ptr + row * stride_x_b + chans * stride_x_d, mask=chan_ok, other=0.0)
-            acc, shifted = conv_step(x.to(tl.float32), st, w_ptr, b_ptr, chans, chan_ok, cols,
-                                     stride_w_d, stride_w_k, stride_s_d, stride_s_k, WIDTH,
-                                     HAS_BIAS, SILU)
-            tl.store(out_ptr + row * stride_o_b + chans, acc.to(out_ptr.dtype.element_ty),
-                     mask=chan_ok)
-            store_conv_state(st, shifted, chans, chan_ok, cols, stride_s_d, stride_s_k, WIDTH)
+    # One program: one batch row x BLOCK_D channels.
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row)
+    if slot >= 0:
+        chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        chan_ok = chans < dim
+        cols = tl.arange(0, BLOCK_K)
+        st = states_ptr + slot.to(tl.int64) * stride_s_slot
+        x = tl.load(x_ptr + row * stride_x_b + chans * stride_x_d, mask=chan_ok, other=0.0)
+        acc, shifted = conv_step(x.to(tl.float32), st, w_ptr, b_ptr, chans, chan_ok, cols,
+                                 stride_w_d, stride_w_k, stride_s_d, stride_s_k, WIDTH,
+                                 HAS_BIAS, SILU)
+        tl.store(out_ptr + row * stride_o_b + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_ok)
+        store_conv_state(st, shifted, chans, chan_ok, cols, stride_s_d, stride_s_k, WIDTH)
 
 
 def token_to_seq(query_start_loc: Tensor, num_tokens: int) -> Tensor:
@@ -256,16 +254,6 @@ def causal_conv1d_fn_triton(
     return out
 
 
-def update_config(batch: int, dim: int) -> tuple[int, int, int]:
-    """(BLOCK_D channels, ROWS rows, warps) a program of the decode conv update.
-    KRAIT_CONV_UPDATE=block_d:rows:warps overrides it (`scripts/bench_conv_update.py`)."""
-    knob = env("KRAIT_CONV_UPDATE", "")
-    if knob:
-        block_d, rows, warps = (int(v) for v in knob.split(":"))
-        return block_d, rows, warps
-    return min(next_pow2(dim), 1024 if interpreting() else 256), 1, 4
-
-
 def causal_conv1d_update_triton(
     x: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
     state_indices: Tensor, activation: str | None = "silu",
@@ -277,15 +265,15 @@ def causal_conv1d_update_triton(
     out = torch.empty((batch, dim), dtype=x.dtype, device=x.device)  # [B, dim]
     if batch == 0:
         return out
-    block_d, rows, warps = update_config(batch, dim)
+    block_d = min(next_pow2(dim), 1024 if interpreting() else 256)
     pdl = use_pdl(x)
-    _conv_update_kernel[(cdiv(batch, rows), cdiv(dim, block_d))](
+    _conv_update_kernel[(batch, cdiv(dim, block_d))](
         x, weight, bias if bias is not None else weight, conv_states, out,
         state_indices.to(torch.int32),
-        batch, dim, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        dim, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), out.stride(0),
         WIDTH=width, HAS_BIAS=bias is not None, SILU=silu,
-        BLOCK_K=next_pow2(width), BLOCK_D=block_d, ROWS=rows, num_warps=warps, **pdl_args(pdl),
+        BLOCK_K=next_pow2(width), BLOCK_D=block_d, **pdl_args(pdl),
     )
     return out
 
