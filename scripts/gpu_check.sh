@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: Triton kernels at real sizes, GPU parity, benchmarks. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session20b|session20c|session20e|session21|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
+#   bash scripts/gpu_check.sh [quick|ablate|tma|session14|session15|session16|parity16|inproj|against|session17|refresh|session19|session19b|session20|session21|timeline|kernels|verify|bench|maxlen|throughput|profile|ab|fp8|fp8b|blockn|moe|host|piecewise|prefill|pwtp|gemvwide|mlp|prefillgraphs|bigengine|normhoist|forms|targets|gemmforms|others|gemv|record|all]
 # Before the call, here: PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity
 # and pass carry=[".parity"] to the device run.
 set -uo pipefail
@@ -500,52 +500,6 @@ case $what in
     done
     PROFILE_SPECS="granite-4.0-h-micro:256:384" PROFILE_PREFILL=8192 PROFILE_LOG=profile_tp \
       PROFILE_EXTRA="--mamba-ssm-cache-dtype bfloat16" bash "$0" profile
-    ;;
-  session20b)  # (~8 min) the one-launch state update + out_proj (krait/ops/mamba_decode_out.py):
-    # its GPU tests (the grid barrier; a hang here is the barrier: the benches then run with it
-    # off), GPU parity of the Mamba fixtures one request at a time, batch 1 on and off
-    if timeout 200 python3 -m pytest -q -m gpu tests/ops/test_mamba_decode_out.py \
-        tests/ops/test_gemv_tma.py tests/runner/test_engine_memory.py -p no:cacheprovider 2>&1 \
-        | tail -3 | tee "$LOG/kernels_s20b.log" | grep -q " passed" \
-        && ! grep -q -E "failed|error" "$LOG/kernels_s20b.log"; then
-      mkdir -p .parity_m && for f in mamba2 mamba2-g1 granitemoehybrid-g1 granitemoehybrid-dense; do
-        ln -sfn "$PWD/.parity/$f" .parity_m/$f; done
-      PARITY_MODES=batch1 timeout 200 python3 scripts/gpu_parity.py check .parity_m 2>&1 \
-        | grep -v Warn | tail -12 | tee "$LOG/parity_s20b.log"
-    else
-      export KRAIT_SSU_OUT=0; echo "ssu_out tests failed: benches with KRAIT_SSU_OUT=0"
-    fi
-    pack
-    for m in mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_ssuout" --batch-sizes 1 --prompt-lens ""
-      KRAIT_SSU_OUT=0 bench_latency $m "_nossuout" --batch-sizes 1 --prompt-lens ""
-    done
-    PROFILE_SPECS="granite-4.0-h-micro:256:384" PROFILE_PREFILL=8192 PROFILE_LOG=profile_tp \
-      PROFILE_EXTRA="--mamba-ssm-cache-dtype bfloat16" bash "$0" profile
-    ;;
-  session20c)  # (~5 min) the one-launch state update + out_proj, second form (8 warps, 1024-wide
-    # K tiles two ahead, one poller a program): its GPU tests, batch 1 on and off, mamba2's
-    # timeline with it (a hang in the tests is the barrier: the rest then runs with it off)
-    timeout 150 python3 -m pytest -q -m gpu tests/ops/test_mamba_decode_out.py \
-      -p no:cacheprovider 2>&1 | tail -3 | tee "$LOG/kernels_s20c.log"
-    grep -q -E "failed|error|Timeout" "$LOG/kernels_s20c.log" && export KRAIT_SSU_OUT=0
-    grep -q " passed" "$LOG/kernels_s20c.log" || export KRAIT_SSU_OUT=0
-    for m in mamba2-1.3b granite-4.0-h-micro; do
-      bench_latency $m "_ssuout2" --batch-sizes 1 --prompt-lens ""
-      KRAIT_SSU_OUT=0 bench_latency $m "_nossuout2" --batch-sizes 1 --prompt-lens ""
-    done
-    timeout 150 python3 scripts/timeline_decode.py --config mamba2-1.3b \
-      --json "$LOG/timeline_ssuout.json" 2>&1 | grep -v -E "Warn|INFO" \
-      | tee "$LOG/timeline_ssuout.log"
-    ;;
-  session20e)  # (~4 min) where the one-launch state update + out_proj (KRAIT_SSU_OUT=1) loses
-    # its time: mamba2's timeline with the LOOPED stamp at the end of each program's state
-    # piece, at its barrier arrival and past the barrier (KRAIT_TIMELINE_SSU_MARK)
-    for mark in piece arrival barrier; do
-      KRAIT_TIMELINE_SSU_MARK=$mark KRAIT_SSU_OUT=1 timeout 150 python3 scripts/timeline_decode.py \
-        --config mamba2-1.3b --launches 9 2>&1 | grep -v -E "Warn|INFO" \
-        | tee "$LOG/timeline_ssuout_$mark.log"
-    done
     ;;
   session21)  # (~5 min) the state update's program shapes alone (scripts/bench_ssu.py), then
     # batch 1 and 64 of mamba2 and granite-micro with session 21's shapes against the old ones

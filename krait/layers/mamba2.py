@@ -19,7 +19,6 @@ from krait.ops.linear import (
     gated_norm_linear,
     norm_linear,
 )
-from krait.ops.mamba_decode_out import ssu_out_ok, ssu_out_proj
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import (
     gated_part_size,
@@ -142,11 +141,6 @@ class Mamba2Mixer(torch.nn.Module):
         if (rows.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
                 and use_triton(rows)):
             conv = self._conv_epilogue(rows, meta)
-            if residual is None and ssu_out_ok(rows, self.out_proj.weight, group, d.head_dim,
-                                               d.d_state):
-                gate, xbc, dt = self._project(x, conv)
-                return mixer_call(self._decode_out, (xbc, dt, gate), meta, "mamba",
-                                  conv is not None)
             part = gated_part_size(d.head_dim, d.d_state)
             if gated_norm_in_gemv(rows, self.out_proj.weight, group, part):
                 gate, xbc, dt = self._project(x, conv)
@@ -204,16 +198,6 @@ class Mamba2Mixer(torch.nn.Module):
             d.time_step_limit, gate=gate, g_out=packed[:, :inter], parts_out=packed[:, inter:],
         )
         return packed
-
-    def _decode_out(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor,
-                    meta: MambaMetadata, convolved: bool = False) -> torch.Tensor:
-        """One decode row's conv (unless in_proj's epilogue did it: `convolved`), state update,
-        gated norm and out_proj: [1, hidden] (the last three in one launch, `ssu_out_proj`)."""
-        d = self.d
-        idx, xs, B, C = self._one_row_xbc(xbc, meta, convolved)
-        return ssu_out_proj(self.ssm_state, xs, dt, self.neg_A(), B, C, self.D, self.dt_bias,
-                            idx, gate, self.out_proj.weight, self.out_proj.bias,
-                            self.norm_weight, d.eps, self._norm_group(), d.time_step_limit)
 
     def scan(self, x: torch.Tensor, meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj, causal conv and SSM over decode rows then prefill rows, reading and writing

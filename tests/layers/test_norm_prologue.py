@@ -2,7 +2,6 @@
 tokens and logprobs equal the unfused path's.
 - KRAIT_MAMBA_NORM_PROLOGUE=1: the state update hands over y * silu(z) and partial sums of its
   squares, and out_proj's GEMV applies the gated RMSNorm from them;
-- KRAIT_SSU_OUT=1: the state update, gated norm and out_proj in one launch;
 - KRAIT_NORM_PROLOGUE=1 (mamba2 blocks, llama-family layers): the GEMV that ends a residual
   branch (out_proj; o_proj, down) adds the residual and sums each tile's squares, and the next
   GEMV that reads the stream (in_proj; qkv, gate_up) applies the RMSNorm from them."""
@@ -38,6 +37,14 @@ def _batch1(model_dir: str) -> list[tuple[list[int], list[float]]]:
             for o in outs]
 
 
+def _plain(model_dir: str, monkeypatch) -> list[tuple[list[int], list[float]]]:
+    """`_batch1` through the torch references (no Triton kernel, so no fusion): what every fused
+    path must equal, at a fraction of the interpreter's time."""
+    with monkeypatch.context() as m:
+        m.delenv("KRAIT_TRITON_CPU", raising=False)
+        return _batch1(model_dir)
+
+
 def _close(got, want) -> None:
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, a), (_, b) in zip(got, want):
@@ -62,29 +69,11 @@ def _count(monkeypatch, module, name: str, taken=lambda result: True) -> list:
 @pytest.mark.parametrize("arch", ["mamba2", "granitemoehybrid"])
 def test_gated_norm_in_out_proj_prologue(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.setenv("KRAIT_SSU_OUT", "0")
     d = make_tiny_hybrid(tmp_path / arch, arch)
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "0")
-    want = _batch1(d)
+    want = _plain(d, monkeypatch)
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "1")
     calls = _count(monkeypatch, mamba2_layer, "gated_norm_linear")
-    _close(_batch1(d), want)
-    assert calls  # the decode steps of every Mamba layer took it
-
-
-def test_state_update_and_out_proj_in_one_launch(tmp_path, monkeypatch):
-    """The batch-1 Mamba decode with KRAIT_SSU_OUT=1 (`ssu_out_proj`: state update, gated norm
-    and out_proj in one launch) gives the tokens and logprobs of the separate kernels (two norm
-    groups: each K tile its own statistics; tests/ops/test_mamba_decode_out.py covers one group
-    and the granite-style mixers share the layer)."""
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    d = make_tiny_hybrid(tmp_path / "mamba2", "mamba2")
-    monkeypatch.setenv("KRAIT_SSU_OUT", "0")
-    monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "0")
-    want = _batch1(d)
-    monkeypatch.setenv("KRAIT_SSU_OUT", "1")
-    monkeypatch.delenv("KRAIT_MAMBA_NORM_PROLOGUE")
-    calls = _count(monkeypatch, mamba2_layer, "ssu_out_proj")
     _close(_batch1(d), want)
     assert calls  # the decode steps of every Mamba layer took it
 
@@ -95,7 +84,7 @@ def test_folded_residual_and_rms_norm_in_in_proj_prologue(gated, tmp_path, monke
     d = make_tiny_hybrid(tmp_path / "m", "mamba2")
     monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "0")
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "0")
-    want = _batch1(d)
+    want = _plain(d, monkeypatch)
     monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "1")
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", "1" if gated else "0")
     folds = _count(monkeypatch, mamba2_model, "block_fold_ok", taken=bool)
@@ -108,7 +97,7 @@ def test_folded_residual_through_llama_layers(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     d = make_tiny_llama(tmp_path / arch, arch=arch)
     monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "0")
-    want = _batch1(d)
+    want = _plain(d, monkeypatch)
     monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "1")
     folds = _count(monkeypatch, llama_model, "block_fold_ok", taken=bool)
     _close(_batch1(d), want)
@@ -149,7 +138,7 @@ def test_conv_update_in_in_proj_epilogue(arch, fold, gated, tmp_path, monkeypatc
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", gated)
     d = make_tiny_hybrid(tmp_path / arch, arch)
     monkeypatch.setenv("KRAIT_CONV_EPILOGUE", "0")
-    want = _batch1(d)
+    want = _plain(d, monkeypatch)
     monkeypatch.setenv("KRAIT_CONV_EPILOGUE", "1")
     fused = _count(monkeypatch, mamba2_layer, "conv_in_gemv", taken=bool)
     separate = _count(monkeypatch, mamba2_layer, "causal_conv1d_update")
@@ -166,7 +155,7 @@ def test_folded_residual_through_dense_granite_layers(gated, tmp_path, monkeypat
     monkeypatch.setenv("KRAIT_MAMBA_NORM_PROLOGUE", gated)
     d = make_tiny_hybrid(tmp_path / "g", "granitemoehybrid", num_local_experts=0)
     monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "0")
-    want = _batch1(d)
+    want = _plain(d, monkeypatch)
     monkeypatch.setenv("KRAIT_NORM_PROLOGUE", "1")
     folds = _count(monkeypatch, granite_model, "block_fold_ok", taken=bool)
     _close(_batch1(d), want)

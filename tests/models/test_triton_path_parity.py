@@ -10,8 +10,8 @@ import krait.ops.fused_moe as fused_moe_mod
 from krait import LLM, SamplingParams
 from tests.utils import hf_greedy, make_tiny_hybrid, make_tiny_llama
 
-PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 50))]
-NUM_TOKENS = 12
+PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 38))]  # the last over two SSD chunks of 16
+NUM_TOKENS = 8
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "nemotronh", "mamba2", "qwen3+gemv",
@@ -23,7 +23,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     want_fold = arch.endswith("+ropefold")
     if want_fold:  # decode rows split (16 keys a split at least), rope and the K/V write
         # inside the split kernel (the default; KRAIT_DECODE_ROPE_FOLD=0 turns it off), asserted
-        prompts, num_tokens = PROMPTS[:2], 8
+        prompts = PROMPTS[:2]
         arch = arch.removesuffix("+ropefold")
         monkeypatch.delenv("KRAIT_DECODE_ROPE_FOLD", raising=False)
         monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
@@ -35,7 +35,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     if arch.endswith("+tma"):  # one-row decode projections through the TMA GEMV: its
         # thresholds (millions of elements) lowered to the tiny models' weights, every form
         # (plain, gate_up with silu-and-mul, Mamba in_proj with the conv) asserted to run
-        prompts, num_tokens = PROMPTS[:2], 8
+        prompts = PROMPTS[:2]
         arch = arch.removesuffix("+tma")
         engine_args["max_num_seqs"] = 1
         import krait.ops.linear as linear_mod
@@ -47,8 +47,9 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
             "silu" if kw.get("silu_mul_out") else "conv" if kw.get("conv") else "plain")
             or run_tma(*a, **kw))
     if arch.endswith("+routes"):  # the router's top-k kernel (default), and decode at batch 1
-        # (2 routes of 4 experts) through the per-route expert GEMVs, asserted to run
-        prompts, num_tokens = PROMPTS[:2], 8
+        # (2 routes of 4 experts) through the per-route expert GEMVs, asserted to run: one
+        # prompt, chunked (the interpreted expert kernels are slow)
+        prompts = PROMPTS[1:2]
         arch = arch.removesuffix("+routes")
         engine_args["max_num_seqs"] = 1
         run = fused_moe_mod.moe_routes_triton
@@ -56,7 +57,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
                             lambda *a: routes_ran.append(1) or run(*a))
     if arch.endswith("+gemv"):  # every decode projection through krait/ops/gemv.py
         # (KRAIT_GEMV=1; the interpreted GEMV is slow: two prompts, one of them chunked)
-        prompts, num_tokens = PROMPTS[:2], 8
+        prompts = PROMPTS[:2]
         arch = arch.removesuffix("+gemv")
         monkeypatch.setenv("KRAIT_GEMV", "1")
     if arch == "qwen3":

@@ -61,13 +61,12 @@ def _generate(model_dir: str, piecewise: bool, **engine_args):
     (arch, chunk) for arch in ("qwen3", "granitemoehybrid", "mamba2", "nemotronh")
     for chunk in (None, 7)] + [("granitemoehybrid+triton", 7)])
 def test_padded_piecewise_forward_matches_the_plain_one(arch, chunk, tmp_path, monkeypatch):
-    if arch.endswith("+triton"):  # the GPU's kernels, interpreted: NaN rows through them too
-        arch = arch.removesuffix("+triton")
-        monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    d = (make_tiny_llama(tmp_path / arch, arch="qwen3") if arch == "qwen3"
-         else make_tiny_hybrid(tmp_path / arch, arch))
+    d = (make_tiny_llama(tmp_path / arch.removesuffix("+triton"), arch="qwen3")
+         if arch == "qwen3" else make_tiny_hybrid(tmp_path / arch, arch.removesuffix("+triton")))
     args = {"max_num_batched_tokens": chunk} if chunk else {}
-    want, _ = _generate(d, False, **args)
+    want, _ = _generate(d, False, **args)  # the plain forward through the torch references
+    if arch.endswith("+triton"):  # the GPU's kernels, interpreted: NaN rows through them too
+        monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     replayed = []
     real_run = pw._Mixer.run
     monkeypatch.setattr(pw._Mixer, "run", lambda self, n, m: replayed.append(self.kind)
