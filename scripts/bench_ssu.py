@@ -2,7 +2,8 @@
 for each BLOCK_P (state rows a program) x warps, at the decode shapes the targets run: batch 1
 and 64 with a float32 state (mamba2-1.3b / granite-4.0-h-micro: 64 heads x 64 x 128) and the
 throughput workload's batch 256 with a bf16 state. Each timing is a CUDA graph of one call per
-layer over `--layers` layers' own state pools (past the L2, as in a decode step).
+layer over `--layers` layers' own state pools, past the L2 as in a decode step
+(`bench_gemv.time_us`).
 
 PYTHONPATH=. python3 scripts/bench_ssu.py"""
 
@@ -13,27 +14,9 @@ import argparse
 import torch
 
 import krait.ops.selective_state_update as ssu_mod
+from scripts.bench_gemv import time_us  # median µs a call over a graph cycling the states
 
 HEADS, P, N = 64, 64, 128
-
-
-def _time_us(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3)
-    return best
 
 
 def bench_case(batch: int, dtype: torch.dtype, layers: int) -> None:
@@ -50,9 +33,8 @@ def bench_case(batch: int, dtype: torch.dtype, layers: int) -> None:
     slots = torch.arange(batch, device=dev, dtype=torch.int32)
     moved = 2 * batch * HEADS * P * N * states[0].element_size()  # bytes a call
 
-    def run() -> None:
-        for s in states:
-            ssu_mod.selective_state_update_triton(s, x, dt, A, B, C, D, dt_bias, slots)
+    def run(state: torch.Tensor) -> None:
+        ssu_mod.selective_state_update_triton(state, x, dt, A, B, C, D, dt_bias, slots)
 
     real_block_p, real_warps = ssu_mod._block_p, ssu_mod.ssu_warps
     name = str(dtype).removeprefix("torch.")
@@ -61,12 +43,12 @@ def bench_case(batch: int, dtype: torch.dtype, layers: int) -> None:
             ssu_mod._block_p = lambda *a, bp=block_p: bp
             ssu_mod.ssu_warps = lambda *a, w=warps: w
             try:
-                us = _time_us(run) / layers
+                us = time_us(run, states)
             finally:
                 ssu_mod._block_p, ssu_mod.ssu_warps = real_block_p, real_warps
             rate = moved / (us * 1e-6) / 1e12
             print(f"{batch:5d} {name:>8s} {block_p:7d} {warps:5d} {us:8.2f} {rate:6.2f}", flush=True)
-    us = _time_us(run) / layers
+    us = time_us(run, states)
     print(f"{batch:5d} {name:>8s} default {'':5s} {us:8.2f} {moved / (us * 1e-6) / 1e12:6.2f}",
           flush=True)
 

@@ -171,17 +171,6 @@ class Mamba2Mixer(torch.nn.Module):
         return (d.intermediate, self.conv1d_weight.squeeze(1), self.conv1d_bias,
                 self.conv_state, meta.decode_state_indices[:1], d.activation is not None)
 
-    def _one_row_xbc(self, xbc: torch.Tensor, meta: MambaMetadata, convolved: bool):
-        """One decode row's slot (int32 [1]) and its convolved xBC split into (x [1, H, P],
-        B, C [1, G, N]); the conv update runs here unless in_proj's epilogue did it
-        (`convolved`)."""
-        idx = meta.decode_state_indices[:1]
-        xbc_d = xbc if convolved else causal_conv1d_update(
-            xbc, self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
-            self.d.activation,
-        )
-        return (idx, *self._split_xbc(xbc_d))
-
     def _decode_gated(self, xbc: torch.Tensor, dt: torch.Tensor, gate: torch.Tensor,
                       meta: MambaMetadata, part: int, convolved: bool = False) -> torch.Tensor:
         """One decode row's conv (unless in_proj's epilogue did it: `convolved`) and state
@@ -190,7 +179,12 @@ class Mamba2Mixer(torch.nn.Module):
         (`gated_norm_linear` takes it)."""
         d = self.d
         inter = d.intermediate
-        idx, xs, B, C = self._one_row_xbc(xbc, meta, convolved)
+        idx = meta.decode_state_indices[:1]
+        xbc_d = xbc if convolved else causal_conv1d_update(
+            xbc, self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
+            d.activation,
+        )
+        xs, B, C = self._split_xbc(xbc_d)
         packed = torch.empty(1, inter + inter // part, dtype=torch.float32,
                              device=xbc.device)  # [1, I + I / part]
         selective_state_update_triton(

@@ -156,8 +156,9 @@ def selective_state_update_triton(
     if batch == 0:
         return y
     block_n = next_pow2(d_state)
-    block_p = _block_p(head_dim, d_state, ssm_states.element_size())
-    if gate is not None:
+    if gate is None:
+        block_p = _block_p(head_dim, d_state, ssm_states.element_size())
+    else:  # the partial sums' run length, which the consumer is built for
         block_p = gated_part_size(head_dim, d_state)
         if head_dim % block_p or gate.stride(-1) != 1 or g_out.stride(-1) != 1:
             raise ValueError("gated state update: head_dim must be a multiple of its P block "
