@@ -29,6 +29,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: keys and values in float8 e4m3 (half the KV bytes of bf16)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--mamba-ssm-cache-dtype", default="float32")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding as JSON, vLLM\'s keys: '
+                        '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -48,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -121,10 +121,68 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
 
 
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    """vLLM's `speculative_config` keys. `method` defaults to "draft_model" when `model` is
+    given, else "ngram"."""
+
+    method: str | None = None
     num_speculative_tokens: int = 0
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        """Validates the keys and values; a ValueError names the offending one."""
+        known = {f for f in cls.__dataclass_fields__}
+        for key in d:
+            if key not in known:
+                raise ValueError(
+                    f"speculative_config: unknown key {key!r} (known: {', '.join(sorted(known))})")
+        return cls(**d).validated()
+
+    def validated(self) -> SpeculativeConfig:
+        method = self.method or ("draft_model" if self.model else "ngram")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)};"
+                             f" got {method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer >= 1; got {k!r}")
+        if k > 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens is at most 16; got {k}")
+        if method in ("eagle", "eagle3"):
+            raise ValueError(
+                f"speculative_config.method={method!r}: EAGLE heads are not supported yet "
+                "(ngram and draft_model are)")
+        if method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config.model: the draft_model method needs a draft "
+                                 "checkpoint directory")
+        elif self.model:
+            raise ValueError(f"speculative_config.model is only for draft_model, not {method!r}")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 is supported")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if method != "ngram" and (lo is not None or hi is not None):
+            raise ValueError("speculative_config.prompt_lookup_min/max are only for ngram")
+        if method == "ngram":
+            # vLLM's rule: one of them given sets both
+            lo = lo if lo is not None else (hi if hi is not None else 1)
+            hi = hi if hi is not None else max(lo, 4)
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"speculative_config.{name} must be an integer >= 1; got {v!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) is larger than "
+                                 f"prompt_lookup_max ({hi})")
+        return SpeculativeConfig(method, k, self.model, hi, lo, self.draft_tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -206,9 +264,11 @@ class EngineConfig:
                 f"got {mamba_ssm_cache_dtype!r}"
             )
         if isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig(**speculative_config)
-        if speculative_config is not None:
-            raise ValueError("speculative_config: speculative decoding is not supported yet")
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        elif isinstance(speculative_config, SpeculativeConfig):
+            speculative_config = speculative_config.validated()
+        elif speculative_config is not None:
+            raise ValueError("speculative_config must be a dict or a SpeculativeConfig")
         vocab_size = getattr(hf_config, "vocab_size", None)
         if vocab_size is None:
             raise ValueError("model: config.json has no vocab_size")
@@ -234,7 +294,8 @@ class EngineConfig:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                async_scheduling=bool(async_scheduling),
+                # speculative steps read their accepted counts back before the next schedule
+                async_scheduling=bool(async_scheduling) and speculative_config is None,
             ),
             parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
             device=dev,

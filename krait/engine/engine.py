@@ -56,6 +56,7 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens,
             mc.max_model_len,
+            num_spec_tokens=self.runner.num_spec_tokens,
         )
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
@@ -210,6 +211,7 @@ class LLMEngine:
             "prefix_cache_hits": self.kv.prefix_hits,
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
+            **(self.scheduler.spec_stats.as_dict() if self.runner.num_spec_tokens else {}),
         }
 
     # -- the step ---------------------------------------------------------------------
@@ -222,11 +224,21 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         pending = self.runner.execute_model(sched)
         if not self.config.scheduler.async_scheduling:
-            return self._process(sched, self._read_back(pending))
+            outputs = self._process(sched, self._read_back(pending))
+            if self.runner.drafter is not None:
+                self._propose_drafts()
+            return outputs
         previous, self._inflight = self._inflight, (sched, pending)
         if previous is None:
             return []
         return self._process(previous[0], self._read_back(previous[1]))
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the next step of every running request (speculative decoding)."""
+        running = self.scheduler.running
+        drafts = self.runner.propose_drafts([r.request_id for r in running])
+        for req in running:
+            req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _read_back(self, pending):
         sampled = pending.result()
@@ -284,6 +296,8 @@ class LLMEngine:
                     ],
                     finished=finished,
                     prompt_logprobs=next(iter(parent.reqs.values())).prompt_logprobs,
+                    metrics=_spec_metrics(parent.reqs.values()) if self.runner.num_spec_tokens
+                    else {},
                 )
             )
             if finished:
@@ -306,6 +320,21 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
         )
+
+
+def _spec_metrics(reqs) -> dict:
+    """A request's speculative-decoding tallies (over its n children)."""
+    steps = sum(r.num_spec_steps for r in reqs)
+    drafts = sum(r.num_draft_tokens for r in reqs)
+    accepted = sum(r.num_accepted_tokens for r in reqs)
+    return {
+        "spec_num_steps": steps,
+        "spec_num_draft_tokens": drafts,
+        "spec_num_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+        # tokens a verify step produced, on average (accepted drafts + the one sampled)
+        "spec_mean_accepted_length": (accepted + steps) / steps if steps else 1.0,
+    }
 
 
 def _detokenize_at_end(params: SamplingParams) -> bool:

@@ -51,6 +51,11 @@ class Request:
     # (async scheduling: the next step is scheduled before the last one's results are read)
     num_inflight: int = 0
     first_token_time: float | None = None
+    # speculative decoding: drafts proposed for the next step, and this request's tallies
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

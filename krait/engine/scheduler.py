@@ -78,8 +78,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        num_spec_tokens: int = 0,
     ) -> None:
         self.kv = kv
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_stats = SpecDecodeStats(num_spec_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -151,8 +154,21 @@ class Scheduler:
         ):
             req.num_inflight += 1
 
+    def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts a decode step of `req` verifies: as many of its proposed ones as the
+        token budget, max_model_len and max_tokens leave room for (each accepted draft and the
+        token after it must fit; none past the last token max_tokens allows)."""
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if n != 1 or req.num_inflight or req.num_computed_tokens != num_tokens - 1:
+            return []  # not a plain decode step
+        room = min(budget - 1, self.max_model_len - num_tokens - 1)
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+        return req.spec_token_ids[: max(room, 0)]
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
@@ -169,6 +185,7 @@ class Scheduler:
         new: list[NewRequestData] = []
         preempted_now = False
 
+        spec: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -176,6 +193,9 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts_to_verify(req, n, budget) if req.spec_token_ids else []
+            req.spec_token_ids = []
+            n += len(drafts)
             while True:
                 new_blocks = self.kv.allocate(req, n)
                 if new_blocks is not None:
@@ -188,6 +208,8 @@ class Scheduler:
             if new_blocks is None:
                 break  # req itself was preempted; everything after it is gone too
             num_scheduled[req.request_id] = n
+            if drafts:
+                spec[req.request_id] = drafts
             budget -= n
             cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
             self._advance(req, n)
@@ -234,6 +256,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
+            scheduled_spec_decode_tokens=spec,
         )
         self._finished_ids = set()
         self._preempted_ids = set()
@@ -264,11 +287,21 @@ class Scheduler:
             if not got.token_ids:
                 continue
             req.num_inflight = max(req.num_inflight - 1, 0)
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts is not None:
+                # the step computed 1 + len(drafts) positions; those after the last accepted
+                # draft are recomputed from the token sampled in their place
+                accepted = len(got.token_ids) - 1
+                if running:
+                    req.num_computed_tokens -= len(drafts) - accepted
+                self.spec_stats.record(req, len(drafts), accepted)
             for j, tok in enumerate(got.token_ids):
                 req.output_token_ids.append(tok)
                 if got.logprobs is not None and req.logprobs is not None:
                     self._append_logprobs(req, got, j, tok)
                 if self._check_stop(req, tok):
+                    if j + 1 < len(got.token_ids):  # a stop inside an accepted run
+                        got.token_ids = got.token_ids[: j + 1]
                     break
             progressed.append(req)
             if req.status.finished:
@@ -319,6 +352,38 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+
+class SpecDecodeStats:
+    """Running totals of speculative decoding (vLLM's spec_decode metrics)."""
+
+    def __init__(self, num_spec_tokens: int) -> None:
+        self.num_drafts = 0  # verify steps that carried at least one draft
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * num_spec_tokens  # drafts accepted at each position
+
+    def record(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if num_drafts > len(self.accepted_per_pos):
+            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+        req.num_spec_steps += 1
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+
+    def as_dict(self) -> dict:
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+        }
 
 
 def _store_prompt_logprobs(req: Request, entries) -> None:

@@ -56,6 +56,18 @@ class ServerMetrics:
         self.prefix_hits = one(Counter(
             "krait:prefix_cache_hits", "Prompt tokens found in the prefix cache.", **kw))
         self._prefix_seen = (0, 0)
+        self.spec_drafts = one(Counter(
+            "krait:spec_decode_num_drafts", "Speculative verify steps that carried drafts.", **kw))
+        self.spec_draft_tokens = one(Counter(
+            "krait:spec_decode_num_draft_tokens", "Draft tokens verified.", **kw))
+        self.spec_accepted_tokens = one(Counter(
+            "krait:spec_decode_num_accepted_tokens", "Draft tokens accepted.", **kw))
+        per_pos = Counter(
+            "krait:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.",
+            labelnames=["model_name", "position"], registry=self.registry)
+        self._spec_per_pos = lambda j: per_pos.labels(model_name=model_name, position=str(j))
+        self._spec_seen: dict[str, int | list[int]] = {}
         self.ttft = one(Histogram(
             "krait:time_to_first_token_seconds", "Time to first token in seconds.",
             buckets=TTFT_BUCKETS, **kw))
@@ -82,6 +94,18 @@ class ServerMetrics:
         self.prefix_queries.inc(max(queries - self._prefix_seen[0], 0))
         self.prefix_hits.inc(max(hits - self._prefix_seen[1], 0))
         self._prefix_seen = (queries, hits)
+        for key, counter in (("spec_decode_num_drafts", self.spec_drafts),
+                             ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", self.spec_accepted_tokens)):
+            if key in stats:
+                counter.inc(max(stats[key] - self._spec_seen.get(key, 0), 0))
+                self._spec_seen[key] = stats[key]
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if per_pos is not None:
+            seen = self._spec_seen.get("per_pos") or [0] * len(per_pos)
+            for j, (now, before) in enumerate(zip(per_pos, seen)):
+                self._spec_per_pos(j).inc(max(now - before, 0))
+            self._spec_seen["per_pos"] = list(per_pos)
 
     def on_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)

@@ -69,7 +69,7 @@ def prefill_chunks(metas: list[MambaMetadata]) -> list[tuple[int, bool]]:
 
 def speculative_state(llm: LLM, k: int) -> MambaHybridModelState:
     """A second model state over the engine's model, built as speculative decoding with k
-    draft tokens would build it (the engine itself refuses speculative configs for now)."""
+    draft tokens builds it."""
     engine = llm.llm_engine
     config = dataclasses.replace(engine.config, speculative=SpeculativeConfig("ngram", k))
     return MambaHybridModelState(engine.runner.model, config)
@@ -97,6 +97,8 @@ def test_invariant_3_no_speculative_buffers_without_speculation(checkpoints, arc
     for m in metas:
         assert m.num_accepted_tokens is None
         assert m.num_decode_draft_tokens is None
+        assert m.decode_query_start_loc is None and m.decode_state_slots is None
+        assert m.decode_idx_mapping is None
         assert m.num_decode_tokens == m.num_decodes  # plain decoding: one token per decode row
         assert m.state_indices.dtype == torch.int32
         assert (m.state_indices >= 0).all()
@@ -123,6 +125,11 @@ def test_invariant_3_speculative_buffers_mark_rows(checkpoints) -> None:
     assert meta.state_indices.tolist() == [3, 0]  # each row starts from its first slot
     assert meta.num_accepted_tokens is state.num_accepted_tokens
     assert meta.num_decode_draft_tokens.tolist() == [0, -1]
+    # the decode row as a verify batch: its tokens, all its slots, its request row
+    assert meta.decode_query_start_loc.tolist() == [0, 1]
+    assert meta.decode_state_slots.tolist() == [[3, 4, 5]]
+    assert meta.decode_idx_mapping.tolist() == [states.index["decode"]]
+    assert meta.decode_state_slots.dtype == meta.decode_query_start_loc.dtype == torch.int32
 
 
 # -- invariant 4 ---------------------------------------------------------------------------
