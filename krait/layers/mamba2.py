@@ -41,8 +41,14 @@ class MambaMetadata:
     prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1], from 0
     prefill_has_initial_state: torch.Tensor  # int32 (0/1) [num_prefills]
     # only with speculative decoding (invariant 3); None otherwise
-    num_accepted_tokens: torch.Tensor | None = None
-    num_decode_draft_tokens: torch.Tensor | None = None
+    num_accepted_tokens: torch.Tensor | None = None  # int32 [max_reqs], by req_state_idx
+    num_decode_draft_tokens: torch.Tensor | None = None  # int32 [num_reqs_padded], -1: not decode
+    # decode rows as a verify batch (1 + drafts tokens each): int32 [decode rows + 1] from 0,
+    # each row's slots int32 [decode rows, 1 + k] (the state after each position goes to its
+    # column; the row starts from column num_accepted - 1), and its req_state_idx (-1: padding)
+    decode_query_start_loc: torch.Tensor | None = None
+    decode_state_slots: torch.Tensor | None = None
+    decode_idx_mapping: torch.Tensor | None = None
     # per-step precomputations shared by every layer (GPU kernels); None: each op computes its own
     prefill_token_seq: torch.Tensor | None = None  # int32 [num_prefill_tokens]
     prefill_chunk_layout: tuple | None = None  # mamba_ssd.chunk_layout(...) for chunk_size
@@ -229,6 +235,8 @@ class Mamba2Mixer(torch.nn.Module):
         decode rows: y [num_decode_tokens, heads, P]."""
         d = self.d
         nd = meta.num_decode_tokens
+        if meta.num_accepted_tokens is not None:
+            return self._verify_ssm(xbc[:nd], dt[:nd], meta)
         idx = meta.decode_state_indices[:nd]
         xbc_d = xbc[:nd] if convolved else causal_conv1d_update(
             xbc[:nd], self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
@@ -239,6 +247,22 @@ class Mamba2Mixer(torch.nn.Module):
             self.ssm_state, xs, dt[:nd], self.neg_A(), B, C, self.D, self.dt_bias, idx, True,
             d.time_step_limit,
         )
+
+    def _verify_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """Speculative decoding's decode rows (1 + k tokens each): conv and state update from
+        the slot of the last accepted position, the state after every position kept in the
+        row's slots: y [num_decode_tokens, heads, P]."""
+        from krait.ops.causal_conv1d_verify import causal_conv1d_verify
+        from krait.ops.selective_state_verify import selective_state_verify
+
+        d = self.d
+        rows = (meta.decode_query_start_loc, meta.decode_state_slots, meta.num_accepted_tokens,
+                meta.decode_idx_mapping)
+        xbc_d = causal_conv1d_verify(xbc, self.conv_state, self.conv1d_weight.squeeze(1),
+                                     self.conv1d_bias, *rows, d.activation)
+        xs, B, C = self._split_xbc(xbc_d)
+        return selective_state_verify(self.ssm_state, xs, dt, self.neg_A(), B, C, self.D,
+                                      self.dt_bias, *rows, True, d.time_step_limit)
 
     def _prefill_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Varlen conv and chunked scan of the prefill rows: y [num_prefill_tokens, heads, P]."""

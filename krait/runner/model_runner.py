@@ -29,7 +29,15 @@ from krait.runner.prefill_graphs import (
     prefill_graphs_enabled,
 )
 from krait.runner.request_states import RequestStates
-from krait.runner.sampler import Sampler, SamplerOutput, SamplingRow, build_sampling_metadata
+from krait.runner.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    SamplingRow,
+    build_sampling_metadata,
+)
+from krait.runner.spec_decode.rejection_sampler import RejectionSampler
+from krait.runner.spec_decode.drafter import create_drafter, drafts_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,10 @@ class ModelRunner:
         self.model = load_model(config.model, self.device)
         self.model_state = create_model_state(self.model, config)
         self.sampler = Sampler()
+        spec = config.speculative
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.drafter = create_drafter(spec, config) if spec is not None else None
+        self.rejection_sampler = RejectionSampler()
         self.states: RequestStates | None = None
         self.num_blocks = 0
         self.num_slots = 0
@@ -193,6 +205,8 @@ class ModelRunner:
             self.penalties.add(i, new.params, new.token_ids[:n_prompt], new.token_ids[n_prompt:])
         if added:
             self.model_state.add_requests(added)
+        if sched.scheduled_spec_decode_tokens:
+            self._write_drafts(sched.scheduled_spec_decode_tokens)
         cached = sched.cached_reqs
         if not cached:
             return
@@ -204,6 +218,22 @@ class ModelRunner:
                 if self.tables is not None:
                     self.tables.add_blocks(i, int(st.num_blocks[i]), c.new_block_ids)
                 st.append_blocks(i, c.new_block_ids)
+
+    def _write_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Puts each verified request's drafts after its last known token in the token tables
+        (they stay uncounted: the sampled tokens overwrite them)."""
+        st = self.states
+        rows, pos, toks = [], [], []
+        for rid, ids in drafts.items():
+            i = st.index[rid]
+            n = int(st.num_tokens[i])
+            st.token_ids[i, n : n + len(ids)] = ids
+            rows += [i] * len(ids)
+            pos += range(n, n + len(ids))
+            toks += ids
+        if self.tables is not None and rows:
+            t = host_to_device(np.array(toks, dtype=np.int64), self.device)
+            self.tables.write_sampled(np.array(rows), np.array(pos), t)
 
     def _ordered_rows(
         self, sched: SchedulerOutput
@@ -235,6 +265,8 @@ class ModelRunner:
         req_ids, num_scheduled, rows, num_prefills = self._ordered_rows(sched)
         if self.tables is not None:
             self.tables.flush()
+        if sched.scheduled_spec_decode_tokens:
+            return self._execute_verify(sched, req_ids, num_scheduled)
         graph_size = None
         # never replay a prefill chunk in a decode graph, even a one-token one
         if (self.cuda_graphs is not None and num_prefills == 0
@@ -264,6 +296,104 @@ class ModelRunner:
         pending = self._sample_and_update(batch, logits)
         pending.prompt_logprobs = prompt_lps
         return pending
+
+    def _execute_verify(self, sched: SchedulerOutput, req_ids: list[str],
+                        num_scheduled: list[int]) -> PendingSample:
+        """A step whose decode rows verify drafts (1 + k tokens each; k may be 0): the target's
+        logits at every decode position go through the rejection sampler; prefill rows in the
+        same step sample as usual. Synchronous: the accepted counts are read back here, and the
+        host tables advance by them."""
+        st = self.states
+        spec = sched.scheduled_spec_decode_tokens
+        batch = build_input_batch(st, req_ids, num_scheduled, self.block_size, self.device,
+                                  tables=self.tables)
+        n = batch.num_reqs
+        idx = batch.idx_mapping_np[:n]
+        ndraft = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int32)
+        batch.num_draft_tokens_per_req = ndraft
+        hidden = self.forward(batch)
+        prompt_lps = self._prompt_logprobs(batch, hidden)
+        computed = batch.num_computed_tokens_np[:n]
+        end = computed + batch.num_scheduled_tokens_np[:n]
+        samples = end >= st.num_tokens[idx]  # every decode row; prefill rows at their end
+        rows = np.nonzero(samples)[0]
+        qsl = batch.query_start_loc_np
+        # logits: every position of a decode row, the last one of a sampling prefill row
+        first = np.where(batch.is_prefilling[rows], qsl[rows + 1] - 1, qsl[rows])
+        counts = qsl[rows + 1] - first  # = 1 + drafts
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
+        logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
+        draft_ids = [t for r in rows for t in spec.get(req_ids[r], ())]
+        meta = self._sampling_metadata(logits, idx[rows])
+        out = self.rejection_sampler(
+            logits, host_to_device(cu, self.device),
+            host_to_device(np.array(draft_ids, dtype=np.int64), self.device), None, meta,
+            num_draft_tokens=counts - 1,
+        )
+        self.penalties.record(idx[rows], out.output_token_ids[:, 0])  # no drafts with penalties
+        num_sampled_dev = out.num_sampled
+        tokens = out.output_token_ids.cpu().numpy()  # [rows, 1 + max k]: the step's one sync
+        num_sampled = out.num_sampled.cpu().numpy().astype(np.int32)
+        lp = None
+        if out.logprobs is not None:
+            lp = [t.cpu().tolist() for t in (out.logprobs.token_ids, out.logprobs.logprobs,
+                                            out.logprobs.ranks)]
+        # host tables: the sampled tokens after each row's last known one
+        sampled: dict[str, SampledTokens] = {}
+        w_rows, w_pos, w_tok = [], [], []
+        for j, r in enumerate(rows.tolist()):
+            i = int(idx[r])
+            m = int(num_sampled[j])
+            toks = tokens[j, :m].tolist()
+            start = int(st.num_tokens[i])
+            fit = max(min(m, self.max_model_len - start), 0)
+            st.token_ids[i, start : start + fit] = toks[:fit]
+            w_rows += [i] * fit
+            w_pos += range(start, start + fit)
+            w_tok += toks[:fit]
+            st.num_tokens[i] = start + m
+            got = SampledTokens(toks)
+            if lp is not None and st.wants_logprobs[i]:
+                got.logprobs = [dict(zip(lp[0][j][q], lp[1][j][q])) for q in range(m)]
+                got.ranks = [lp[2][j][q] for q in range(m)]
+            sampled[req_ids[r]] = got
+        if self.tables is not None and w_rows:
+            t = host_to_device(np.array(w_tok, dtype=np.int64), self.device)
+            self.tables.write_sampled(np.array(w_rows), np.array(w_pos), t)
+        # a verify row computed its last known token and the accepted drafts
+        new_computed = end.copy()
+        dec = rows[~batch.is_prefilling[rows]]
+        new_computed[dec] = computed[dec] + num_sampled[~batch.is_prefilling[rows]]
+        st.num_computed_tokens[idx] = new_computed
+        if self.model_state.num_accepted_tokens is not None:
+            per_row = torch.zeros(n, dtype=torch.int32, device=self.device)
+            per_row[host_to_device(rows, self.device)] = num_sampled_dev.to(torch.int32)
+            self.model_state.postprocess_state(batch.idx_mapping[:n], per_row, batch.seq_lens[:n])
+        for rid, entries in prompt_lps.items():
+            sampled.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
+        return PendingSample.resolved(sampled)
+
+    def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
+        """Drafts for the next step of each running request that decodes next (up to k each,
+        none where the sampling parameters rule speculation out or no room is left)."""
+        st = self.states
+        keep = [r for r in req_ids if r in st.index]
+        if self.drafter is None or not keep:
+            return {}
+        idx = np.fromiter((st.index[r] for r in keep), np.int64, len(keep))
+        computed = st.num_computed_tokens[idx]
+        # the next step is a decode: its prompt is done and it holds one token to compute
+        decoding = (computed + 1 == st.num_tokens[idx]) & (computed >= st.num_prompt_tokens[idx])
+        room = np.minimum(self.max_model_len - st.num_tokens[idx] - 1, self.num_spec_tokens)
+        ok = np.array([drafts_allowed(st.params[i], st.num_tokens[i] - st.num_prompt_tokens[i]
+                                      + st.num_output_offset[i]) for i in idx], dtype=bool)
+        max_drafts = np.where(decoding & ok, np.maximum(room, 0), 0).astype(np.int32)
+        if not max_drafts.any():
+            return {}
+        drafts, counts = self.drafter.propose(st.token_ids, idx, st.num_tokens[idx], max_drafts)
+        return {r: drafts[j, : counts[j]].tolist() for j, r in enumerate(keep) if counts[j]}
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor, chunk: int = 512):
         """Logprobs of each prompt token given the tokens before it, for the prefill rows whose
@@ -373,6 +503,11 @@ class ModelRunner:
         if st.plain_greedy[idx].all():
             tokens = greedy if greedy is not None else argmax(logits)
             return SamplerOutput(sampled_token_ids=tokens, logprobs=None)
+        return self.sampler(logits, self._sampling_metadata(logits, idx))
+
+    def _sampling_metadata(self, logits: torch.Tensor, idx: np.ndarray) -> SamplingMetadata:
+        """The sampling parameters of the rows at req_state indices `idx`."""
+        st = self.states
         params = [st.params[i] for i in idx]
         num_out = st.num_tokens[idx] - (st.num_prompt_tokens[idx] - st.num_output_offset[idx])
         rows = [
@@ -386,8 +521,7 @@ class ModelRunner:
             for p, i, n in zip(params, idx, num_out)
         ]
         counts, mask = self.penalties.gather(idx)
-        meta = build_sampling_metadata(rows, logits.shape[-1], logits.device, counts, mask)
-        return self.sampler(logits, meta)
+        return build_sampling_metadata(rows, logits.shape[-1], logits.device, counts, mask)
 
 
 class PendingSample:
@@ -406,6 +540,7 @@ class PendingSample:
         self._tokens: list[int] | None = None
         self._written = False  # token values already in the host table
         self.waited_s = 0.0  # how long reading the tokens back blocked the host
+        self._resolved: dict[str, SampledTokens] | None = None
         if result is None:
             return
         lp = result.logprobs
@@ -422,6 +557,13 @@ class PendingSample:
     @classmethod
     def empty(cls) -> PendingSample:
         return cls([], np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), None, None)
+
+    @classmethod
+    def resolved(cls, sampled: dict[str, SampledTokens]) -> PendingSample:
+        """A step whose results the host holds already (speculative verify steps)."""
+        p = cls.empty()
+        p._resolved = sampled
+        return p
 
     def _token_list(self) -> list[int]:
         if self._tokens is None:
@@ -446,6 +588,8 @@ class PendingSample:
 
     def result(self) -> dict[str, SampledTokens]:
         """Waits for the step's sampled tokens: {req_id: SampledTokens}."""
+        if self._resolved is not None:
+            return self._resolved
         tokens = self._token_list()
         out: dict[str, SampledTokens] = {}
         if tokens:

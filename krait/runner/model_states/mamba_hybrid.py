@@ -113,10 +113,14 @@ class MambaHybridModelState(DefaultModelState):
             num_prefill_tokens = 0
             num_decode_tokens = batch.num_tokens_padded  # padded decode rows carry slot -1
         dev = self.device
-        (slots_t, pqsl_t, init_t), flat = to_device(
-            [slots, pqsl, has_init.astype(np.int32)], np.int32, dev, tag="mamba", flat=True,
+        arrays = [slots, pqsl, has_init.astype(np.int32)]
+        if self.num_accepted_tokens is not None:
+            arrays += self._verify_arrays(batch, npad - npf)
+        views, flat = to_device(
+            arrays, np.int32, dev, tag="mamba", flat=True,
             out=into.device_i32 if into is not None else None,
         )
+        slots_t, pqsl_t, init_t = views[:3]
         meta = MambaMetadata(
             num_decodes=nd,
             num_prefills=npf,
@@ -140,11 +144,25 @@ class MambaHybridModelState(DefaultModelState):
             )
         if self.num_accepted_tokens is not None:
             meta.num_accepted_tokens = self.num_accepted_tokens
-            draft = np.full(npad, -1, dtype=np.int32)
-            ndraft = batch.num_draft_tokens_per_req
-            draft[:nd] = ndraft[:nd] if ndraft is not None else 0
-            meta.num_decode_draft_tokens = host_to_device(draft, dev)
+            (meta.num_decode_draft_tokens, meta.decode_query_start_loc,
+             meta.decode_state_slots) = views[3:]
+            meta.decode_idx_mapping = batch.idx_mapping[: npad - npf]
         return meta
+
+    def _verify_arrays(self, batch: InputBatch, ndec: int) -> list[np.ndarray]:
+        """Speculative decoding's decode-row inputs: draft counts [num_reqs_padded] (-1 for
+        rows that are not decode rows, 0 for a decode row without drafts), the decode rows'
+        query_start_loc [ndec + 1] and their slots [ndec, 1 + k] (-1 for padding rows). `ndec`
+        counts padded decode rows (CUDA graphs) too."""
+        n, nd = batch.num_reqs, batch.num_decodes
+        draft = np.full(batch.num_reqs_padded, -1, dtype=np.int32)
+        ndraft = batch.num_draft_tokens_per_req
+        draft[:nd] = ndraft[:nd] if ndraft is not None else 0
+        draft[n:ndec] = 0  # a decode graph's padding rows
+        qsl = batch.query_start_loc_np[: ndec + 1].astype(np.int32)
+        slots = np.full((ndec, self.slots_per_request), -1, dtype=np.int32)
+        slots[:nd] = self.request_states.state_slots[batch.idx_mapping_np[:nd]]
+        return [draft, qsl, slots]
 
     def postprocess_state(
         self,

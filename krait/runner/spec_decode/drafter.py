@@ -1,0 +1,48 @@
+"""Drafters: what proposes the tokens a speculative step verifies."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from krait.config import EngineConfig, SpeculativeConfig
+from krait.runner.penalties import uses_penalties
+from krait.sampling_params import SamplingParams
+
+
+class Drafter(Protocol):
+    def propose(self, token_table: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
+                max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """token_table int32 [max_reqs, max_model_len] (the host token table), the rows
+        (req_state indices) to draft for, their token counts and the most drafts each may
+        take -> (drafts int32 [R, k], -1 padded; counts int32 [R])."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup over each request's prompt and output (krait/runner/spec_decode/ngram.py)."""
+
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        from krait.runner.spec_decode.ngram import NgramProposer
+
+        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                      spec.prompt_lookup_max)
+
+    def propose(self, token_table, rows, num_tokens, max_drafts):
+        width = int(num_tokens.max(initial=1))
+        return self.proposer.propose(token_table[rows, :width], num_tokens, max_drafts)
+
+
+def create_drafter(spec: SpeculativeConfig, config: EngineConfig) -> Drafter:
+    if spec.method == "ngram":
+        return NgramDrafter(spec)
+    raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
+
+
+def drafts_allowed(params: SamplingParams | None, num_outputs: int) -> bool:
+    """Whether a request's next step may verify drafts: the rejection sampler serves
+    temperature, top-k/p, min-p, seeds and logprobs; rows with penalties, logit biases or
+    tokens still banned by min_tokens decode one token a step instead (exact either way)."""
+    return (params is not None and not uses_penalties(params) and not params.logit_bias
+            and num_outputs >= params.min_tokens)
