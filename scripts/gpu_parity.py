@@ -35,9 +35,12 @@ DENSE_GRANITE = {"granitemoehybrid-dense": ("granitemoehybrid",
 
 # engine settings each model is checked under; "batch1": one request at a time, every decode
 # step one row (the GEMV, TMA, epilogue and fused-kernel paths of batch 1, graphed)
+# "spec": speculative decoding (ngram drafts, k = 3: verify steps of 1 + k tokens a row)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 MODES = {"graphs": {}, "chunked": {"max_num_batched_tokens": 7}, "eager": {"enforce_eager": True},
-         "batch1": {"max_num_seqs": 1}}
-DEFAULT_MODES = "graphs,chunked,eager,batch1"  # PARITY_MODES=graphs,batch1 picks some
+         "batch1": {"max_num_seqs": 1}, "spec": {"speculative_config": NGRAM},
+         "spec_chunked": {"speculative_config": NGRAM, "max_num_batched_tokens": 7}}
+DEFAULT_MODES = "graphs,chunked,eager,batch1,spec,spec_chunked"  # PARITY_MODES=graphs,batch1
 
 
 def make(root: Path) -> None:

@@ -43,6 +43,8 @@ def add_cli_args(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--context-len", type=int, default=1024)
         p.add_argument("--prompt-lens", default="512,2048,8192")
         p.add_argument("--num-steps", type=int, default=20)
+        p.add_argument("--workload", default="random", choices=["random", "repetitive"],
+                       help="repetitive: prompts of a repeated phrase (ngram drafting's case)")
     else:
         p.add_argument("--num-prompts", type=int, default=256)
         p.add_argument("--input-len", type=int, default=256)
@@ -76,8 +78,14 @@ def _model_dir(args) -> str:
     return str(CONFIG_DIR / args.config) if args.config else args.model
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, length: int, vocab: int, seed: int, workload: str = "random"
+             ) -> list[list[int]]:
+    """Random token ids; `workload="repetitive"`: each prompt a random phrase of 16 tokens
+    repeated (prompt lookup then finds continuations, the case ngram drafting is for)."""
     rng = np.random.default_rng(seed)
+    if workload == "repetitive":
+        phrase = rng.integers(10, max(vocab - 10, 11), size=(n, 16))
+        return np.tile(phrase, (1, -(-length // 16)))[:, :length].tolist()
     return rng.integers(10, max(vocab - 10, 11), size=(n, length)).tolist()
 
 
@@ -114,20 +122,29 @@ def bench_latency(args) -> dict:
            "max_num_seqs": engine.config.scheduler.max_num_seqs,
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "decode": [], "prefill": []}
+    spec = engine.config.speculative
+    if spec is not None:
+        out["speculative_config"] = {"method": spec.method, "k": spec.num_speculative_tokens}
     rows = [f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'ratio':>6} {'tok/s':>9} "
-            f"{'wait ms':>8} {'graph ms':>9}"]
+            f"{'wait ms':>8} {'graph ms':>9}" + ("  tok/step accept" if spec else "")]
     for b in batch_sizes:
-        ms, wait, graph_ms = _decode_step_ms(engine, b, args.context_len, args.num_steps, vocab,
-                                             dev)
+        ms, wait, graph_ms, s = _decode_step_ms(engine, b, args.context_len, args.num_steps,
+                                                vocab, dev, args.workload)
         roof = roofline_seconds(ceil, decode_bytes(mb, b, args.context_len + args.num_steps)) * 1e3
         # wait: host time blocked on the device a step; ~0 means the host is the bottleneck.
         # graph_ms: the GPU's own time a step (the graph replayed back to back)
-        out["decode"].append({"batch": b, "step_ms": ms, "roofline_ms": roof, "ratio": ms / roof,
-                              "tok_per_s": b / ms * 1e3, "device_wait_ms": wait,
-                              "graph_ms": graph_ms})
+        tok_s = b * s["tokens_per_row_step"] / ms * 1e3
+        row = {"batch": b, "step_ms": ms, "roofline_ms": roof, "ratio": ms / roof,
+               "tok_per_s": tok_s, "device_wait_ms": wait, "graph_ms": graph_ms}
+        if spec is not None:  # a step emits 1 + accepted drafts tokens a row
+            row.update(s)
+        out["decode"].append(row)
         graph_col = f"{graph_ms:>9.3f}" if graph_ms is not None else f"{'-':>9}"
-        rows.append(f"{b:>6} {ms:>9.3f} {roof:>12.3f} {ms / roof:>6.2f} {b / ms * 1e3:>9.0f} "
-                    f"{wait:>8.3f} {graph_col}")
+        line = (f"{b:>6} {ms:>9.3f} {roof:>12.3f} {ms / roof:>6.2f} {tok_s:>9.0f} "
+                f"{wait:>8.3f} {graph_col}")
+        if spec is not None:
+            line += f"  {s['tokens_per_row_step']:>8.2f} {s['acceptance_rate']:>6.2f}"
+        rows.append(line)
     rows.append(f"{'prompt':>6} {'prefill ms':>10} {'roofline ms':>12} {'ratio':>6} "
                 f"{'wait ms':>8}")
     for p in prompt_lens:
@@ -141,15 +158,16 @@ def bench_latency(args) -> dict:
 
 
 def _decode_step_ms(
-    engine, batch, context, steps, vocab, dev
-) -> tuple[float, float, float | None]:
+    engine, batch, context, steps, vocab, dev, workload: str = "random"
+) -> tuple[float, float, float | None, dict]:
     """(median step ms, host ms blocked on the device a step, device ms of the step's graph
-    replayed back to back — None without CUDA graphs) of `batch` rows at `context`."""
+    replayed back to back — None without CUDA graphs, speculative-decoding figures of the timed
+    steps: tokens a row gained a step, acceptance rate) of `batch` rows at `context`."""
     params = SamplingParams(
         temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only"
     )
     ids = [f"lat{batch}_{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, _prompts(batch, context, vocab, seed=batch)):
+    for rid, prompt in zip(ids, _prompts(batch, context, vocab, seed=batch, workload=workload)):
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     sched = engine.scheduler
     while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
@@ -165,11 +183,21 @@ def _decode_step_ms(
     _sync(dev)
     engine.step()  # refills the pipeline
     marks = [(time.perf_counter(), engine.device_wait_s)]
+    stats0 = engine.get_stats()
     for _ in range(4):
         for _ in range(group):
             engine.step()
         marks.append((time.perf_counter(), engine.device_wait_s))
     _sync(dev)
+    stats1 = engine.get_stats()
+    gained = stats1["generation_tokens_total"] - stats0["generation_tokens_total"]
+    drafted = (stats1.get("spec_decode_num_draft_tokens", 0)
+               - stats0.get("spec_decode_num_draft_tokens", 0))
+    accepted = (stats1.get("spec_decode_num_accepted_tokens", 0)
+                - stats0.get("spec_decode_num_accepted_tokens", 0))
+    spec = {"tokens_per_row_step": gained / (batch * 4 * group) if gained else 1.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "draft_tokens": drafted, "accepted_tokens": accepted}
     times = [(b[0] - a[0]) * 1e3 / group for a, b in zip(marks, marks[1:])]
     waits = [(b[1] - a[1]) * 1e3 / group for a, b in zip(marks, marks[1:])]
     running = sum(1 for r in sched.running if r.request_id.startswith(f"lat{batch}_"))
@@ -180,7 +208,7 @@ def _decode_step_ms(
     engine.abort_request(ids)
     if running != batch:
         raise RuntimeError(f"decode batch {batch}: only {running} rows ran (preempted or finished)")
-    return statistics.median(times), statistics.median(waits), graph_ms
+    return statistics.median(times), statistics.median(waits), graph_ms, spec
 
 
 def _prefill_ms(engine, prompt_len, vocab, dev) -> tuple[float, float]:

@@ -119,9 +119,12 @@ class CudaGraphRunner:
     eagerly at each replay instead of recording a graph: how CPU tests (no CUDA) exercise the
     decode-graph dataflow, and a debugging aid on the GPU."""
 
-    def __init__(self, runner, record: bool = True) -> None:
+    def __init__(self, runner, record: bool = True, tokens_per_row: int = 1) -> None:
         self.runner = runner
         self.record = record
+        # 1: decode graphs; 1 + k: speculative verify graphs (every row its last token and k
+        # drafts, the logits of every token; the host writes the accepted tokens after them)
+        self.tokens_per_row = tokens_per_row
         self.sizes = capture_sizes(runner.config.scheduler.max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
@@ -161,12 +164,13 @@ class CudaGraphRunner:
         with capture_window(cuda=True) as cost:
             for n in self.sizes:  # largest first: later graphs reuse its pool
                 self._capture(n)
-        logger.info("captured %d decode CUDA graphs (%.0f MiB, %.1f s)", len(self.sizes),
+        kind = "decode" if self.tokens_per_row == 1 else f"{self.tokens_per_row}-token verify"
+        logger.info("captured %d %s CUDA graphs (%.0f MiB, %.1f s)", len(self.sizes), kind,
                     cost.bytes / 2**20, cost.seconds)
 
     def _capture(self, n: int) -> None:
         r = self.runner
-        batch = r.dummy_decode_batch(n)
+        batch = r.dummy_decode_batch(n, self.tokens_per_row)
         meta = r.model_state.prepare_attn(batch, for_capture=True)
         if not self.record:
             self.graphs[n] = _Graph(None, batch, meta, *self._body(batch, meta))
@@ -188,7 +192,8 @@ class CudaGraphRunner:
         r = self.runner
         logits = r.model.compute_logits(r.model(batch.input_ids, batch.positions, meta))
         greedy = argmax(logits)
-        if r.tables is not None:  # each row's token goes at its sequence length
+        if r.tables is not None and self.tokens_per_row == 1:
+            # each row's token goes at its sequence length
             write_tokens(r.tables.token_ids, batch.idx_mapping, batch.seq_lens, greedy)
         return logits, greedy
 
@@ -198,7 +203,7 @@ class CudaGraphRunner:
 
     def run(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: a decode batch padded to a captured size (built into its buffers, or not).
-        Returns (logits [N, V], greedy tokens int64 [N])."""
+        Returns (logits [N * tokens_per_row, V], greedy tokens int64 [N * tokens_per_row])."""
         g = self.graphs[batch.num_reqs_padded]
         meta = self.runner.model_state.prepare_attn(batch, for_capture=False, into=g.meta)
         if batch.input_ids.data_ptr() != g.batch.input_ids.data_ptr():

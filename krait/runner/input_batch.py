@@ -50,6 +50,7 @@ def build_input_batch(
     full_block_table: bool = False,
     tables=None,
     into: InputBatch | None = None,
+    pad_tokens_per_row: int = 1,
 ) -> InputBatch:
     """Gathers the step's rows from RequestStates (`states`) into flat tensors.
 
@@ -60,7 +61,9 @@ def build_input_batch(
     from the persistent tables; otherwise in numpy from `states`.
 
     `into` (with `tables`): a CUDA graph's captured batch of the same padded size, every token
-    in a row: the device tensors are written into its buffers, so the replay copies nothing."""
+    in a row: the device tensors are written into its buffers, so the replay copies nothing.
+    `pad_tokens_per_row`: tokens of each `pad_decode` padding row (1 + k in a speculative
+    verify graph)."""
     num_reqs = len(req_ids)
     num_reqs_padded = num_reqs_padded or num_reqs
     idx = np.full(num_reqs_padded, -1, dtype=np.int32)
@@ -68,7 +71,7 @@ def build_input_batch(
     sched = np.zeros(num_reqs_padded, dtype=np.int32)
     sched[:num_reqs] = num_scheduled
     if pad_decode:
-        sched[num_reqs:] = 1
+        sched[num_reqs:] = pad_tokens_per_row
     qsl = np.zeros(num_reqs_padded + 1, dtype=np.int32)
     np.cumsum(sched, out=qsl[1:])
     num_tokens = int(qsl[num_reqs])
@@ -98,7 +101,7 @@ def build_input_batch(
             [idx, qsl, seq_lens, computed], np.int32, device, flat=True,
             out=into.device_i32 if into is not None else None,
         )
-        if into is not None:  # decode graphs: one token a row, the logits of every row
+        if into is not None:  # decode graphs: the logits of every row (verify graphs: unused)
             logits_indices_t = _row_indices(num_reqs_padded, device)[:num_reqs]
         else:
             (logits_indices_t,) = to_device(

@@ -50,6 +50,12 @@ def profile_free_memory(runner, config: EngineConfig) -> int:
             rows = prefill_graph_rows_knob()
             margin += _PREFILL_GRAPHS_MARGIN * sum(1 for r in (1, 2, 4) if r <= rows)
         piecewise_bytes = int((piecewise_peak - temp_cache) * margin)
+    # speculative verify graphs keep [rows * (1 + k), vocab] logits per capture size in the
+    # graph pool (sizes share it, the largest dominates): twice the largest, for its float copies
+    k = runner.num_spec_tokens
+    if k and not config.enforce_eager:
+        elem = torch.empty((), dtype=config.model.dtype).element_size()
+        piecewise_bytes += 2 * config.scheduler.max_num_seqs * (1 + k) * config.model.vocab_size * elem
     free, total = torch.cuda.mem_get_info()
     non_torch = (total - free) - torch.cuda.memory_reserved()
     ms.allocate_caches(0, 0)  # drop the temporary cache

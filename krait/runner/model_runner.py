@@ -63,6 +63,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_slots = 0
         self.cuda_graphs = None  # CudaGraphRunner once captured
+        # speculative decoding: graphs of verify steps, every row 1 + k tokens (drafts padded)
+        self.verify_graphs = None
         self.piecewise = None  # PiecewiseGraphs for eager steps (KRAIT_PIECEWISE_GRAPHS=0: off)
         self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps (KRAIT_PREFILL_GRAPHS=0: off)
 
@@ -94,6 +96,10 @@ class ModelRunner:
 
         self.cuda_graphs = CudaGraphRunner(self)
         self.cuda_graphs.capture_all()
+        if self.num_spec_tokens:
+            self.verify_graphs = CudaGraphRunner(self, tokens_per_row=1 + self.num_spec_tokens)
+            self.verify_graphs.pool = self.cuda_graphs.pool
+            self.verify_graphs.capture_all()
         tokens = self.piecewise_max_tokens()
         if tokens:
             self.piecewise = PiecewiseGraphs(self.model, tokens, self.device)
@@ -141,12 +147,12 @@ class ModelRunner:
         logger.info("captured piecewise graphs for %d token buckets %s (%.0f MiB, %.1f s)",
                     len(captured), captured, pw.pool_bytes / 2**20, time.perf_counter() - start)
 
-    def dummy_decode_batch(self, n: int) -> InputBatch:
-        """n padding rows of one token each (CUDA-graph capture)."""
+    def dummy_decode_batch(self, n: int, tokens_per_row: int = 1) -> InputBatch:
+        """n padding rows of `tokens_per_row` tokens each (CUDA-graph capture)."""
         return build_input_batch(
             self.states, [], [], self.block_size, self.device,
-            num_reqs_padded=n, num_tokens_padded=n, pad_decode=True, full_block_table=True,
-            tables=self.tables,
+            num_reqs_padded=n, num_tokens_padded=n * tokens_per_row, pad_decode=True,
+            full_block_table=True, tables=self.tables, pad_tokens_per_row=tokens_per_row,
         )
 
     def _dummy_prefill_lens(self, num_tokens: int) -> list[int]:
@@ -182,6 +188,9 @@ class ModelRunner:
     # -- the step ---------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
         st = self.states
+        if hasattr(self.drafter, "on_requests_removed"):  # a drafter holding per-request state
+            self.drafter.on_requests_removed([st.index[r] for r in sched.finished_req_ids
+                                              | sched.preempted_req_ids if r in st.index])
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             st.remove(rid)
         added: list[tuple[int, list[int]]] = []
@@ -305,14 +314,28 @@ class ModelRunner:
         host tables advance by them."""
         st = self.states
         spec = sched.scheduled_spec_decode_tokens
-        batch = build_input_batch(st, req_ids, num_scheduled, self.block_size, self.device,
-                                  tables=self.tables)
+        per_row = 1 + self.num_spec_tokens
+        size = None
+        if self.verify_graphs is not None and all(t == per_row for t in num_scheduled):
+            size = self.verify_graphs.size_for(len(req_ids))  # every row a full verify row
+        ndraft = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int32)
+        if size is not None:
+            into = self.verify_graphs.captured_batch(size) if self.tables is not None else None
+            batch = build_input_batch(
+                st, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables,
+                num_reqs_padded=size, num_tokens_padded=size * per_row, pad_decode=True,
+                pad_tokens_per_row=per_row, into=into)
+            batch.num_draft_tokens_per_req = np.full(size, self.num_spec_tokens, np.int32)
+            graph_logits, _ = self.verify_graphs.run(batch)
+            hidden = None
+        else:
+            batch = build_input_batch(st, req_ids, num_scheduled, self.block_size, self.device,
+                                      tables=self.tables)
+            batch.num_draft_tokens_per_req = ndraft
+            hidden = self.forward(batch)
         n = batch.num_reqs
         idx = batch.idx_mapping_np[:n]
-        ndraft = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int32)
-        batch.num_draft_tokens_per_req = ndraft
-        hidden = self.forward(batch)
-        prompt_lps = self._prompt_logprobs(batch, hidden)
+        prompt_lps = self._prompt_logprobs(batch, hidden) if hidden is not None else {}
         computed = batch.num_computed_tokens_np[:n]
         end = computed + batch.num_scheduled_tokens_np[:n]
         samples = end >= st.num_tokens[idx]  # every decode row; prefill rows at their end
@@ -323,8 +346,11 @@ class ModelRunner:
         counts = qsl[rows + 1] - first  # = 1 + drafts
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
-        positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
-        logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
+        if hidden is None:  # a verify graph: the logits of every token, rows in order
+            logits = graph_logits[: n * per_row]
+        else:
+            positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
+            logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
         draft_ids = [t for r in rows for t in spec.get(req_ids[r], ())]
         meta = self._sampling_metadata(logits, idx[rows])
         out = self.rejection_sampler(
@@ -393,6 +419,15 @@ class ModelRunner:
         if not max_drafts.any():
             return {}
         drafts, counts = self.drafter.propose(st.token_ids, idx, st.num_tokens[idx], max_drafts)
+        if self.verify_graphs is not None:
+            # verify graphs take rows of exactly k drafts: fill short proposals up with their
+            # last token (or the row's last one). Any draft is lossless: the rejection sampler
+            # accepts or replaces it.
+            last = st.token_ids[idx, st.num_tokens[idx] - 1]
+            for j in np.nonzero(counts < max_drafts)[0].tolist():
+                fill = drafts[j, counts[j] - 1] if counts[j] else last[j]
+                drafts[j, counts[j] : max_drafts[j]] = fill
+            counts = np.maximum(counts, max_drafts)
         return {r: drafts[j, : counts[j]].tolist() for j, r in enumerate(keep) if counts[j]}
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor, chunk: int = 512):
