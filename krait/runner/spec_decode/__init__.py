@@ -1,0 +1,1 @@
+"""Speculative decoding: the lossless rejection-sampling verifier and the n-gram drafter."""
