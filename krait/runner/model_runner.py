@@ -420,6 +420,8 @@ class ModelRunner:
             return {}
         drafts, counts = self.drafter.propose(st.token_ids, idx, st.num_tokens[idx], max_drafts)
         if self.verify_graphs is not None:
+            if not counts.any():
+                return {}  # nothing proposed: a plain decode step (its graph) costs least
             # verify graphs take rows of exactly k drafts: fill short proposals up with their
             # last token (or the row's last one). Any draft is lossless: the rejection sampler
             # accepts or replaces it.

@@ -21,9 +21,19 @@ SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
 PROMPTS = [[5, 6, 7], [9, 4] * 5, list(range(3, 20))]
 
 
+class LastTokenDrafter:
+    """Proposes one draft a row, its last token (the runner fills it up to k for the graphs)."""
+
+    def propose(self, token_table, rows, num_tokens, max_drafts):
+        drafts = np.full((len(rows), K), -1, dtype=np.int32)
+        drafts[:, 0] = token_table[rows, num_tokens - 1]
+        return drafts, (max_drafts > 0).astype(np.int32)
+
+
 def _run(model_dir: str, graphs: bool, params: list[SamplingParams]):
     llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=4, speculative_config=SPEC)
     runner = llm.llm_engine.runner
+    runner.drafter = LastTokenDrafter()
     replays: list[int] = []
     if graphs:
         runner.cuda_graphs = CudaGraphRunner(runner, record=False)
