@@ -19,6 +19,11 @@ class Drafter(Protocol):
         take -> (drafts int32 [R, k], -1 padded; counts int32 [R])."""
         ...
 
+    def on_requests_removed(self, rows: list[int]) -> None:
+        """The requests at these req_state indices left the runner (finished or preempted),
+        before their rows are freed: drafters that hold per-request state drop it."""
+        ...
+
 
 class NgramDrafter:
     """Prompt lookup over each request's prompt and output (krait/runner/spec_decode/ngram.py)."""
@@ -33,10 +38,19 @@ class NgramDrafter:
         width = int(num_tokens.max(initial=1))
         return self.proposer.propose(token_table[rows, :width], num_tokens, max_drafts)
 
+    def on_requests_removed(self, rows: list[int]) -> None:
+        """Stateless: nothing to drop."""
+
 
 def create_drafter(spec: SpeculativeConfig, config: EngineConfig) -> Drafter:
+    """The drafter of `spec.method` (ngram: prompt lookup; draft_model: a second checkpoint,
+    loaded here with its own caches: krait/runner/spec_decode/draft_model.py)."""
     if spec.method == "ngram":
         return NgramDrafter(spec)
+    if spec.method == "draft_model":
+        from krait.runner.spec_decode.draft_model import DraftModelDrafter  # noqa: PLC0415
+
+        return DraftModelDrafter(spec, config)
     raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
 
 

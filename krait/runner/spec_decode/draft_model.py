@@ -1,0 +1,349 @@
+"""The draft-model drafter: a second, smaller (or the same) checkpoint proposes the drafts.
+
+`speculative_config={"model": DRAFT_DIR, "num_speculative_tokens": k}` (method "draft_model"):
+any krait-loadable checkpoint, dense or hybrid, whose vocabulary is the target's. The drafter
+owns a second `ModelRunner` (same device, dtype, max_model_len, block size and max_num_seqs as
+the target; no speculation of its own) with its own KV blocks and state slots, handed out by its
+own `KVCacheManager`, and drives it only through `execute_model(SchedulerOutput)` with scheduler
+outputs it builds itself.
+
+Each `propose` call, for every row that may draft (greedy drafts, point masses for the
+rejection sampler):
+
+1. catch-up: the target's tokens the draft has not computed yet (`token_table[row,
+   computed:num_tokens]`: the tokens verified since the last call, the last sampled one
+   included) run as one prefill-like chunk (the draft runner's `num_prompt_tokens` is set to
+   `num_tokens`, so the rows are prefill rows continuing from their state), split into steps of
+   at most `max_num_batched_tokens` tokens. The argmax at the chunk's last position is draft 1.
+   A row with nothing to catch up (it was not scheduled since the last call) reuses the draft 1
+   it got then.
+2. k - 1 one-token greedy steps (d1 in -> d2 out, ...), all rows in one batch per step, each
+   row stopping at its `max_drafts`.
+
+Hybrid drafts hold 2 state slots per request: A, the state after the last verified token, which
+only catch-ups advance, and B, scratch: before step 2, A's conv and SSM state are copied into B
+for every Mamba layer and the request's slot column points at B; after the last step it points
+back at A. Attention KV written at draft positions needs no rollback: the draft's computed count
+only covers verified tokens, so the next catch-up rewrites those positions before anything reads
+them.
+
+Requests that leave the target (finished or preempted) leave the draft through
+`on_requests_removed`: their blocks and slots are freed at once, and the draft runner drops them
+in its next step. A request the draft pool cannot hold (blocks or slots short) gets no drafts
+until it fits; one already held that cannot grow is dropped (and re-admitted, recomputed, later),
+so that the pool never stays stuck.
+
+Cache sizing: the draft's pool holds max_num_seqs requests of max_model_len when that fits in
+DRAFT_CACHE_FRACTION of the target's cache memory (cpu_kv_cache_gib on CPU; on the GPU the
+memory free for caches under gpu_memory_utilization when the drafter is built, target and draft
+weights loaded), else it takes that fraction. The drafter is built inside the target runner's
+constructor, before the target's memory profiling (krait/runner/memory.py), which then counts
+the draft's weights and caches as used and sizes the target's pool from what is left. On the
+GPU, unless enforce_eager, the draft runner captures decode CUDA graphs (the k - 1 one-token
+steps replay them); its catch-up chunks run eagerly. A graph pool's free segments are reserved
+but not allocated memory, which the target's profiling does not count: the draft's decode pool
+(small: max_num_seqs rows of one token) lives in the profiler's reserve; piecewise and prefill
+graph pools (several times a forward's activations at max_num_batched_tokens) would not fit there.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from krait.config import EngineConfig, SpeculativeConfig
+from krait.engine.kv_cache_manager import KVCacheManager, cdiv
+from krait.engine.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from krait.runner.input_batch import host_to_device
+from krait.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# the share of the target's cache memory the draft's KV blocks and state slots may take
+DRAFT_CACHE_FRACTION = 0.1
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class _DraftSeq:
+    """One target request as the draft sees it (duck-types what KVCacheManager reads)."""
+
+    request_id: str  # the draft runner's id
+    num_computed_tokens: int = 0  # verified tokens the draft has computed
+    next_token: int = -1  # the draft's argmax after them (draft 1)
+    block_ids: list[int] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)  # [A, B] for hybrid drafts
+
+
+def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> EngineConfig:
+    """The draft runner's configuration: the target's device, dtype, lengths, block size and
+    batch limits, no speculation. ValueError (naming speculative_config.model) for a missing
+    checkpoint, a vocabulary other than the target's or a positional limit below max_model_len."""
+    path = spec.model
+    if not path or not Path(path).is_dir():
+        raise ValueError(f"speculative_config.model={path!r}: no such directory")
+    tc = target
+    try:
+        cfg = EngineConfig.from_kwargs(
+            model=str(path),
+            dtype=tc.model.dtype,
+            device=tc.device,
+            max_model_len=tc.model.max_model_len,
+            max_num_seqs=tc.scheduler.max_num_seqs,
+            max_num_batched_tokens=tc.scheduler.max_num_batched_tokens,
+            block_size=tc.cache.block_size,
+            gpu_memory_utilization=tc.cache.gpu_memory_utilization,
+            load_format=tc.model.load_format,
+            seed=tc.model.seed,
+            enforce_eager=tc.enforce_eager,
+            speculative_config=None,
+            kv_cache_dtype=tc.cache.kv_cache_dtype,
+            mamba_ssm_cache_dtype=tc.cache.mamba_ssm_cache_dtype,
+            cpu_kv_cache_gib=tc.cache.cpu_kv_cache_gib,
+            async_scheduling=False,
+        )
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model={path!r}: {e}") from e
+    if cfg.model.vocab_size != tc.model.vocab_size:
+        raise ValueError(
+            f"speculative_config.model={path!r}: the draft's vocab_size is "
+            f"{cfg.model.vocab_size}, the target's {tc.model.vocab_size}; a draft model must "
+            "share the target's vocabulary")
+    return cfg
+
+
+def _cache_budget(config: EngineConfig) -> int:
+    """Bytes the draft's caches may take: DRAFT_CACHE_FRACTION of the target's cache memory."""
+    if config.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(config.device)
+        usable = total * config.cache.gpu_memory_utilization - (total - free)
+    else:
+        usable = config.cache.cpu_kv_cache_gib * 2**30
+    return int(max(usable, 0) * DRAFT_CACHE_FRACTION)
+
+
+def draft_cache_size(per_block: int, per_slot: int, slots_per_request: int, max_num_seqs: int,
+                     max_model_len: int, block_size: int, budget: int) -> tuple[int, int]:
+    """(num_blocks with the null block, num_state_slots) of the draft's pool: room for
+    max_num_seqs requests of max_model_len when that fits in `budget` bytes, else what the
+    budget holds (the state of at least one request, at most half the budget for state when
+    it is short). ValueError when not even one block or one request's state fits."""
+    full_blocks = max_num_seqs * cdiv(max_model_len, block_size) + 1 if per_block else 0
+    full_slots = max_num_seqs * slots_per_request
+    if full_blocks * per_block + full_slots * per_slot <= budget:
+        return full_blocks, full_slots
+    slots = full_slots
+    if per_slot and full_slots * per_slot > budget // (2 if per_block else 1):
+        seats = budget // (2 if per_block else 1) // (slots_per_request * per_slot)
+        slots = min(max_num_seqs, seats) * slots_per_request
+    blocks = 0
+    if per_block:
+        blocks = min((budget - slots * per_slot) // per_block, full_blocks)
+    if (per_slot and slots == 0) or (per_block and blocks < 2):
+        raise ValueError(
+            f"speculative_config.model: the draft's cache budget ({budget / 2**20:.1f} MiB, "
+            f"{DRAFT_CACHE_FRACTION:.0%} of the cache memory) holds no request; give the cache "
+            "more memory (gpu_memory_utilization, or cpu_kv_cache_gib on CPU)")
+    return int(blocks), int(slots)
+
+
+class DraftModelDrafter:
+    """Proposes greedy drafts with a draft checkpoint run by its own ModelRunner (see the
+    module doc)."""
+
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig) -> None:
+        from krait.runner.model_runner import ModelRunner  # noqa: PLC0415 (imports this module)
+
+        self.k = spec.num_speculative_tokens
+        self.config = draft_engine_config(spec, config)
+        self.runner = ModelRunner(self.config)
+        ms = self.runner.model_state
+        self.hybrid = bool(getattr(ms, "mamba_layers", None))
+        slots_per_request = 2 if self.hybrid else 0  # A (verified) and B (drafting)
+        per_block, per_slot = ms.kv_bytes_per_block(), ms.state_bytes_per_slot()
+        sc = self.config.scheduler
+        num_blocks, num_slots = draft_cache_size(
+            per_block, per_slot, slots_per_request, sc.max_num_seqs,
+            self.config.model.max_model_len, self.config.cache.block_size,
+            _cache_budget(config))
+        self.runner.initialize_cache(num_blocks, num_slots)
+        if self.config.device.type == "cuda" and not self.config.enforce_eager:
+            from krait.runner.cuda_graphs import CudaGraphRunner  # noqa: PLC0415
+
+            self.runner.cuda_graphs = CudaGraphRunner(self.runner)  # decode graphs only
+            self.runner.cuda_graphs.capture_all()
+        self.kv = KVCacheManager(num_blocks, self.config.cache.block_size, num_slots,
+                                 slots_per_request)
+        self.max_batched = sc.max_num_batched_tokens
+        self._seqs: dict[int, _DraftSeq] = {}  # target req_state index -> its draft sequence
+        self._finished: set[str] = set()  # draft ids to drop in the draft runner's next step
+        self._next_id = 0
+        # tallies (tests, diagnostics): catch-up steps run, and rows whose draft 1 was reused
+        self.num_catch_up_steps = 0
+        self.num_reused_first_drafts = 0
+        logger.info(
+            "draft model %s: %d KV blocks of %d tokens, %d state slots (%.1f MiB)",
+            self.config.model.model, max(num_blocks - 1, 0), self.config.cache.block_size,
+            num_slots, (num_blocks * per_block + num_slots * per_slot) / 2**20)
+
+    # -- requests leaving -----------------------------------------------------------------
+    def on_requests_removed(self, rows: list[int]) -> None:
+        """The target's requests at these req_state indices finished or were preempted: their
+        draft blocks and slots are freed now, their draft runner rows in its next step."""
+        for row in rows:
+            seq = self._seqs.pop(int(row), None)
+            if seq is not None:
+                self._drop(seq)
+
+    def _drop(self, seq: _DraftSeq) -> None:
+        self.kv.free(seq)
+        self._finished.add(seq.request_id)
+
+    # -- drafting -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, token_table: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
+                max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """token_table int32 [max_reqs, max_model_len] (the target's host token table), the rows
+        (its req_state indices) to draft for, their token counts and the most drafts each may
+        take -> (drafts int32 [R, k], -1 padded; counts int32 [R])."""
+        num_rows = len(rows)
+        drafts = np.full((num_rows, self.k), -1, dtype=np.int32)
+        counts = np.zeros(num_rows, dtype=np.int32)
+        caps = np.minimum(np.asarray(max_drafts, dtype=np.int64), self.k)
+        st = self.runner.states
+        new_reqs: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        plan: list[tuple[int, _DraftSeq, int, int]] = []  # (output row, seq, tokens, drafts)
+        catch_up: dict[str, int] = {}  # draft id -> tokens to catch up
+        got: dict[str, list[int]] = {}  # draft id -> its drafts so far
+        w_rows: list[int] = []  # writes into the draft's device token table
+        w_pos: list[int] = []
+        w_tok: list[int] = []
+        for j in np.flatnonzero(caps > 0).tolist():
+            row, n, m = int(rows[j]), int(num_tokens[j]), int(caps[j])
+            seq = self._seqs.get(row)
+            if seq is not None and seq.num_computed_tokens > n:  # cannot happen: start over
+                del self._seqs[row]
+                self._drop(seq)
+                seq = None
+            fresh = seq is None
+            if fresh:
+                seq = _DraftSeq(f"draft-{self._next_id}")
+                self._next_id += 1
+                if not self.kv.allocate_slots(seq):
+                    continue  # no free state slots: no drafts until some come back
+            c = seq.num_computed_tokens
+            # KV for every position a draft step writes: up to n + m - 2
+            new_blocks = self.kv.allocate(seq, n + m - 1 - c)
+            if new_blocks is None:
+                if fresh:
+                    self.kv.free(seq)
+                else:  # dropped, so that the pool cannot stay stuck with rows that cannot grow
+                    del self._seqs[row]
+                    self._drop(seq)
+                continue
+            if fresh:
+                self._seqs[row] = seq
+                new_reqs.append(NewRequestData(
+                    req_id=seq.request_id, token_ids=token_table[row, :n].tolist(),
+                    num_prompt_tokens=n, params=_GREEDY, block_ids=list(seq.block_ids),
+                    state_slots=seq.state_slots[:1], num_computed_tokens=0,
+                    num_output_tokens=0, eos_token_ids=[]))
+            else:
+                cached.append(CachedRequestData(seq.request_id, new_blocks, c))
+                i = st.index[seq.request_id]
+                if c < n:  # the verified tokens since the last call, as a prefill continuation
+                    st.token_ids[i, c:n] = token_table[row, c:n]
+                    w_rows += [i] * (n - c)
+                    w_pos += range(c, n)
+                    w_tok += token_table[row, c:n].tolist()
+                else:  # not scheduled since the last call: its draft 1 is known
+                    st.token_ids[i, n] = seq.next_token
+                    w_rows.append(i)
+                    w_pos.append(n)
+                    w_tok.append(seq.next_token)
+                    got[seq.request_id] = [seq.next_token]
+                    self.num_reused_first_drafts += 1
+                st.num_prompt_tokens[i] = n
+                st.num_tokens[i] = n + (c == n)
+            if c < n:
+                catch_up[seq.request_id] = n - c
+            plan.append((j, seq, n, m))
+        tables = self.runner.tables
+        if tables is not None and w_rows:
+            tables.write_sampled(np.array(w_rows), np.array(w_pos),
+                                 host_to_device(np.array(w_tok, dtype=np.int64), tables.device))
+        finished, self._finished = self._finished, set()
+        pending = []
+        # 1. catch-up, in steps of at most max_num_batched_tokens (the first one also carries the
+        # new, the held and the finished requests)
+        first = True
+        while first or catch_up:
+            sched_tokens: dict[str, int] = {}
+            budget = self.max_batched
+            for rid in list(catch_up):
+                if budget == 0:
+                    break
+                t = min(catch_up[rid], budget)
+                sched_tokens[rid] = t
+                budget -= t
+                catch_up[rid] -= t
+                if catch_up[rid] == 0:
+                    del catch_up[rid]
+            pending.append(self.runner.execute_model(self._sched(
+                sched_tokens, new_reqs if first else [], cached if first else [],
+                finished if first else set())))
+            first = False
+            self.num_catch_up_steps += bool(sched_tokens)
+        if not plan:
+            return drafts, counts
+        # 2. the one-token steps from slot B
+        longest = max(m for _, _, _, m in plan)
+        if longest > 1 and self.hybrid:
+            self._to_scratch([seq for _, seq, _, m in plan if m > 1])
+        for s in range(1, longest):
+            pending.append(self.runner.execute_model(self._sched(
+                {seq.request_id: 1 for _, seq, _, m in plan if m > s}, [], [], set())))
+        for p in pending:  # read back once, after every step was launched
+            for rid, sampled in p.result().items():
+                got.setdefault(rid, []).extend(sampled.token_ids)
+        for j, seq, n, m in plan:
+            toks = got[seq.request_id]
+            if len(toks) != m:
+                raise RuntimeError(f"draft row {seq.request_id}: {len(toks)} drafts, expected {m}")
+            drafts[j, :m] = toks
+            counts[j] = m
+            seq.num_computed_tokens = n
+            seq.next_token = toks[0]
+            i = st.index[seq.request_id]
+            st.num_computed_tokens[i] = n  # verified tokens only: the drafts are forgotten
+            st.num_tokens[i] = n
+            if self.hybrid:
+                st.state_slots[i, 0] = seq.state_slots[0]  # back to A
+        return drafts, counts
+
+    @staticmethod
+    def _sched(num_scheduled: dict[str, int], new: list[NewRequestData],
+               cached: list[CachedRequestData], finished: set[str]) -> SchedulerOutput:
+        return SchedulerOutput(
+            new_reqs=new, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished, preempted_req_ids=set())
+
+    def _to_scratch(self, seqs: list[_DraftSeq]) -> None:
+        """Copies slot A's conv and SSM state into slot B for every Mamba layer (one gather and
+        one scatter per state tensor) and points each request's slot column at B."""
+        dev = self.config.device
+        a = host_to_device(np.array([s.state_slots[0] for s in seqs], dtype=np.int64), dev)
+        b = host_to_device(np.array([s.state_slots[1] for s in seqs], dtype=np.int64), dev)
+        for layer in self.runner.model_state.mamba_layers:
+            conv = layer.conv_state.transpose(1, 2)  # the contiguous [slots, taps, dim] storage
+            conv[b] = conv[a]
+            layer.ssm_state[b] = layer.ssm_state[a]
+        st = self.runner.states
+        for s in seqs:
+            st.state_slots[st.index[s.request_id], 0] = s.state_slots[1]
