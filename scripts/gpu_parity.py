@@ -38,9 +38,15 @@ DENSE_GRANITE = {"granitemoehybrid-dense": ("granitemoehybrid",
 # "spec": speculative decoding (ngram drafts, k = 3: verify steps of 1 + k tokens a row)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 MODES = {"graphs": {}, "chunked": {"max_num_batched_tokens": 7}, "eager": {"enforce_eager": True},
-         "batch1": {"max_num_seqs": 1}, "spec": {"speculative_config": NGRAM},
-         "spec_chunked": {"speculative_config": NGRAM, "max_num_batched_tokens": 7}}
-DEFAULT_MODES = "graphs,chunked,eager,batch1,spec,spec_chunked"  # PARITY_MODES=graphs,batch1
+         "batch1": {"max_num_seqs": 1},
+         # few rows: fewer decode and verify graphs to capture
+         "spec": {"speculative_config": NGRAM, "max_num_seqs": 8},
+         "spec_chunked": {"speculative_config": NGRAM, "max_num_batched_tokens": 7,
+                          "max_num_seqs": 8},
+         # the checkpoint as its own draft model: every draft accepted, the accept path runs
+         "spec_self": {"speculative_config": {"model": "SELF", "num_speculative_tokens": 3},
+                       "max_num_seqs": 8}}
+DEFAULT_MODES = "graphs,chunked,eager,batch1,spec,spec_chunked,spec_self"  # or PARITY_MODES=
 
 
 def make(root: Path) -> None:
@@ -64,6 +70,9 @@ def check_arch(d: Path) -> bool:
         if label not in os.environ.get("PARITY_MODES", DEFAULT_MODES).split(","):
             continue
         device = os.environ.get("KRAIT_PARITY_DEVICE", "cuda")  # "cpu" for a dry run here
+        spec = kw.get("speculative_config")
+        if spec is not None and spec.get("model") == "SELF":
+            kw = {**kw, "speculative_config": {**spec, "model": str(d)}}
         llm = LLM(str(d), device=device, dtype="float32", **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
