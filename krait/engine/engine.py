@@ -261,9 +261,11 @@ class LLMEngine:
                     continue
                 new_ids = req.output_token_ids  # one decode when it finishes
             if detok is not None:
+                held = 0  # the request's last outputs not in new_ids
                 if _ended_on_stop_token(req) and not req.params.include_stop_str_in_output:
                     new_ids = new_ids[:-1]  # EOS / stop token ids stay out of the text
-                stop = detok.update(new_ids)
+                    held = 1
+                stop = _update_detokenizer(detok, req, new_ids, held)
                 if stop is None and req.is_finished:
                     stop = detok.finish()
                 if stop is not None and not req.is_finished:
@@ -320,6 +322,29 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
         )
+
+
+def _update_detokenizer(detok: IncrementalDetokenizer, req: Request, new_ids: list[int],
+                        held: int = 0):
+    """detok.update(new_ids); several tokens at once (a speculative step's accepted run) go one
+    at a time, and the request's outputs after a stop string (new_ids' later ones and `held`
+    more at the end) are taken back off, so that the output ends where one token a step would
+    have ended it."""
+    if len(new_ids) + held == 1 or not req.params.stop_strings:
+        return detok.update(new_ids)
+    for j, tok in enumerate(new_ids):
+        stop = detok.update([tok])
+        if stop is not None:
+            extra = len(new_ids) - 1 - j + held
+            if extra:
+                gone = req.output_token_ids[-extra:]
+                del req.output_token_ids[-extra:]
+                if req.logprobs is not None:
+                    for entry, t in zip(req.logprobs[-extra:], gone):
+                        req.cumulative_logprob -= entry[t].logprob
+                    del req.logprobs[-extra:]
+            return stop
+    return None
 
 
 def _spec_metrics(reqs) -> dict:

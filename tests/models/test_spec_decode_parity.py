@@ -248,3 +248,21 @@ def test_spec_seeded_sampling_is_reproducible(references, arch: str) -> None:
     again = [o.outputs[0].token_ids for o in generate(llm, params)]
     assert first == again
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "llama"])
+def test_spec_stop_strings_inside_an_accepted_run(references, arch: str) -> None:
+    # the same tokens and text as one token a step: tokens after the stop string's end go
+    ref = references(arch)
+    plain = LLM(ref.model_dir, **device_options())
+    full = generate(plain, _params(logprobs=None))
+    stops = [o.outputs[0].text[len(o.outputs[0].text) // 2:][:3] for o in full]
+    params = [_params(stop=[s] if s else None, logprobs=1) for s in stops]
+    want = generate(plain, params)
+    got = generate(make_llm(ref), params)
+    for w, g in zip(want, got):
+        w, g = w.outputs[0], g.outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+        assert len(g.logprobs) == len(g.token_ids)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in got) >= len(PROMPTS) // 2
