@@ -35,9 +35,10 @@ from krait.runner.sampler import (
     SamplingMetadata,
     SamplingRow,
     build_sampling_metadata,
+    greedy_sampling_metadata,
 )
-from krait.runner.spec_decode.rejection_sampler import RejectionSampler
 from krait.runner.spec_decode.drafter import create_drafter, drafts_allowed
+from krait.runner.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger(__name__)
 
@@ -352,14 +353,16 @@ class ModelRunner:
             positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
             logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
         draft_ids = [t for r in rows for t in spec.get(req_ids[r], ())]
-        meta = self._sampling_metadata(logits, idx[rows])
+        if st.plain_greedy[idx[rows]].all():  # no per-row parameters to gather
+            meta = greedy_sampling_metadata(len(rows), logits.device)
+        else:
+            meta = self._sampling_metadata(logits, idx[rows])
         out = self.rejection_sampler(
             logits, host_to_device(cu, self.device),
             host_to_device(np.array(draft_ids, dtype=np.int64), self.device), None, meta,
             num_draft_tokens=counts - 1,
         )
         self.penalties.record(idx[rows], out.output_token_ids[:, 0])  # no drafts with penalties
-        num_sampled_dev = out.num_sampled
         tokens = out.output_token_ids.cpu().numpy()  # [rows, 1 + max k]: the step's one sync
         num_sampled = out.num_sampled.cpu().numpy().astype(np.int32)
         lp = None
@@ -367,35 +370,33 @@ class ModelRunner:
             lp = [t.cpu().tolist() for t in (out.logprobs.token_ids, out.logprobs.logprobs,
                                             out.logprobs.ranks)]
         # host tables: the sampled tokens after each row's last known one
+        rows_i = idx[rows]
+        start = st.num_tokens[rows_i].astype(np.int64)
+        pos = start[:, None] + np.arange(tokens.shape[1])  # [rows, 1 + max k]
+        keep = (pos < start[:, None] + num_sampled[:, None]) & (pos < self.max_model_len)
+        w_rows = np.broadcast_to(rows_i[:, None], pos.shape)[keep]
+        w_pos, w_tok = pos[keep], tokens[keep]
+        st.token_ids[w_rows, w_pos] = w_tok
+        st.num_tokens[rows_i] = start + num_sampled
+        if self.tables is not None and len(w_rows):
+            self.tables.write_sampled(w_rows, w_pos, host_to_device(w_tok, self.device))
         sampled: dict[str, SampledTokens] = {}
-        w_rows, w_pos, w_tok = [], [], []
-        for j, r in enumerate(rows.tolist()):
-            i = int(idx[r])
-            m = int(num_sampled[j])
-            toks = tokens[j, :m].tolist()
-            start = int(st.num_tokens[i])
-            fit = max(min(m, self.max_model_len - start), 0)
-            st.token_ids[i, start : start + fit] = toks[:fit]
-            w_rows += [i] * fit
-            w_pos += range(start, start + fit)
-            w_tok += toks[:fit]
-            st.num_tokens[i] = start + m
-            got = SampledTokens(toks)
-            if lp is not None and st.wants_logprobs[i]:
+        for j, (r, m, toks) in enumerate(zip(rows.tolist(), num_sampled.tolist(),
+                                             tokens.tolist())):
+            got = SampledTokens(toks[:m])
+            if lp is not None and st.wants_logprobs[rows_i[j]]:
                 got.logprobs = [dict(zip(lp[0][j][q], lp[1][j][q])) for q in range(m)]
                 got.ranks = [lp[2][j][q] for q in range(m)]
             sampled[req_ids[r]] = got
-        if self.tables is not None and w_rows:
-            t = host_to_device(np.array(w_tok, dtype=np.int64), self.device)
-            self.tables.write_sampled(np.array(w_rows), np.array(w_pos), t)
         # a verify row computed its last known token and the accepted drafts
         new_computed = end.copy()
-        dec = rows[~batch.is_prefilling[rows]]
-        new_computed[dec] = computed[dec] + num_sampled[~batch.is_prefilling[rows]]
+        dec = ~batch.is_prefilling[rows]
+        new_computed[rows[dec]] = computed[rows[dec]] + num_sampled[dec]
         st.num_computed_tokens[idx] = new_computed
         if self.model_state.num_accepted_tokens is not None:
-            per_row = torch.zeros(n, dtype=torch.int32, device=self.device)
-            per_row[host_to_device(rows, self.device)] = num_sampled_dev.to(torch.int32)
+            per_row = np.zeros(n, dtype=np.int32)  # 0 for a prefill chunk that sampled nothing
+            per_row[rows] = num_sampled
+            per_row = host_to_device(per_row, self.device)
             self.model_state.postprocess_state(batch.idx_mapping[:n], per_row, batch.seq_lens[:n])
         for rid, entries in prompt_lps.items():
             sampled.setdefault(rid, SampledTokens([])).prompt_logprobs = entries

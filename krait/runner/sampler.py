@@ -164,6 +164,17 @@ def build_sampling_metadata(
     )
 
 
+def greedy_sampling_metadata(num_rows: int, device: torch.device) -> SamplingMetadata:
+    """The metadata of `num_rows` plain greedy rows (no bans, penalties, biases, logprobs or
+    seeds), without gathering per-row parameters."""
+    return SamplingMetadata(
+        temperature=torch.zeros(num_rows, dtype=torch.float32, device=device), all_greedy=True,
+        top_k=None, top_p=None, min_p=None, seeds=[None] * num_rows, seed_offsets=[0] * num_rows,
+        presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
+        output_counts=None, prompt_mask=None, banned=[], max_num_logprobs=None,
+    )
+
+
 def _token_counts(
     rows: list[SamplingRow],
     which: list[int],
