@@ -105,7 +105,9 @@ def bench_latency(args) -> dict:
     budget = max(args.max_num_batched_tokens, *prompt_lens, 1)
     # early rows of a big batch decode while later rows still prefill: leave them room
     prefill_steps = -(-max(batch_sizes) * args.context_len // budget)
-    need = args.context_len + prefill_steps + args.num_steps + 16
+    spec = args.speculative_config or {}
+    per_step = 1 + int(spec.get("num_speculative_tokens", 0))  # tokens a row may gain a step
+    need = args.context_len + (prefill_steps + args.num_steps + 8) * per_step + 16
     max_len = args.max_model_len or max([need, *prompt_lens]) + 16
     if need > max_len:
         raise ValueError(f"max_model_len {max_len} is too short for this run (needs {need})")
@@ -177,8 +179,8 @@ def _decode_step_ms(
     # steady state: steps back to back (with async scheduling the host prepares step N+1
     # while the device runs step N), never drained in between: each step() returns when the
     # step before it is read back, so the time between returns is a step's. Timed in four
-    # windows of consecutive steps so that a median is still taken (before session 13 each
-    # window began from a drained device: one pipeline refill in every steps / 4)
+    # windows of consecutive steps so that a median is still taken (a window that began from a
+    # drained device would pay one pipeline refill in every steps / 4)
     group = max(steps // 4, 1)
     _sync(dev)
     engine.step()  # refills the pipeline
@@ -205,6 +207,9 @@ def _decode_step_ms(
     # the same step's graph with no host work between replays: what the GPU takes (its writes
     # repeat into these rows' caches and state, which are dropped next)
     graph_ms = graphs.replay_ms(batch) if graphs is not None and dev.type == "cuda" else None
+    verify = engine.runner.verify_graphs  # speculative decoding: the 1 + k token step's graph
+    if verify is not None and dev.type == "cuda":
+        spec["verify_graph_ms"] = verify.replay_ms(batch)
     engine.abort_request(ids)
     if running != batch:
         raise RuntimeError(f"decode batch {batch}: only {running} rows ran (preempted or finished)")
@@ -299,7 +304,7 @@ def _krait_run(engine: LLMEngine, prompts: list[list[int]], warm: list[list[int]
     with `output_len` tokens each (ignore_eos), after a warm-up: the same workload on the `warm`
     prompts (Triton compiles and specializes on the prefill chunk layouts, batch sizes and
     context lengths the timed run will see: with a few tokens each, the first run on a fresh
-    machine measured 24% below the next, session 5)."""
+    machine measured 24% below the next)."""
     dev = engine.config.device
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
                             output_kind="final_only")
