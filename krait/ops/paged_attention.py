@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2, num_sms, use_triton
+from krait.ops._dispatch import cdiv, next_pow2, num_sms, use_triton
 from krait.ops.kv_write import from_cache
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.rope_kv_write import store_rope_kv
@@ -260,8 +260,7 @@ def _decode_split_kernel(
                            stride_kc_o, stride_kc_h, stride_vc_b, stride_vc_o, stride_vc_h,
                            kp, kr, kcos, ksin, kw, kwp, NORM, BLOCK_D)
         # Q_FIRST: q before the newest key's reload (8-warp programs), else after it; either
-        # way the other order lost on the H200 (session 17, qwen3's shape, µs a layer: 1 row,
-        # 8 warps 7.51 vs 7.86; 8 rows, 4 warps 24.1 vs 14.7)
+        # way the other order lost on the H200 (docs/benchmarks.md)
         if Q_FIRST:
             q = _split_q(q_ptr, q_start, head, row_ok, q_mask, q_ptrs, GROUP * tl.num_programs(1),
                          eps, head_dim, stride_qt, stride_qh, qp, qr, qcos, qsin, qw, qwp,
@@ -370,65 +369,37 @@ def _decode_combine_kernel(
     stamp(TL, tl_ptr, EXIT)
 
 
+# split-KV decode aims at this many programs per SM (more splits cost their merge, fewer leave
+# SMs idle), each split taking at least SPLIT_MIN_KEYS keys (one key tile: long splits gave
+# short rows too few programs); keys per tile of the decode programs (64 on the H200 with a
+# bf16 cache); software-pipeline stages of the split program's key loop (docs/benchmarks.md)
+SPLIT_WAVES = 2
+SPLIT_MIN_KEYS = 64
+DECODE_BLOCK_N = 64
+SPLIT_STAGES = 2
+
+
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device) -> int:
-    """Splits per decode row so that rows x kv heads x splits fills the GPU about twice; 1 when
-    the batch already does or the rows are short (a split takes at least
-    KRAIT_DECODE_SPLIT_KEYS keys, 64 unless set: one key tile. H200, session 16, batch-1 graph
-    with max_model_len 1077: qwen3-0.6b 0.938 -> 0.912 ms, llama-3.2-1b 0.931 -> 0.921 against
-    256, batch 8 unchanged; a longer max_model_len gave 16 splits at batch 1 either way)."""
-    sms = num_sms(device)
-    # programs to aim for, in multiples of the SM count (KRAIT_DECODE_SPLIT_WAVES: an A/B knob
-    # for the GPU benchmarks; 2 unless set)
-    waves = int(env("KRAIT_DECODE_SPLIT_WAVES", "2"))
-    want = cdiv(waves * sms, max(num_rows * num_kv_heads, 1))
-    by_len = cdiv(max_seq_len, int(env("KRAIT_DECODE_SPLIT_KEYS", "64")))
+    """Splits per decode row so that rows x kv heads x splits fills the GPU SPLIT_WAVES times; 1
+    when the batch already does or the rows are short (a split takes at least SPLIT_MIN_KEYS
+    keys). In a decode graph the splits are fixed at capture, from max_model_len."""
+    want = cdiv(SPLIT_WAVES * num_sms(device), max(num_rows * num_kv_heads, 1))
+    by_len = cdiv(max_seq_len, SPLIT_MIN_KEYS)
     return max(1, min(16, next_pow2(min(want, by_len))))
 
 
 def decode_split_warps(num_programs: int, device) -> int:
     """Warps of a split-KV decode program: 8 when the grid fits on the GPU one program an SM
-    (each program streams its keys alone: more loads in flight), else 4. H200, session 16, graph
-    ms: qwen3-0.6b batch 1 (128 programs) 0.912 -> 0.901 with 8, batch 8 (512 programs) 1.503 ->
-    1.644. KRAIT_DECODE_SPLIT_WARPS (4 or 8) fixes it: an A/B knob."""
-    forced = env("KRAIT_DECODE_SPLIT_WARPS", "")
-    if forced:
-        if forced not in ("4", "8"):
-            raise ValueError(f"KRAIT_DECODE_SPLIT_WARPS must be 4 or 8, not {forced}")
-        return int(forced)
+    (each program streams its keys alone: more loads in flight), else 4 (8-warp programs lost
+    once the grid holds several programs an SM)."""
     return 8 if num_programs <= num_sms(device) else 4
 
 
 def decode_prefetch(warps: int, block_n: int, block_d: int) -> bool:
     """Whether split-KV programs load their first K/V tile before the PDL wait: when that tile
     (K and V, 2 x block_n x block_d elements) is at most 64 elements a thread, i.e. it does not
-    cost the program its occupancy. H200, session 18, attention alone at context 1024, µs a
-    call: qwen3's shape (head dim 128) at 8 rows, 4 warps, 15.1 -> 14.0 without it (registers
-    159 -> 112) and 25.4 -> 16.2 with the rope fold (197 -> 126); at 1 row (8 warps) 8.6 ->
-    7.5 with it; llama's (head dim 64) at 8 rows 13.2 -> 11.6 with it.
-    KRAIT_DECODE_PREFETCH (1 or 0) fixes it: an A/B knob."""
-    forced = env("KRAIT_DECODE_PREFETCH", "")
-    if forced:
-        return forced != "0"
+    cost the program its occupancy (past it the registers it holds made the program slower)."""
     return 2 * block_n * block_d <= 64 * 32 * warps
-
-
-def _decode_split_stages() -> int:
-    """Software-pipeline stages of the split-KV program's key loop: 2; KRAIT_DECODE_SPLIT_STAGES
-    is an A/B knob."""
-    stages = int(env("KRAIT_DECODE_SPLIT_STAGES", "2"))
-    if stages not in (1, 2, 3):
-        raise ValueError(f"KRAIT_DECODE_SPLIT_STAGES must be 1, 2 or 3, not {stages}")
-    return stages
-
-
-def _decode_block_n() -> int:
-    """Keys per tile of decode programs (the split-KV kernel, and the varlen kernel's small query
-    tiles): 64 (H200, bf16 cache); KRAIT_DECODE_BLOCK_N is an A/B knob (an fp8 tile of 64 keys
-    moves half the bytes for the same per-tile work)."""
-    block_n = int(env("KRAIT_DECODE_BLOCK_N", "64"))
-    if block_n not in (16, 32, 64, 128):
-        raise ValueError(f"KRAIT_DECODE_BLOCK_N must be 16, 32, 64 or 128, not {block_n}")
-    return block_n
 
 
 def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str, int]:
@@ -441,7 +412,7 @@ def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str,
     # 128-row prefill tiles like 128-key tiles and 8 warps.
     if block_m >= 128:
         return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=block_m, BLOCK_N=_decode_block_n(), num_warps=4, num_stages=2)
+    return dict(BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, num_warps=4, num_stages=2)
 
 
 def paged_attention_triton(
@@ -468,6 +439,7 @@ def paged_attention_triton(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_table.stride(-1) == 1
     interpret = q.device.type == "cpu"
+    forced_splits = num_splits
     if num_splits is None:
         num_splits = 1
         if max_query_len == 1:
@@ -476,6 +448,18 @@ def paged_attention_triton(
         _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
                       sliding_window, num_splits, interpret, prefetch)
         return out
+    if 1 < max_query_len <= SHORT_QUERY_ROWS:
+        # short query rows (speculative verify rows, small chunks): each token as a one-token
+        # row of its own, its keys split like a decode row's, when the rows alone would leave
+        # the GPU idle (the varlen kernel runs one program a row and KV head)
+        splits = forced_splits or decode_num_splits(num_tokens, num_kv_heads, max_seq_len,
+                                                    q.device)
+        if splits > 1:
+            tok_qsl, tok_seq_lens, tok_table = token_rows(query_start_loc, seq_lens, block_table,
+                                                          num_tokens)
+            _decode_split(q, k_cache, v_cache, out, tok_qsl, tok_seq_lens, tok_table, scale,
+                          sliding_window, splits, interpret, prefetch)
+            return out
     config = _launch_config(max_query_len, group, interpret)
     grid = (num_rows, num_kv_heads, cdiv(max_query_len, config["BLOCK_M"] // group))
     pdl = use_pdl(q)
@@ -492,6 +476,29 @@ def paged_attention_triton(
         BLOCK_D=next_pow2(head_dim), **config, **pdl_args(pdl),
     )
     return out
+
+
+SHORT_QUERY_ROWS = 8  # rows of at most this many query tokens may run as one-token rows
+
+
+def token_rows(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """Each of `num_tokens` query tokens as a one-token row: query_start_loc int32 [T + 1]
+    (0..T), seq_lens int32 [T] (the keys up to and including the token's own position) and
+    block_table [T, width] (its row's). On the device, no host sync (CUDA-graph safe); tokens
+    past the last row (a padded bucket) take the last row with one key."""
+    dev = seq_lens.device
+    rows = seq_lens.shape[0]
+    t = torch.arange(num_tokens, device=dev, dtype=torch.int32)  # [T]
+    ends = query_start_loc[1 : rows + 1].contiguous()  # [R] each row's query end
+    row_of = torch.searchsorted(ends, t, right=True)  # [T] int64
+    past = row_of >= rows
+    row_of = row_of.clamp_(max=max(rows - 1, 0))
+    # token t of a row ending at e (exclusive) sees seq_len - (e - 1 - t) keys
+    tok_seq = seq_lens[row_of] - (ends[row_of] - 1 - t)
+    tok_seq = torch.where(past, 1, tok_seq).to(torch.int32)
+    tok_qsl = torch.arange(num_tokens + 1, device=dev, dtype=torch.int32)
+    return tok_qsl, tok_seq, block_table[row_of]
 
 
 def decode_split_rope(
@@ -540,8 +547,8 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
                           device=q.device)
     grid = (num_rows, num_kv_heads, num_splits)
     warps = decode_split_warps(num_rows * num_kv_heads * num_splits, q.device)
-    block_n = 128 if interpret else _decode_block_n()
-    opts = {} if interpret else dict(num_warps=warps, num_stages=_decode_split_stages())
+    block_n = 128 if interpret else DECODE_BLOCK_N
+    opts = {} if interpret else dict(num_warps=warps, num_stages=SPLIT_STAGES)
     pdl = use_pdl(q)
     if prefetch is None:
         prefetch = decode_prefetch(warps, block_n, block_d)
