@@ -181,10 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     import logging
-    import os
+
+    from krait import envs
 
     logging.basicConfig(
-        level=os.environ.get("KRAIT_LOG_LEVEL", "INFO"), format="%(name)s %(levelname)s: %(message)s"
+        level=envs.get("KRAIT_LOG_LEVEL"), format="%(name)s %(levelname)s: %(message)s"
     )
     args = build_parser().parse_args(argv)
     sys.exit(args.func(args))

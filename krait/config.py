@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from krait import envs
 
 _DTYPES = {
     "float32": torch.float32,
@@ -231,7 +232,7 @@ class EngineConfig:
             max_model_len = limit or 4096  # pure state-space models have no positional limit
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
-        if limit and max_model_len > limit and os.environ.get(
+        if limit and max_model_len > limit and envs.get(
                 "KRAIT_ALLOW_LONG_MAX_MODEL_LEN") != "1":
             raise ValueError(
                 f"max_model_len {max_model_len} is longer than the model's positional limit "

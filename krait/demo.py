@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from krait import envs
+
 DEMO_NOTICE = "krait: using the built-in demo model (random weights: its text is meaningless)"
 DEMO_VERSION = "2"
 
 
 def demo_model_dir() -> Path:
-    root = Path(os.environ.get("KRAIT_CACHE_DIR", Path.home() / ".cache" / "krait"))
+    root = Path(envs.get("KRAIT_CACHE_DIR")).expanduser()
     return root / f"demo-model-v{DEMO_VERSION}"
 
 

@@ -28,7 +28,7 @@ PROMPTS = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate([
 # two): the gated norm over the whole width in one group
 ONE_GROUP = {"mamba2-g1": ("mamba2", {"n_groups": 1}),
              "granitemoehybrid-g1": ("granitemoehybrid", {"mamba_n_groups": 1})}
-# granite-4.0-h-micro's shape: no routed experts (its layers can fold, KRAIT_NORM_PROLOGUE)
+# granite-4.0-h-micro's shape: no routed experts (dense shared-MLP layers)
 DENSE_GRANITE = {"granitemoehybrid-dense": ("granitemoehybrid",
                                             {"num_local_experts": 0, "mamba_n_groups": 1})}
 

@@ -1,9 +1,8 @@
 """One table from the `krait bench latency` JSON files a gpu_check.sh call leaves (lat_*.json):
-model, tag (the knob the file name carries), batch, step ms, roofline ratio, and the host's
-time blocked on the device a step (near 0: that run was host-bound, and its step time says
-nothing about the GPU work — session 6 saw one such run at batch 1), and the step's graph
-replayed back to back (the GPU's own time, host-independent) — the rows an A/B reads, in one
-place at the end of the call's output.
+model, tag (what the file name carries after the model), batch, step ms, roofline ratio, the
+host's time blocked on the device a step (near 0: that run was host-bound, and its step time
+says nothing about the GPU work), and the step's graph replayed back to back (the GPU's own
+time, host-independent), in one place at the end of the call's output.
 
 python3 scripts/summarize_bench.py DIR"""
 

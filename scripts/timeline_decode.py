@@ -107,8 +107,9 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write every launch's row here")
     args = p.parse_args()
     os.environ["KRAIT_TIMELINE"] = "1"
-    os.environ.setdefault("KRAIT_PIECEWISE_GRAPHS", "0")  # only the decode graph captured
-    os.environ.setdefault("KRAIT_PREFILL_GRAPHS", "0")
+    # only the decode graphs captured (no piecewise or prefill graphs: their records would mix
+    # with the decode step's)
+    os.environ.setdefault("KRAIT_PIECEWISE_GRAPHS", "0")
 
     from krait.bench.offline import _engine, _model_dir, _prompts
     from krait.cli import build_parser

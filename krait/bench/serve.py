@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from krait import envs
+
 FALLBACK_VOCAB = 1000  # when /v1/models does not say (e.g. another server): ids below this
 
 
@@ -146,7 +148,7 @@ async def run(args: argparse.Namespace) -> dict:
     import httpx
 
     base = args.base_url.rstrip("/")
-    key = args.api_key or os.environ.get("KRAIT_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    key = args.api_key or envs.get("KRAIT_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     limit = args.max_concurrency or args.num_prompts
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)

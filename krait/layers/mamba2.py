@@ -6,19 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from krait.layers.linear import Linear
-from krait.layers.norm import FoldedResidual, NormedInput
+from krait.layers.linear import Linear, conv_linear, gated_norm_linear
+from krait.ops import linear as plan
 from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.gemv import gemv_triton
-from krait.ops.linear import (
-    conv_in_gemv,
-    conv_linear,
-    gated_norm_in_gemv,
-    gated_norm_linear,
-    norm_linear,
-)
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import (
     gated_part_size,
@@ -133,46 +125,36 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         return (d.conv_dim, d.d_conv - 1), (d.num_heads, d.head_dim, d.d_state)
 
-    def forward(self, x: torch.Tensor | NormedInput, meta: MambaMetadata,
-                residual: torch.Tensor | None = None, residual_scale: float = 1.0
-                ) -> torch.Tensor | FoldedResidual:
-        """x [T, hidden] -> [T, hidden]. Decode rows of one token may come as a NormedInput (the
-        in_proj GEMV applies the block's RMSNorm) and with the block's `residual`, which the
-        out_proj GEMV then adds to its output times `residual_scale`: a FoldedResidual comes
-        back (`block_fold_ok`)."""
+    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. A lone decode row on the Triton path takes the fusions
+        krait/ops/linear.py plans: the conv in in_proj's GEMV epilogue, the gated norm in
+        out_proj's GEMV prologue (from the state update's sums of squares)."""
         d = self.d
         group = self._norm_group()
-        rows = x.h if isinstance(x, NormedInput) else x
         conv = None
-        if (rows.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
-                and use_triton(rows)):
-            conv = self._conv_epilogue(rows, meta)
+        if (x.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
+                and use_triton(x)):
+            conv = self._conv_epilogue(meta)
             part = gated_part_size(d.head_dim, d.d_state)
-            if gated_norm_in_gemv(rows, self.out_proj.weight, group, part):
+            if plan.gated_norm_prologue(1, *self.out_proj.weight.shape, group, part):
                 gate, xbc, dt = self._project(x, conv)
                 packed = mixer_call(self._decode_gated, (xbc, dt, gate), meta, "mamba", part,
                                     conv is not None)
-                out = gated_norm_linear(packed, self.out_proj.weight, self.out_proj.bias,
-                                        self.norm_weight, group, d.eps, part, residual,
-                                        residual_scale)
-                return out if residual is None else FoldedResidual(*out)
+                return gated_norm_linear(packed, self.out_proj.weight, self.out_proj.bias,
+                                         self.norm_weight, group, d.eps, part)
         gate, xbc, dt = self._project(x, conv)
         y = mixer_call(self._ssm, (xbc, dt), meta, "mamba", conv is not None)
-        normed = gated_rms_norm(y, gate, self.norm_weight, d.eps, group)
-        if residual is None:
-            return self.out_proj(normed)
-        return FoldedResidual(*gemv_triton(normed, self.out_proj.weight, self.out_proj.bias,
-                                           residual=residual, residual_scale=residual_scale))
+        return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
 
     def _norm_group(self) -> int:
         """Channels a group of the gated RMSNorm spans."""
         return self.d.norm_group_size or self.d.intermediate // self.d.n_groups
 
-    def _conv_epilogue(self, rows: torch.Tensor, meta: MambaMetadata) -> tuple | None:
+    def _conv_epilogue(self, meta: MambaMetadata) -> tuple | None:
         """The conv's decode step as the one-row in_proj GEMV's epilogue takes it
-        (`gemv_triton(conv=...)`), or None where it does not (`conv_in_gemv`)."""
+        (`gemv_triton(conv=...)`), or None where the plan does not (`plan.conv_epilogue`)."""
         d = self.d
-        if not conv_in_gemv(rows, self.in_proj.weight, d.d_conv):
+        if not plan.conv_epilogue(1, *self.in_proj.weight.shape, d.d_conv):
             return None
         return (d.intermediate, self.conv1d_weight.squeeze(1), self.conv1d_bias,
                 self.conv_state, meta.decode_state_indices[:1], d.activation is not None)
@@ -214,16 +196,12 @@ class Mamba2Mixer(torch.nn.Module):
         y_pre = self._prefill_ssm(xbc, dt, meta) if meta.num_prefills else None
         return self._join(xbc, nd, y_dec, y_pre)
 
-    def _project(self, x: torch.Tensor | NormedInput, conv: tuple | None = None
+    def _project(self, x: torch.Tensor, conv: tuple | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views (a
-        NormedInput normalized in the GEMV's prologue; with `conv`, xBC comes convolved from
-        the GEMV's epilogue)."""
+        """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views (with
+        `conv`, xBC comes convolved from the GEMV's epilogue)."""
         d = self.d
-        if isinstance(x, NormedInput):
-            proj = norm_linear(x.h, x.parts, x.weight, x.eps, self.in_proj.weight,
-                               self.in_proj.bias, conv)
-        elif conv is not None:
+        if conv is not None:
             proj = conv_linear(x, self.in_proj.weight, self.in_proj.bias, conv)
         else:
             proj = self.in_proj(x)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from krait.layers.linear import Linear
-from krait.layers.norm import FoldedResidual, NormedInput, RMSNorm
+from krait.layers.norm import RMSNorm
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -17,24 +17,10 @@ def pre_norm(
     norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, x_scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(s), s) for s = x * x_scale + residual; the first layer has no residual yet (its x is
-    the embedding, never scaled): (norm(x), x). A FoldedResidual x already holds s."""
-    if isinstance(x, FoldedResidual):
-        return norm(x.h), x.h
+    the embedding, never scaled): (norm(x), x)."""
     if residual is None:
         return norm(x), x
     return norm(x, residual, x_scale)
-
-
-def layer_pre_norm(
-    norm: RMSNorm, x: torch.Tensor | FoldedResidual, residual: torch.Tensor | None,
-    x_scale: float = 1.0,
-) -> tuple[torch.Tensor | NormedInput, torch.Tensor]:
-    """pre_norm at a layer's input, where a FoldedResidual x (the layer before added the
-    residual in its last GEMV and summed h^2, KRAIT_NORM_PROLOGUE) leaves the norm to the GEMV
-    that consumes it: (NormedInput, h)."""
-    if isinstance(x, FoldedResidual):
-        return x.normed(norm), x.h
-    return pre_norm(norm, x, residual, x_scale)
 
 
 def run_layers(

@@ -10,15 +10,14 @@ from typing import Any
 import torch
 
 from krait.layers.attention import Attention
-from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp, project, project_folding
+from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp
 from krait.layers.mamba2 import Mamba2Mixer, mixer_weight_name
 from krait.layers.moe import FusedMoE
-from krait.layers.norm import FoldedResidual, NormedInput, RMSNorm
+from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.bamba import _init_mixer, bamba_mamba_dims, is_mamba_layer
-from krait.models.decoder import layer_pre_norm, lm_head_for, run_layers
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
-from krait.ops.linear import block_fold_ok
 from krait.ops.moe_routes import route_topk
 from krait.runner.attention_metadata import StepMetadata
 
@@ -46,12 +45,9 @@ class GraniteAttention(torch.nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, float(cfg.attention_multiplier)
         )
 
-    def forward(self, x: torch.Tensor | NormedInput, positions: torch.Tensor, meta: StepMetadata,
-                residual: torch.Tensor | None = None, residual_scale: float = 1.0
-                ) -> torch.Tensor | FoldedResidual:
-        """With `residual` (KRAIT_NORM_PROLOGUE) o_proj folds it, its output times
-        `residual_scale`: a FoldedResidual."""
-        qkv = project(self.qkv_proj, x)  # [T, q + 2 kv]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
+                ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         T = qkv.shape[0]
         q, k, v = qkv.split(self.split, dim=-1)
         if self.rotary is None:
@@ -63,7 +59,7 @@ class GraniteAttention(torch.nn.Module):
                 v.view(T, self.num_kv_heads, self.head_dim),
                 positions, self.rotary, meta.attn,
             )
-        return project_folding(self.o_proj, out, residual, residual_scale)
+        return self.o_proj(out)
 
 
 class GraniteMLP(torch.nn.Module):
@@ -74,9 +70,8 @@ class GraniteMLP(torch.nn.Module):
         self.input_linear = Linear(hidden, 2 * intermediate)
         self.output_linear = Linear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor | NormedInput, residual: torch.Tensor | None = None,
-                residual_scale: float = 1.0) -> torch.Tensor | FoldedResidual:
-        return gated_silu_mlp(x, self.input_linear, self.output_linear, residual, residual_scale)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_silu_mlp(x, self.input_linear, self.output_linear)
 
 
 class GraniteMoE(torch.nn.Module):
@@ -113,17 +108,9 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
 
     def forward(self, positions, x, residual, meta: StepMetadata):
         """Returns (branch output, residual): the next norm adds them as HF's
-        `residual + out * residual_multiplier`, the scale fused into the norm's residual add.
-        Folded (`_fold`): (FoldedResidual, its h), the sum already made by the last GEMV."""
+        `residual + out * residual_multiplier`, the scale fused into the norm's residual add."""
         m = self.residual_multiplier
-        x, residual = layer_pre_norm(self.input_layernorm, x, residual, m)
-        if self._fold(residual, meta):  # batch 1: no RMSNorm launch, the GEMVs take them
-            if self.mamba is not None:
-                h = self.mamba(x, meta.mamba, residual, m)
-            else:
-                h = self.self_attn(x, positions, meta, residual, m)
-            out = self.shared_mlp(h.normed(self.post_attention_layernorm), h.h, m)
-            return out, out.h
+        x, residual = pre_norm(self.input_layernorm, x, residual, m)
         if self.mamba is not None:
             x = self.mamba(x, meta.mamba)
         else:
@@ -132,20 +119,6 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
         if self.block_sparse_moe is None:
             return self.shared_mlp(x), residual
         return self.block_sparse_moe(x, add=self.shared_mlp(x)), residual
-
-    def _fold(self, residual: torch.Tensor, meta: StepMetadata) -> bool:
-        """Fold this layer's residual adds and RMSNorms into its GEMVs (`block_fold_ok`):
-        dense layers (no routed experts), decode steps."""
-        if self.block_sparse_moe is not None or (meta.mamba is not None
-                                                  and meta.mamba.num_prefills):
-            return False
-        mlp = self.shared_mlp
-        if self.mamba is not None:
-            first, last = self.mamba.in_proj.weight, self.mamba.out_proj.weight
-        else:
-            first, last = self.self_attn.qkv_proj.weight, self.self_attn.o_proj.weight
-        return block_fold_ok(residual, [first, mlp.input_linear.weight],
-                             [last, mlp.output_linear.weight], gate_up=mlp.input_linear.weight)
 
 
 class GraniteMoeHybridForCausalLM(torch.nn.Module):

@@ -8,12 +8,11 @@ from typing import Any
 import torch
 
 from krait.layers.attention import Attention
-from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp, project, project_folding
-from krait.layers.norm import FoldedResidual, NormedInput, RMSNorm
+from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp
+from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
-from krait.models.decoder import layer_pre_norm, lm_head_for, run_layers
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
-from krait.ops.linear import block_fold_ok
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -36,10 +35,9 @@ class LlamaAttention(torch.nn.Module):
         )
         self.split = [q_size, kv_size, kv_size]
 
-    def forward(self, x: torch.Tensor | NormedInput, positions: torch.Tensor, meta: StepMetadata,
-                residual: torch.Tensor | None = None) -> torch.Tensor | FoldedResidual:
-        """With `residual` (KRAIT_NORM_PROLOGUE) o_proj folds it: a FoldedResidual."""
-        qkv = project(self.qkv_proj, x)  # [T, q + 2 kv]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
+                ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         T = qkv.shape[0]
         q, k, v = qkv.split(self.split, dim=-1)
         out = self.attn.forward_rope(
@@ -48,7 +46,7 @@ class LlamaAttention(torch.nn.Module):
             v.view(T, self.num_kv_heads, self.head_dim),
             positions, self.rotary, meta.attn, self.q_norm, self.k_norm,
         )
-        return project_folding(self.o_proj, out, residual)
+        return self.o_proj(out)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -57,9 +55,8 @@ class LlamaMLP(torch.nn.Module):
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor | NormedInput, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | FoldedResidual:
-        return gated_silu_mlp(x, self.gate_up_proj, self.down_proj, residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_silu_mlp(x, self.gate_up_proj, self.down_proj)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -78,20 +75,10 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta):
-        x, residual = layer_pre_norm(self.input_layernorm, x, residual)
-        if self._fold(residual):  # batch 1: no RMSNorm launch, the GEMVs take them (see ops)
-            h = self.self_attn(x, positions, meta, residual)
-            out = self.mlp(h.normed(self.post_attention_layernorm), h.h)
-            return out, out.h
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.self_attn(x, positions, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-    def _fold(self, residual: torch.Tensor) -> bool:
-        attn, mlp = self.self_attn, self.mlp
-        return block_fold_ok(
-            residual, [attn.qkv_proj.weight, mlp.gate_up_proj.weight],
-            [attn.o_proj.weight, mlp.down_proj.weight], gate_up=mlp.gate_up_proj.weight)
 
 
 class LlamaForCausalLM(torch.nn.Module):

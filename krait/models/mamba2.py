@@ -9,9 +9,8 @@ import torch
 
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.norm import RMSNorm
-from krait.models.decoder import layer_pre_norm, lm_head_for, run_layers
+from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.weights import load_named_weights
-from krait.ops.linear import block_fold_ok
 from krait.runner.attention_metadata import StepMetadata
 
 
@@ -41,11 +40,8 @@ class Mamba2Block(torch.nn.Module):
         self.mixer = Mamba2Mixer(mamba2_dims(cfg))
 
     def forward(self, positions, x, residual, meta: StepMetadata):
-        normed, residual = layer_pre_norm(self.norm, x, residual)
-        fold = (meta.mamba.num_prefills == 0
-                and block_fold_ok(residual, [self.mixer.in_proj.weight],
-                                  [self.mixer.out_proj.weight]))
-        return self.mixer(normed, meta.mamba, residual if fold else None), residual
+        normed, residual = pre_norm(self.norm, x, residual)
+        return self.mixer(normed, meta.mamba), residual
 
 
 class Mamba2ForCausalLM(torch.nn.Module):

@@ -296,7 +296,7 @@ def fused_moe(
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows) for "silu", [E, I, H] for "relu2";
     w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int32 -> [T, H] in x's dtype,
     plus `add` [T, H] when given (rounded once more, as a separate add would be). Batches
-    of few routes take `krait.ops.moe_routes` (the add fused; `KRAIT_MOE_ROUTES=0` turns it off)."""
+    of few routes take `krait.ops.moe_routes` (the add fused)."""
     if use_moe_routes(x, topk_ids.numel(), w13.shape[0]):
         act = _check(x, w13, w2, topk_ids, activation)
         return moe_routes_triton(x, w13, w2, topk_weights, topk_ids, act, add)

@@ -10,16 +10,14 @@ partials in slice order (deterministic), writes y and resets the counter for the
 launch, no memset, graph-safe.
 
 A prologue may transform the input row as it is loaded: silu(gate) * up (the down projection,
-one launch and no [M, K] intermediate), or an RMSNorm from sums of squares the row's producer
-already wrote (NORM: a Mamba mixer's gated norm after its state update, a block's norm after the
-GEMV that added the residual; the norm without a launch of its own). An epilogue may finish a
-merged gate_up projection: each program computes its columns' gate and up dots and writes
-silu(gate) * up (the activation without its own launch or an [M, 2I] intermediate); or add
-the residual and write each tile's sum of squares for the next NORM prologue (RESIDUAL_NORM).
+one launch and no [M, K] intermediate), or a Mamba mixer's gated RMSNorm from the sums of
+squares its state update wrote (NORM: the norm without a launch of its own). An epilogue may
+finish a merged gate_up projection: each program computes its columns' gate and up dots and
+writes silu(gate) * up (the activation without its own launch or an [M, 2I] intermediate); or
+put a Mamba in_proj's xBC columns through the causal conv's decode step (CONV).
 
-Measured on the H200 (`scripts/bench_gemv.py`, docs/benchmarks.md) it wins at one row against a
-narrow weight (qwen3-0.6b o_proj 12.6 -> 5.2 us); which calls come here is
-krait/ops/linear.py's choice.
+Which calls come here is krait/ops/linear.py's plan (one-row projections; docs/benchmarks.md
+has the measurements against cuBLAS).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, next_pow2, num_sms
+from krait.ops._dispatch import cdiv, next_pow2, num_sms
 from krait.ops.arrival import arrival_counters
 from krait.ops.causal_conv1d import conv_apply, conv_operands, store_conv_state
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
@@ -39,11 +37,10 @@ MAX_M = 8
 _COUNTERS: dict[torch.device, Tensor] = {}  # per-tile arrival counters, always back to zero
 
 
-# prologue of the GEMV's input: what the x row is turned into before it meets W; epilogue:
-# what the output becomes (SILU_MUL: a gate_up's activation; RESIDUAL_NORM: the residual added,
-# and each tile's sum of squares of the sum written for the next RMSNorm; CONV: a Mamba
-# in_proj's xBC columns through the causal conv's decode step)
-PLAIN, SILU_MUL, NORM, RESIDUAL_NORM, CONV = 0, 1, 2, 3, 4
+# PROLOGUE, what the x row is turned into before it meets W: PLAIN, SILU_MUL (silu(gate) * up)
+# or NORM (the gated RMSNorm); EPILOGUE, what the output becomes: PLAIN, SILU_MUL (a gate_up's
+# activation) or CONV (a Mamba in_proj's xBC columns through the causal conv's decode step)
+PLAIN, SILU_MUL, NORM, CONV = 0, 1, 2, 3
 
 
 @triton.jit
@@ -58,47 +55,25 @@ def _group_parts(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_gr
 
 
 @triton.jit
-def _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_group, eps,
-                PARTS: tl.constexpr):
-    """[M, 1, 1] float32: 1 / rms of each row's group of channels holding column k0, summed from
-    the group's partials in fixed order."""
-    ps = _group_parts(k0, offs_m, m_ok, part_ptr, stride_pm, group_size, parts_per_group, PARTS)
-    return tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None, None]
-
-
-@triton.jit
-def _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_rows, norm_ok, dt):
-    """NORM: x holds the rows to normalize (g = y * silu(z) in float32 from the gated state
-    update, or a residual stream row), rstd [M, 1, 1] their group's 1 / rms (`_group_rstd`);
-    the input is the (gated) RMSNorm's output, weight * (x * rstd).to(dt), in dt. norm_rows:
-    the norm weight broadcast over N ([1, N, 1] pointers), so that its tile is born in the
-    loop's [M, N, K] layout (a [1, 1, K] load costs a shared-memory conversion with barriers
-    in every K step)."""
-    gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)  # [M, N, K] float32
-    h = (gv * rstd).to(dt).to(tl.float32)
-    w = tl.load(norm_rows + k, mask=norm_ok & k_ok, other=0.0).to(tl.float32)  # [1, N, K]
-    return (w * h).to(dt)
-
-
-@triton.jit
 def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr, offs_m=None, m_ok=None, norm_rows=None, part_ptr=None,
               stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
-              PARTS: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False,
-              TL: tl.constexpr = False, tl_ptr=None):
+              PARTS: tl.constexpr = 1, TL: tl.constexpr = False, tl_ptr=None):
     """[BLOCK_M, BLOCK_N] float32 dots of the x rows with the weight rows `w_rows` over columns
     [k_lo, k_hi). Everything lives in one [BLOCK_M, BLOCK_N, BLOCK_K] layout: x is loaded
     broadcast over N (repeated reads hit L1) so that no layout conversion, and no shared-memory
     round trip with barriers, sits in the loop; products accumulate elementwise and K is reduced
     once. The next weight tile is loaded before the current one is used; the first before the
     wait for the previous kernel (weights are constant: with PDL it streams while that one
-    drains). NORM with ONE_GROUP (the columns [k_lo, k_hi) lie in one norm group): the loop
-    takes norm weight * x in float32 and the dots are scaled by the group's 1 / rms at the end;
-    its partials are loaded and summed once, before the loop (summed after it, they stay live
-    in the loop: 80-97 registers below 256 partials against 64, and slower in isolation,
-    session 13) (the normalized input is not rounded to the weight dtype first, as a
-    separate RMSNorm's output would be: equal in float32, within bf16 rounding otherwise)."""
+    drains). NORM (the columns [k_lo, k_hi) lie in one norm group): the loop takes norm weight
+    * x in float32 and the dots are scaled by the group's 1 / rms at the end; its partials are
+    loaded and summed once, before the loop (summed after it, they stay live in the loop and
+    cost registers) (the normalized input is not rounded to the weight dtype first, as a
+    separate RMSNorm's output would be: equal in float32, within bf16 rounding otherwise). The
+    norm weight is broadcast over N ([1, N, 1] pointers), so that its tile is born in the
+    loop's [M, N, K] layout (a [1, 1, K] load costs a shared-memory conversion with barriers in
+    every K step)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     k = (k_lo + offs_k)[None, None, :]
@@ -106,7 +81,7 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
     pdl_wait(PDL)
     stamp(TL, tl_ptr, WAITED)
     group_rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-    if PROLOGUE == 2 and ONE_GROUP:
+    if PROLOGUE == 2:
         ps = _group_parts(k_lo, offs_m, m_ok, part_ptr, stride_pm, group_size,
                           parts_per_group, PARTS)
         group_rstd = tl.rsqrt(tl.sum(ps, axis=1) / group_size + eps)[:, None]
@@ -115,15 +90,10 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
         k_ok = k < k_hi
         if PROLOGUE == 0:
             x = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0)
-        elif PROLOGUE == 2:
-            if ONE_GROUP:
-                gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
-                nw = tl.load(norm_rows + k, mask=w_ok & k_ok, other=0.0)  # [1, N, K]
-                x = gv * nw.to(tl.float32)
-            else:
-                rstd = _group_rstd(k0, offs_m, m_ok, part_ptr, stride_pm, group_size,
-                                   parts_per_group, eps, PARTS)
-                x = _norm_tile(x_rows, x_ok, k, k_ok, rstd, norm_rows, w_ok, w.dtype)
+        elif PROLOGUE == 2:  # NORM: g = y * silu(z) in float32 times the norm weight
+            gv = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
+            nw = tl.load(norm_rows + k, mask=w_ok & k_ok, other=0.0)  # [1, N, K]
+            x = gv * nw.to(tl.float32)
         else:  # SILU_MUL: x holds [gate | up] of width 2K, the input is silu(gate) * up
             g = tl.load(x_rows + k, mask=x_ok & k_ok, other=0.0).to(tl.float32)
             up = tl.load(x_rows + K + k, mask=x_ok & k_ok, other=0.0)
@@ -134,7 +104,7 @@ def _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE: tl.constexpr,
         acc3 += x.to(tl.float32) * w.to(tl.float32)  # [M, N, K]
         w = w_next
     dots = tl.sum(acc3, axis=2)
-    if PROLOGUE == 2 and ONE_GROUP:
+    if PROLOGUE == 2:
         dots = dots * group_rstd
     return dots
 
@@ -200,32 +170,18 @@ def conv_tile_finish(val, ch, ok, st, window, shifted, w, bias, stride_cs_d, str
 
 
 @triton.jit
-def _store_tile(out, val, mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok,
-                offs_n, pid_n, EPILOGUE: tl.constexpr, n_ok=None, conv_lo=0, conv_dim=0,
+def _store_tile(out, val, mn_ok, offs_n, n_ok, EPILOGUE: tl.constexpr, conv_lo=0, conv_dim=0,
                 slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None, stride_cw_d=0,
                 stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
                 CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
-                CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False):
-    """Writes the output tile val [M, N] (dt); RESIDUAL_NORM writes h = val + residual instead
-    (rounded to dt, as a separate add would; with SCALE_RES val * res_scale rounded to dt
-    first, as a fused add-RMSNorm with its x scale) and the tile's sum of h^2 per row at
-    column pid_n of rpart; CONV first puts the conv columns through `conv_tile`."""
-    if EPILOGUE == 4:
+                CONV_SILU: tl.constexpr = False):
+    """Writes the output tile val [M, N] (dt); CONV first puts the conv columns through
+    `conv_tile`."""
+    if EPILOGUE == 3:  # CONV
         val = conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
-                         stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
-                         CONV_WIDTH, CONV_BIAS, CONV_SILU)
-    if EPILOGUE == 3:
-        res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mn_ok,
-                      other=0.0)
-        v = val.to(tl.float32)
-        if SCALE_RES:
-            v = (v * res_scale).to(val.dtype).to(tl.float32)
-        h = (v + res.to(tl.float32)).to(val.dtype)
-        tl.store(out, h, mask=mn_ok)
-        hf = tl.where(mn_ok, h.to(tl.float32), 0.0)
-        tl.store(rpart_ptr + offs_m * stride_rpm + pid_n, tl.sum(hf * hf, axis=1), mask=m_ok)
-    else:
-        tl.store(out, val, mask=mn_ok)
+                        stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
+                        CONV_WIDTH, CONV_BIAS, CONV_SILU)
+    tl.store(out, val, mask=mn_ok)
 
 
 @triton.jit
@@ -235,23 +191,19 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PROLOGUE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER_LATE: tl.constexpr, EPILOGUE: tl.constexpr = 0,
-    norm_ptr=None, part_ptr2=None, stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
-    PARTS: tl.constexpr = 1, res_ptr=None, stride_rm=0, rpart_ptr=None, stride_rpm=0,
-    ONE_GROUP: tl.constexpr = False, conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None,
-    cb_ptr=None, cs_ptr=None, stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0,
-    stride_cs_k=0, CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
-    CONV_SILU: tl.constexpr = False, res_scale=1.0, SCALE_RES: tl.constexpr = False,
+    EPILOGUE: tl.constexpr = 0,
+    norm_ptr=None, norm_part_ptr=None, stride_pm=0, group_size=1, parts_per_group=1, eps=0.0,
+    PARTS: tl.constexpr = 1,
+    conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None,
+    stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
+    CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
+    CONV_SILU: tl.constexpr = False,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     """y [M, N] = x @ W^T; with EPILOGUE = SILU_MUL, W is [2N, K] = [gate; up] and
     y = silu(x @ gate^T) * (x @ up^T): each program streams its BLOCK_N gate rows, then the
-    same up rows."""
-    # PDL: the next kernel may launch once every program has triggered. Late (the default since
-    # session 6), after the weight loop; early (KRAIT_PDL_TRIGGER=early, an A/B knob), its
-    # programs can occupy SM slots while this grid still has programs to place
-    if not TRIGGER_LATE:
-        pdl_trigger(PDL)
+    same up rows. NORM prologue: norm_ptr, norm_part_ptr, ... (`gemv_triton(norm=...)`); CONV
+    epilogue: conv_lo, ..., CONV_SILU (`conv_args`)."""
     stamp(TL, tl_ptr, ENTRY)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -270,27 +222,27 @@ def _gemv_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = _row_dots(x_rows, x_ok, w_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                    stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP,
-                    TL, tl_ptr)  # [M, N]
+                    BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, norm_part_ptr,
+                    stride_pm, group_size, parts_per_group, eps, PARTS, TL, tl_ptr)  # [M, N]
     acc_up = acc
     if EPILOGUE == 1:
         up_rows = w_ptr + (offs_n.to(tl.int64) + N)[None, :, None] * stride_wn
         acc_up = _row_dots(x_rows, x_ok, up_rows, w_ok, k_lo, k_hi, K, PROLOGUE,
-                           BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows, part_ptr2,
-                           stride_pm, group_size, parts_per_group, eps, PARTS, ONE_GROUP)
+                           BLOCK_M, BLOCK_N, BLOCK_K, PDL, offs_m, m_ok, norm_rows,
+                           norm_part_ptr, stride_pm, group_size, parts_per_group, eps, PARTS)
     stamp(TL, tl_ptr, LOOPED)
-    if TRIGGER_LATE:
-        pdl_trigger(PDL)
+    # PDL: the next kernel may launch once every program has triggered, here after the weight
+    # loop: triggered at the start, its programs would take SM slots this grid's later programs
+    # need (measured slower, also for grids of one wave)
+    pdl_trigger(PDL)
     mn_ok = m_ok[:, None] & n_ok[None, :]
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     dt = y_ptr.dtype.element_ty
     if SPLIT_K == 1:
         _store_tile(out, finish_tile(acc, acc_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS, EPILOGUE),
-                    mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm, offs_m, m_ok, offs_n,
-                    pid_n, EPILOGUE, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
-                    stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
-                    CONV_WIDTH, CONV_BIAS, CONV_SILU, res_scale, SCALE_RES)
+                    mn_ok, offs_n, n_ok, EPILOGUE, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr,
+                    cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
+                    CONV_WIDTH, CONV_BIAS, CONV_SILU)
     else:
         # partials [SPLIT_K, M, W] in float32, W = N (the up half beside the gate's: 2N)
         width = N if EPILOGUE != 1 else 2 * N
@@ -310,20 +262,11 @@ def _gemv_kernel(
                                         cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
             _store_tile(out, finish_tile(total, total_up, b_ptr, offs_n, n_ok, N, dt, HAS_BIAS,
-                                     EPILOGUE), mn_ok, res_ptr, stride_rm, rpart_ptr, stride_rpm,
-                        offs_m, m_ok, offs_n, pid_n, EPILOGUE, n_ok, conv_lo, conv_dim,
-                        slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d, stride_cw_k,
+                                         EPILOGUE), mn_ok, offs_n, n_ok, EPILOGUE, conv_lo,
+                        conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr, stride_cw_d, stride_cw_k,
                         stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS,
-                        CONV_SILU, res_scale, SCALE_RES)
+                        CONV_SILU)
     stamp(TL, tl_ptr, EXIT)
-
-
-def _trigger_early() -> bool:
-    """Does the GEMV let the next kernel launch at its start rather than after its weight loop?
-    KRAIT_PDL_TRIGGER=early: yes (slower in session 6: the waiting dependents took SM slots
-    that the GEMV's later programs needed; also when only one-wave grids did, session 15:
-    qwen3 +9%, mamba2 +9% at batch 1); else no."""
-    return env("KRAIT_PDL_TRIGGER") == "early"
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]:
@@ -334,7 +277,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
     block_m = next_pow2(max(m, 1))
     block_n = 8
     if block_m == 1:
-        # one row (H200 sweep, session 4): 8 warps and 512-wide K tiles won at every shape; K is
+        # one row (a sweep on the H200): 8 warps and 512-wide K tiles won at every shape; K is
         # split only while each program would stream more than 2048 columns and the tiles cover
         # the SMs fewer than four times (qwen3 down and granite down split, qwen3 o does not)
         block_k = max(64, min(512, next_pow2(k)))
@@ -354,33 +297,27 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]
 def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 config: dict[str, int] | None = None, silu_mul: bool = False,
                 silu_mul_out: bool = False, norm: tuple | None = None,
-                residual: Tensor | None = None, conv: tuple | None = None,
-                residual_scale: float = 1.0):
+                conv: tuple | None = None) -> Tensor:
     """x [M, K] (M <= 8), weight [N, K] with unit stride along K -> [M, N] in x's dtype.
     With `silu_mul`, x is [M, 2K] = [gate | up] and the input is silu(gate) * up (fused
     silu_and_mul: one launch and no [M, K] intermediate). With `silu_mul_out`, weight is
     [2N, K] = [gate; up] (a merged gate_up projection) and the output [M, N] is
     silu_and_mul of the projection's [M, 2N] (no [M, 2N] intermediate, no activation launch).
     With `norm` = (norm weight [K], partials [M, K / part_size], group_size, eps, part_size),
-    the input is the RMSNorm (per group of channels) of x, from the sums of squares in
-    `partials` (x: g = y * silu(z) in float32 from `selective_state_update_triton(gate=...)`,
-    or a row h of `residual=...` below): the norm without a launch of its own (the output is in
-    the weight's dtype). With `residual` [M, N] it returns (h, partials): h = y +
-    residual (the residual stream's next value) and partials [M, N / BLOCK_N] float32, each
-    tile's sum of h^2 per row (a following GEMV's RMSNorm prologue reads them:
-    `norm=(norm weight, partials, N, eps, BLOCK_N)` with h as its input); `residual_scale`
-    multiplies y first (Granite's residual multiplier). With `conv` =
-    (conv_lo, conv weight [D, W], conv bias [D] or None, conv states [slots, D, W - 1], slots
-    int32 [>= 1], silu) and one row, the output columns [conv_lo, conv_lo + D) go through a
-    depthwise causal conv's decode step on the row's slot (states updated in place; W a power
-    of two): a Mamba in_proj hands the state update its xBC already convolved, with no conv
-    launch of its own."""
+    x is g = y * silu(z) in float32 (`selective_state_update_triton(gate=...)`) and the input
+    its gated RMSNorm per group of channels, from the sums of squares in `partials`: the norm
+    without a launch of its own (the output is in the weight's dtype; each program must stream
+    columns of one norm group: `norm_one_group`). With `conv` = (conv_lo, conv weight [D, W],
+    conv bias [D] or None, conv states [slots, D, W - 1], slots int32 [>= 1], silu) and one
+    row, the output columns [conv_lo, conv_lo + D) go through a depthwise causal conv's decode
+    step on the row's slot (states updated in place; W a power of two): a Mamba in_proj hands
+    the state update its xBC already convolved, with no conv launch of its own."""
     prologue, k = (SILU_MUL, x.shape[1] // 2) if silu_mul else (PLAIN, x.shape[1])
     norm_args: dict = {}
     if norm is not None:
         norm_w, parts, group_size, eps, part_size = norm
         prologue = NORM
-        norm_args = dict(norm_ptr=norm_w, part_ptr2=parts, stride_pm=parts.stride(0),
+        norm_args = dict(norm_ptr=norm_w, norm_part_ptr=parts, stride_pm=parts.stride(0),
                          group_size=group_size, parts_per_group=group_size // part_size,
                          eps=float(eps), PARTS=next_pow2(group_size // part_size))
     m, rows = x.shape[0], weight.shape[0]
@@ -398,32 +335,22 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     # each program of the epilogue streams its tile's gate rows and up rows: sized as a tile of
     # twice the rows
     cfg = dict(config or default_config(m, rows, k, num_sms(x.device)))
-    if norm is not None and (group_size % cfg["BLOCK_K"] or group_size % part_size):
+    cfg.setdefault("SPLIT_K", 1)
+    if norm is not None and (group_size % cfg["BLOCK_K"] or group_size % part_size
+                             or not norm_one_group(k, group_size, cfg)):
         raise ValueError(f"gemv_triton: norm groups of {group_size} channels need a multiple "
-                         f"of BLOCK_K ({cfg['BLOCK_K']}) and of the partials' {part_size}")
+                         f"of BLOCK_K ({cfg['BLOCK_K']}) and of the partials' {part_size}, and "
+                         "each program's columns inside one group")
     tiles = cdiv(n, cfg["BLOCK_N"])
     y = torch.empty(m, n, dtype=weight.dtype if norm else x.dtype,
                     device=x.device)  # [M, N]
-    if residual is not None and (residual.shape != (m, n) or residual.stride(-1) != 1):
-        raise ValueError(f"gemv_triton: the residual must be [{m}, {n}] with unit stride")
-    conv_kwargs = {} if conv is None else conv_args(
-        conv, m, n, residual is not None or silu_mul_out)
+    conv_kwargs = {} if conv is None else conv_args(conv, m, n, silu_mul_out)
     if m == 0 or n == 0:
-        return y if residual is None else (y, torch.zeros(m, tiles, device=x.device))
-    cfg.setdefault("SPLIT_K", 1)
+        return y
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     split = cfg["SPLIT_K"]
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    if norm is not None:
-        norm_args["ONE_GROUP"] = norm_one_group(k, group_size, cfg)
-    res_args: dict = {}
-    rparts = None
-    if residual is not None:
-        rparts = torch.empty(m, tiles, dtype=torch.float32, device=x.device)  # [M, tiles]
-        res_args = dict(res_ptr=residual, stride_rm=residual.stride(0), rpart_ptr=rparts,
-                        stride_rpm=rparts.stride(0), res_scale=float(residual_scale),
-                        SCALE_RES=residual_scale != 1.0)
     if split > 1:
         part = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)  # [S, M, W]
         counters = arrival_counters(_COUNTERS, x.device, tiles)
@@ -433,13 +360,11 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         x, weight, bias if bias is not None else weight, y, part, counters,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
-        TRIGGER_LATE=pdl and not _trigger_early(),
-        EPILOGUE=SILU_MUL if silu_mul_out else (RESIDUAL_NORM if residual is not None else
-                                                (CONV if conv is not None else PLAIN)),
-        **norm_args, **res_args, **conv_kwargs, **pdl_args(pdl), **cfg,
+        EPILOGUE=SILU_MUL if silu_mul_out else (CONV if conv is not None else PLAIN),
+        **norm_args, **conv_kwargs, **pdl_args(pdl), **cfg,
         **timeline_args("gemv", (tiles, split), x.device),
     )
-    return y if residual is None else (y, rparts)
+    return y
 
 
 def conv_args(conv: tuple, m: int, n: int, other_epilogue: bool) -> dict:
@@ -463,8 +388,8 @@ def conv_args(conv: tuple, m: int, n: int, other_epilogue: bool) -> dict:
 
 def norm_one_group(k: int, group_size: int, cfg: dict[str, int]) -> bool:
     """Does every program of a NORM-prologue GEMV with config `cfg` stream columns of one norm
-    group only? Then it loads the group's partials once and scales its dots at the end (the
-    fast form, measured on the H200 in session 12); otherwise it sums them per K tile."""
+    group only? The prologue needs it: each program loads its group's partials once and scales
+    its dots at the end."""
     k_per_split = cdiv(cdiv(k, cfg.get("SPLIT_K", 1)), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     return group_size >= k or group_size % k_per_split == 0
 

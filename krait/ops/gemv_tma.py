@@ -2,9 +2,8 @@
 host-side tensor descriptor) into a STAGES-deep shared-memory ring: more bytes in flight per SM
 than krait/ops/gemv.py's one tile prefetched in registers, at no register cost (docs/decode_gemv.md
 rule 4: a second tile in registers cost occupancy). On the H200 it wins on the big projections
-(session 14, `scripts/bench_gemv.py --tma`, and in the batch-1 chain: krait/ops/linear.py
-`_tma`) and loses on small or narrow ones, where gemv.py's weight load before the PDL wait
-matters more; `tma_config` says which.
+and loses on small or narrow ones, where gemv.py's weight load before the PDL wait matters more
+(docs/benchmarks.md); `tma_config` says which, krait/ops/linear.py's plan takes it.
 
 Program (n, s) owns BLOCK_N output columns and streams its [BLOCK_N, BLOCK_K] weight boxes
 over the s-th of SPLIT_K slices of K: `tl.range(..., num_stages=STAGES)` lets Triton's
@@ -18,13 +17,9 @@ its partials and bumps a per-tile counter, the last to arrive adds them in slice
 PDL: the wait comes before the loop, the late trigger after it. The weight never depends on
 earlier kernels, but a wait inside the loop (first iteration only) does not let the boxes start
 early: the pipeliner also prefetches x (cp.async into shared memory) in its prologue, and x is
-what the previous kernel writes. With PREFETCH_LINES > 0, the program asks L2 for its first
-STAGES boxes (`prefetch.global.L2`, one per 128-byte line) before the wait, so that DRAM
-streams them while the previous kernel drains; measured slower in the batch-1 chain (session
-14: granite-micro +2.4%, llama-3.2-1b +2.8%, qwen3 +1%), so off unless asked for. With
-EARLY_BOX the first box itself comes in through plain loads into registers before the wait
-(session 19: granite-micro -1.8%, llama -0.6%, qwen3's small gate_up +3.6%; krait/ops/linear.py
-takes it for weights of at least 12M elements).
+what the previous kernel writes. With EARLY_BOX the first box comes in through plain loads into
+registers before the wait, streaming while the previous kernel drains (krait/ops/linear.py
+takes it for the big weights; on small ones it cost more than it hid).
 TMA needs 16-byte aligned rows: K * itemsize % 16 == 0 (K a multiple of 8 in bf16/fp16, of 4 in
 float32); boxes past N or K read zeros.
 """
@@ -37,9 +32,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from krait.ops._dispatch import cdiv, env
+from krait.ops._dispatch import cdiv
 from krait.ops.arrival import arrival_counters
-from krait.ops.gemv import conv_args, conv_tile, conv_tile_finish, conv_tile_operands, finish_tile
+from krait.ops.gemv import conv_args, conv_tile_finish, conv_tile_operands, finish_tile
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
 
@@ -48,20 +43,15 @@ DEFAULT_CONFIG = dict(BLOCK_N=16, BLOCK_K=256, STAGES=4, SPLIT_K=1, num_warps=4)
 
 
 @triton.jit
-def _x_tile(x_ptr, norm_ptr, k0, K, offs_k, sq, NORM: tl.constexpr):
-    """(x[k0:k0 + BLOCK_K] as [1, BLOCK_K] float32, times the norm weight with NORM; sq plus
-    its squares with NORM: the RMSNorm's sum, taken from the row as it streams)."""
+def _x_tile(x_ptr, k0, K, offs_k):
+    """x[k0:k0 + BLOCK_K] as [1, BLOCK_K] float32."""
     k = k0 + offs_k[None, :]
     # [1, BLOCK_K]: the pipeliner copies it to shared memory too (cp.async, STAGES - 1 ahead)
     # and reads it in the weight's layout. Broadcast over N by its pointers (gemv.py's way),
     # its ring would be BLOCK_N times larger; through a second descriptor, one more barrier a
     # step and x 16-byte aligned. This load's coalesced layout is the tile's: vectors of
     # BLOCK_K / (32 * num_warps) elements (one when BLOCK_K = 32 * num_warps: scalar reads)
-    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    if NORM:
-        g = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        return x * g, sq + x * x
-    return x, sq
+    return tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -103,44 +93,27 @@ def _write_tile(dots, pid_n, pid_k, offs_n, y_ptr, part_ptr, count_ptr, N,
 
 
 @triton.jit
-def _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
-    """Asks L2 for rows [n0, n0 + BLOCK_N) of W over LINES 128-byte lines from column k_lo
-    (clamped into W): fire and forget, no registers held."""
-    per_line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-    rows = tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-    cols = tl.minimum(k_lo + tl.arange(0, LINES) * per_line, K - 1)
-    ptrs = w_ptr + rows[:, None] * K + cols[None, :]  # [BLOCK_N, LINES]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_tma_kernel(
     x_ptr, w_desc, w_ptr, y_ptr, part_ptr, count_ptr,
     N, K, k_per_split,
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr = 0, SILU_MUL: tl.constexpr = False, CONV: tl.constexpr = False,
+    SILU_MUL: tl.constexpr = False, CONV: tl.constexpr = False,
     conv_lo=0, conv_dim=0, slots_ptr=None, cw_ptr=None, cb_ptr=None, cs_ptr=None,
     stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
     CONV_WIDTH: tl.constexpr = 4, CONV_BIAS: tl.constexpr = False,
-    CONV_SILU: tl.constexpr = False, CONV_EARLY: tl.constexpr = False,
-    NORM: tl.constexpr = False, norm_ptr=None, eps=0.0, EARLY_BOX: tl.constexpr = False,
+    CONV_SILU: tl.constexpr = False, EARLY_BOX: tl.constexpr = False,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     """y [1, N] = x [1, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
-    (w_ptr: the same weight, for the L2 prefetch and the EARLY_BOX loads only). SILU_MUL (SPLIT_K 1):
-    W is [2N, K] = [gate; up] and y = silu(x @ gate^T) * (x @ up^T), each half rounded to y's
-    dtype first as a gate_up GEMM and silu_and_mul would; each program streams its columns'
-    gate and up boxes side by side. CONV (SPLIT_K 1): the output columns
-    [conv_lo, conv_lo + conv_dim) go through a causal conv's decode step on the row's slot, as
-    krait/ops/gemv.py's CONV epilogue (`gemv_triton(conv=...)`) does; with CONV_EARLY (the
-    launcher's default, KRAIT_CONV_EARLY=0 off) its operands (slot, state, conv weights) are
-    loaded before the PDL wait, off the epilogue's dependent loads (the epilogue took ~1.7 µs
-    after the loop in session 15's timeline; batch-1 graph mamba2-1.3b -2.3%, granite-micro
-    -0.9% on the H200). NORM: x is a residual stream h and the input rms_norm(h) with the
-    weight at norm_ptr (SPLIT_K 1; `gemv_tma(norm=...)`). EARLY_BOX: the first box through
-    plain loads before the PDL wait, the loop from the second."""
+    (w_ptr: the same weight, for the EARLY_BOX loads only). SILU_MUL (SPLIT_K 1): W is
+    [2N, K] = [gate; up] and y = silu(x @ gate^T) * (x @ up^T), each half rounded to y's dtype
+    first as a gate_up GEMM and silu_and_mul would; each program streams its columns' gate and
+    up boxes side by side. CONV (SPLIT_K 1): the output columns [conv_lo, conv_lo + conv_dim) go
+    through a causal conv's decode step on the row's slot, as krait/ops/gemv.py's CONV epilogue
+    (`gemv_triton(conv=...)`) does, its operands (slot, state, conv weights) loaded before the
+    PDL wait, off the epilogue's dependent loads. EARLY_BOX: the first box through plain loads
+    before the PDL wait, the loop from the second."""
     stamp(TL, tl_ptr, ENTRY)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -150,11 +123,7 @@ def _gemv_tma_kernel(
     n0 = pid_n * BLOCK_N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PREFETCH_LINES > 0:
-        _prefetch_l2(w_ptr, n0, k_lo, N, K, BLOCK_N, PREFETCH_LINES)
-        if SILU_MUL:
-            _prefetch_l2(w_ptr, N + n0, k_lo, 2 * N, K, BLOCK_N, PREFETCH_LINES)
-    if CONV and CONV_EARLY:
+    if CONV:
         ch, ok, st, window, shifted, cw, cb = conv_tile_operands(
             n0 + offs_n0, n0 + offs_n0 < N, conv_lo, conv_dim, slots_ptr, cw_ptr, cb_ptr, cs_ptr,
             stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k, CONV_WIDTH,
@@ -166,18 +135,17 @@ def _gemv_tma_kernel(
             u0 = _first_box(w_ptr, N + n0, k_lo, rows, K, offs_n0, offs_k)
     pdl_wait(PDL)
     stamp(TL, tl_ptr, WAITED)
-    sq = tl.zeros([1, BLOCK_K], dtype=tl.float32)  # NORM: the row's squares, summed at the end
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = k_lo
     if EARLY_BOX:
-        x, sq = _x_tile(x_ptr, norm_ptr, k_lo, K, offs_k, sq, NORM)
+        x = _x_tile(x_ptr, k_lo, K, offs_k)
         acc += x * w0.to(tl.float32)
         if SILU_MUL:
             acc_up += x * u0.to(tl.float32)
         k_start = k_lo + BLOCK_K
     if SILU_MUL:
         for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-            x, sq = _x_tile(x_ptr, norm_ptr, k0, K, offs_k, sq, NORM)
+            x = _x_tile(x_ptr, k0, K, offs_k)
             acc = _tile_dots(w_desc, n0, k0, x, acc)
             acc_up = _tile_dots(w_desc, N + n0, k0, x, acc_up)
         stamp(TL, tl_ptr, LOOPED)
@@ -185,31 +153,21 @@ def _gemv_tma_kernel(
         offs_n = n0 + offs_n0
         n_ok = offs_n < N
         dots, dots_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
-        if NORM:
-            rstd = tl.rsqrt(tl.sum(sq) / K + eps)
-            dots, dots_up = dots * rstd, dots_up * rstd
         tl.store(y_ptr + offs_n, finish_tile(dots, dots_up, y_ptr, offs_n, n_ok, N,
                                              y_ptr.dtype.element_ty, False, 1), mask=n_ok)
     else:
         for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
-            x, sq = _x_tile(x_ptr, norm_ptr, k0, K, offs_k, sq, NORM)
+            x = _x_tile(x_ptr, k0, K, offs_k)
             acc = _tile_dots(w_desc, n0, k0, x, acc)
         stamp(TL, tl_ptr, LOOPED)
         pdl_trigger(PDL)
         dots = tl.sum(acc, axis=1)
-        if NORM:
-            dots = dots * tl.rsqrt(tl.sum(sq) / K + eps)
         if CONV:
             offs_n = n0 + offs_n0
             n_ok = offs_n < N
             val = dots.to(y_ptr.dtype.element_ty)[None, :]  # [1, BLOCK_N]
-            if CONV_EARLY:
-                val = conv_tile_finish(val, ch, ok, st, window, shifted, cw, cb, stride_cs_d,
-                                       stride_cs_k, CONV_WIDTH, CONV_SILU)
-            else:
-                val = conv_tile(val, offs_n, n_ok, conv_lo, conv_dim, slots_ptr, cw_ptr,
-                                cb_ptr, cs_ptr, stride_cw_d, stride_cw_k, stride_cs_slot,
-                                stride_cs_d, stride_cs_k, CONV_WIDTH, CONV_BIAS, CONV_SILU)
+            val = conv_tile_finish(val, ch, ok, st, window, shifted, cw, cb, stride_cs_d,
+                                   stride_cs_k, CONV_WIDTH, CONV_SILU)
             tl.store(y_ptr + offs_n[None, :], val, mask=n_ok[None, :])
         else:
             _write_tile(dots, pid_n, pid_k, n0 + offs_n0, y_ptr, part_ptr, count_ptr, N,
@@ -226,10 +184,10 @@ def tma_readable(weight: Tensor) -> bool:
 def tma_config(n: int, k: int, silu_mul_out: bool = False,
                num_sms: int = 132) -> dict[str, int] | None:
     """The config for a one-row projection that streams better through TMA than through
-    krait/ops/gemv.py, or None. Measured alone on the H200 (session 14, `bench_gemv.py --tma`,
-    µs default -> TMA): granite gate_up 20.5 -> 18.4, granite down 13.3 -> 12.4, qwen3 gate_up
-    6.1 -> 5.6; the narrow and the small ones (qwen3 qkv, o, down; mamba2 out_proj) lost.
-    n, k: the weight's shape ([2N, K] with `silu_mul_out`)."""
+    krait/ops/gemv.py, or None: the big gate_ups and plain weights (granite's gate_up and
+    down, qwen3's gate_up, mamba2's in_proj) win, the narrow and the small ones (qwen3 qkv, o,
+    down; mamba2 out_proj) lose (H200, docs/benchmarks.md). n, k: the weight's shape
+    ([2N, K] with `silu_mul_out`)."""
     if silu_mul_out:  # each program streams BLOCK_N gate rows and as many up rows
         if n * k < (4 << 20):
             return None
@@ -238,7 +196,7 @@ def tma_config(n: int, k: int, silu_mul_out: bool = False,
         return dict(BLOCK_N=8, BLOCK_K=256, STAGES=3, SPLIT_K=1, num_warps=4)
     if n * k < (12 << 20):
         return None
-    if 2 * cdiv(n, 16) >= 3 * num_sms:  # wide (mamba2 in_proj: 11.6 -> 11.0 alone)
+    if 2 * cdiv(n, 16) >= 3 * num_sms:  # wide (mamba2 in_proj)
         return dict(BLOCK_N=16, BLOCK_K=256, STAGES=3, SPLIT_K=1, num_warps=4)
     tiles, split = cdiv(n, 32), 1  # narrow and deep (granite down): K split
     while 2 * tiles * split < 3 * num_sms and split < 16 and k // (2 * split) >= 1024:
@@ -246,45 +204,17 @@ def tma_config(n: int, k: int, silu_mul_out: bool = False,
     return dict(BLOCK_N=32, BLOCK_K=128, STAGES=4, SPLIT_K=split, num_warps=8)
 
 
-def config_from_text(text: str) -> dict[str, int]:
-    """A SPLIT_K-1 config from "BLOCK_N,BLOCK_K,STAGES,WARPS" (an A/B knob's value)."""
-    parts = text.split(",")
-    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"a TMA GEMV config is BLOCK_N,BLOCK_K,STAGES,WARPS, not {text!r}")
-    bn, bk, stages, warps = (int(p) for p in parts)
-    for name, v in (("BLOCK_N", bn), ("BLOCK_K", bk), ("WARPS", warps)):
-        if v < 1 or v & (v - 1) or (name != "WARPS" and v > 256):
-            raise ValueError(f"{name} must be a power of two (at most 256 for a box), not {v}")
-    if stages < 1:
-        raise ValueError(f"STAGES must be at least 1, not {stages}")
-    return dict(BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=1, num_warps=warps)
-
-
-def prefetch_lines(stages: int, block_k: int, itemsize: int) -> int:
-    """128-byte lines a weight row spans over `stages` boxes of block_k, down to a power of two."""
-    lines = max(1, stages * block_k * itemsize // 128)
-    return 1 << (lines.bit_length() - 1)
-
-
 def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
-             silu_mul_out: bool = False, conv: tuple | None = None,
-             norm: tuple[Tensor, float] | None = None) -> Tensor:
+             silu_mul_out: bool = False, conv: tuple | None = None) -> Tensor:
     """x [1, K] (bf16, fp16 or float32) @ weight [N, K]^T (contiguous, K * itemsize a multiple
     of 16 bytes) -> y [1, N] in x's dtype, float32 accumulation. With `silu_mul_out`, weight
     is [2N, K] = [gate; up] (a merged gate_up) and y [1, N] = silu_and_mul of the [1, 2N]
     projection (SPLIT_K 1). config: BLOCK_N, BLOCK_K (each at most 256: one TMA box), STAGES,
-    SPLIT_K, num_warps, PREFETCH_LINES (the L2 prefetch before the PDL wait: 0, the default,
-    off; None: the first STAGES boxes under PDL; slower in session 14's batch-1 chains).
-    `conv`: as `gemv_triton(conv=...)` (a Mamba in_proj's conv in the epilogue; SPLIT_K 1).
-    `norm` = (norm weight [K], eps): x is a block's residual stream h and the input is
-    rms_norm(h) (SPLIT_K 1): every program sums the squares of the row as it streams it and
-    scales its dots by 1 / rms at the end, no partials and no RMSNorm launch (the normalized
-    input is not rounded to the weight dtype first: equal in float32, within bf16 rounding
-    otherwise). EARLY_BOX in config (krait/ops/linear.py `_tma` sets it for the big weights):
-    each program loads its first box through plain loads before the PDL wait.
-    A persistent grid (each program walking several column tiles in one pipelined loop) was
-    never the fastest config in session 14's sweep (alone) nor in session 17's (mamba2's
-    in_proj with its conv in the batch-1 chain, graph ms 1.158 -> 1.32-1.78) and was removed."""
+    SPLIT_K, num_warps, EARLY_BOX (each program loads its first box through plain loads before
+    the PDL wait; krait/ops/linear.py's plan sets it for the big weights). `conv`: as
+    `gemv_triton(conv=...)` (a Mamba in_proj's conv in the epilogue; SPLIT_K 1). A persistent
+    grid (each program walking several column tiles in one pipelined loop) was never the
+    fastest config, alone or in the batch-1 chain, and was removed (docs/benchmarks.md)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv_tma: x must be [1, K], got {list(x.shape)}")
@@ -298,16 +228,7 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     if conv is not None:
         if cfg["SPLIT_K"] != 1 or silu_mul_out:
             raise ValueError("gemv_tma: the conv epilogue takes SPLIT_K 1 and a plain output")
-        extra = dict(conv_args(conv, x.shape[0], n, False), CONV=True,
-                     CONV_EARLY=env("KRAIT_CONV_EARLY", "1") != "0")
-    if norm is not None:
-        if cfg["SPLIT_K"] != 1:
-            raise ValueError("gemv_tma: the norm prologue takes SPLIT_K 1 (each program sums "
-                             "the whole row)")
-        if norm[0].shape != (k,):
-            raise ValueError(f"gemv_tma: the norm weight must be [{k}], got "
-                             f"{list(norm[0].shape)}")
-        extra.update(NORM=True, norm_ptr=norm[0], eps=float(norm[1]))
+        extra = dict(conv_args(conv, x.shape[0], n, False), CONV=True)
     if x.shape[1] != k:
         raise ValueError(f"gemv_tma: weight is [N, {k}], x gives K={x.shape[1]}")
     if not tma_readable(weight):
@@ -330,16 +251,9 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
         counters = arrival_counters(_COUNTERS, x.device, tiles)
     else:
         part = counters = y
-    pdl = use_pdl(x)
-    # the first STAGES boxes' 128-byte lines, to a power of two (a PDL launch only: the
-    # interpreter has no inline assembly)
-    lines = cfg.pop("PREFETCH_LINES", 0)
-    if lines is None:
-        lines = prefetch_lines(cfg["STAGES"], cfg["BLOCK_K"], weight.element_size()) if pdl else 0
     _gemv_tma_kernel[(tiles, split)](
         x, desc, weight, y, part, counters, n, k, k_per_split,
-        SPLIT_K=split, PREFETCH_LINES=lines, SILU_MUL=silu_mul_out,
-        **extra, **pdl_args(pdl), **cfg,
+        SPLIT_K=split, SILU_MUL=silu_mul_out, **extra, **pdl_args(use_pdl(x)), **cfg,
         **timeline_args("gemv_tma", (tiles, split), x.device))
     return y
 
@@ -348,7 +262,7 @@ def _descriptor(weight: Tensor, block_n: int, block_k: int) -> TensorDescriptor:
     """The weight's TMA descriptor in [block_n, block_k] boxes, built once per weight and box
     and kept on the weight tensor itself: it goes with the weight (a module-level cache kept
     granite-micro's 6 GiB of weights alive after its engine was deleted, and the HF baseline
-    of `krait bench throughput` ran out of memory beside them, session 18)."""
+    of `krait bench throughput` ran out of memory beside them)."""
     cache = getattr(weight, "_krait_tma_descriptors", None)
     if cache is None:
         cache = {}

@@ -1,7 +1,6 @@
-"""The MoE's few-route path (on by default on the GPU, `KRAIT_MOE_ROUTES=0` turns it off): decode
-batches whose routes mostly hit distinct experts. Measured on the H200 (docs/benchmarks.md,
-session 9): granite-4.0-h-tiny's decode graph at batch 1 3.59-3.76 -> 2.82 ms, batch 8
-5.63 -> 4.97 ms.
+"""The MoE's few-route path on the Triton path: decode batches whose routes mostly hit distinct
+experts (granite-4.0-h-tiny's decode graph about a quarter shorter at batch 1 on the H200 than
+through the grouped GEMM: docs/benchmarks.md).
 
 `fused_moe`'s grouped GEMM sorts the routes by expert and pads each expert's run to BLOCK_M
 rows: at batch 1 that is five launches of layout work before two GEMMs that use one row of
@@ -28,18 +27,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, interpreting, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
-
-
-def moe_routes_enabled() -> bool:
-    """The router's top-k kernel and the few-route expert GEMVs, unless `KRAIT_MOE_ROUTES=0`."""
-    return env("KRAIT_MOE_ROUTES") != "0"
 
 
 def use_moe_routes(x: Tensor, num_routes: int, num_experts: int) -> bool:
     """Whether `fused_moe` takes the per-route GEMVs for `num_routes` (token, expert) pairs."""
-    return moe_routes_enabled() and use_triton(x) and 0 < 2 * num_routes <= num_experts
+    return use_triton(x) and 0 < 2 * num_routes <= num_experts
 
 
 # ----------------------------------------------------------------------------- router top-k
@@ -127,8 +121,8 @@ def route_topk(
     renormalize=True: the softmax of the k largest logits (Mixtral, GraniteMoe); False: the top-k
     of the softmax over all experts. round_to_dtype: the weights rounded to the logits' dtype
     (HF's Granite `.type_as(hidden_states)`), returned in float32. The Triton kernel wherever
-    Triton runs, unless `KRAIT_MOE_ROUTES=0`."""
-    if moe_routes_enabled() and use_triton(logits):
+    Triton runs."""
+    if use_triton(logits):
         return route_topk_triton(logits, k, renormalize, round_to_dtype)
     return route_topk_ref(logits, k, renormalize, round_to_dtype)
 

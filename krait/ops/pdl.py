@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (PDL) for the small kernels of a decode step (on by default on
-sm_90 and newer; `KRAIT_PDL=0` turns it off).
+"""Programmatic dependent launch (PDL) for the small kernels of a decode step (on sm_90 and
+newer).
 
 At batch 1 a decode step is ~300 kernels of a few microseconds each, and each pays a launch and
 ramp-up that the previous kernel's tail does not hide (docs/benchmarks.md: qwen3-0.6b projections
@@ -12,8 +12,8 @@ while the previous kernel drains. `pdl_wait()` returns once every earlier kernel
 its writes are visible, so the stream's order is kept and the caching allocator stays safe.
 
 Kernels take `PDL: tl.constexpr`; launchers pass `**pdl_args(use_pdl(tensor))`. Off on the CPU
-(the interpreter has no grid-dependency instructions), before sm_90, and with KRAIT_PDL=0.
-Measured on the H200 (docs/benchmarks.md, session 4): decode steps 4-11% shorter at batch 1.
+(the interpreter has no grid-dependency instructions) and before sm_90. On the H200 batch-1
+decode steps are markedly shorter with it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from krait.ops._dispatch import env
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -52,8 +50,8 @@ def pdl_wait(PDL: tl.constexpr):
 
 def use_pdl(t: Tensor) -> bool:
     """Whether kernels working on `t` launch with PDL: CUDA tensors on a Hopper-or-newer GPU
-    (the grid-dependency instructions need sm_90), unless KRAIT_PDL=0."""
-    if not t.is_cuda or gdc_wait is None or env("KRAIT_PDL") == "0":
+    (the grid-dependency instructions need sm_90)."""
+    if not t.is_cuda or gdc_wait is None:
         return False
     return _supports_pdl(t.device.index if t.device.index is not None else -1)
 

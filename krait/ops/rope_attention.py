@@ -1,14 +1,11 @@
 """An attention layer's work after its q/k/v projection: `rope_kv_write` (per-head q/k norm,
 rotary, the K/V write), then `paged_attention`. A decode batch that the split-KV kernel takes
-runs the first inside the second (`decode_split_rope`): one launch fewer an attention layer.
-H200, graph ms at context 1024, fold off -> on: session 17, llama-3.2-1b batch 1 0.923 ->
-0.902, batch 8 1.214 -> 1.155; session 18 (after `decode_prefetch`), qwen3-0.6b batch 1
-0.905 -> 0.906, batch 8 1.573 -> 1.467, llama 0.929 -> 0.908, 1.194 -> 1.162.
-KRAIT_DECODE_ROPE_FOLD=0 turns it off (an A/B knob)."""
+runs the first inside the second (`decode_split_rope`): one launch fewer an attention layer
+(faster on the H200 at batch 1 and 8: docs/benchmarks.md)."""
 
 from torch import Tensor
 
-from krait.ops._dispatch import env, use_triton
+from krait.ops._dispatch import use_triton
 from krait.ops.paged_attention import decode_num_splits, decode_split_rope, paged_attention
 from krait.ops.rope_kv_write import rope_kv_write
 
@@ -22,7 +19,7 @@ def rope_paged_attention(
 ) -> Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] as the projection left them; the other arguments as in
     `rope_kv_write` and `paged_attention`. Returns the attention output [T, Hq, D]."""
-    if use_triton(q) and max_query_len == 1 and env("KRAIT_DECODE_ROPE_FOLD", "1") == "1":
+    if use_triton(q) and max_query_len == 1:
         splits = decode_num_splits(seq_lens.shape[0], k_cache.shape[2], max_seq_len, q.device)
         if splits > 1:
             return decode_split_rope(

@@ -33,7 +33,7 @@ def _rope_kv_write_kernel(
     BLOCK_H k and v heads. The position's cos/sin, the norm weights and the slot come from the
     step's input preparation or are constants: loaded before the PDL wait, so that after it a
     program only loads its heads, rotates and stores (at batch 1 one program for all heads
-    spent ~3 µs in the chain, session 15)."""
+    spent ~3 µs in the chain)."""
     pdl_trigger(PDL)
     stamp(TL, tl_ptr, ENTRY)
     token = tl.program_id(0).to(tl.int64)

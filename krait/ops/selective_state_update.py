@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, env, interpreting, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 from krait.ops.mamba_ssd import discretize_dt_ref, softplus_clamp
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, WAITED, stamp, timeline_args
@@ -55,12 +55,12 @@ def _ssu_kernel(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
     z_ptr=None, g_ptr=None, part_ptr=None, stride_z_b=0, stride_g_b=0, stride_part_b=0,
-    GATED: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    GATED: tl.constexpr = False,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
     pdl_trigger(PDL)
     stamp(TL, tl_ptr, ENTRY)
-    if not PREFETCH:
+    if not PDL:
         pdl_wait(PDL)
         stamp(TL, tl_ptr, WAITED)
     # One program: batch row b, head h, BLOCK_P rows of the [P, N] state (all of N).
@@ -76,13 +76,13 @@ def _ssu_kernel(
         state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_s_slot + h * stride_s_h
         + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
     )
-    # [BLOCK_P, BLOCK_N]: with PREFETCH read before the wait for the kernel before (see
+    # [BLOCK_P, BLOCK_N]: with PDL read before the wait for the kernel before (see
     # `selective_state_update_triton`), as are the head's constants
     state = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)
     a_h = tl.load(A_ptr + h).to(tl.float32)
     d_h = tl.load(D_ptr + h).to(tl.float32)
     dt_bias_h = tl.load(dt_bias_ptr + h).to(tl.float32)
-    if PREFETCH:
+    if PDL:
         pdl_wait(PDL)
         stamp(TL, tl_ptr, WAITED)
     if slot >= 0:
@@ -115,16 +115,15 @@ def _ssu_kernel(
 
 def _block_p(head_dim: int, d_state: int, state_bytes: int = 2) -> int:
     """State rows (of P) per program, a 4 KB tile of the state (all rows under the interpreter):
-    fp32 states take half the rows of bf16 ones (H200, session 21, batch 64: 69 against 72 µs
-    a call for 64 heads x 64 x 128)."""
+    fp32 states take half the rows of bf16 ones (faster on the H200: docs/benchmarks.md)."""
     if interpreting():
         return next_pow2(head_dim)
     return max(1, min(next_pow2(head_dim), 4096 // (next_pow2(d_state) * state_bytes)))
 
 
 def ssu_warps(num_programs: int) -> int:
-    """Warps a program: 8 for a grid of at most a few programs an SM (batch 1: 1.95 against
-    2.41 µs a call at 64 heads x 64 x 128 on the H200, session 21), else 4."""
+    """Warps a program: 8 for a grid of at most a few programs an SM (batch 1; faster on the
+    H200: docs/benchmarks.md), else 4."""
     return 8 if num_programs <= 1024 else 4
 
 
@@ -145,11 +144,10 @@ def selective_state_update_triton(
     each run of `gated_part_size(P, N)` channels: what a consumer needs for the gated norm's
     statistics without a pass of its own (row strides are followed, so both may be views).
 
-    With PDL each program reads its state tile before waiting for the kernel before (unless
-    KRAIT_SSU_PREFETCH=0, an A/B knob): a slot's state is written only by this layer's update,
-    one token a step, and the slots by the step's input preparation, both finished before the
-    step's first kernel without PDL; so the state read, the kernel's largest, overlaps the
-    tail of the projection that feeds it."""
+    With PDL each program reads its state tile before waiting for the kernel before: a slot's
+    state is written only by this layer's update, one token a step, and the slots by the
+    step's input preparation, both finished before the step's first kernel without PDL; so the
+    state read, the kernel's largest, overlaps the tail of the projection that feeds it."""
     batch, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     y = torch.empty((batch, heads, head_dim), dtype=x.dtype, device=x.device)  # [B, H, P]
@@ -178,7 +176,7 @@ def selective_state_update_triton(
         part_ptr=parts_out if gated else y, stride_z_b=gate.stride(0) if gated else 0,
         stride_g_b=g_out.stride(0) if gated else 0,
         stride_part_b=parts_out.stride(0) if gated else 0, GATED=gated,
-        PREFETCH=pdl and env("KRAIT_SSU_PREFETCH", "1") != "0", **pdl_args(pdl),
+        **pdl_args(pdl),
         num_warps=ssu_warps(grid[0] * grid[1] * grid[2]),
         **timeline_args("ssu", grid, x.device),
     )

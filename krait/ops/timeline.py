@@ -1,6 +1,6 @@
 """Per-program timestamps of the decode chain's kernels: where a step's time goes inside the PDL
-chain, which neither a profiler with PDL off (kernels then do not overlap) nor removing a kernel
-(`scripts/ablate_decode.py`: what it costs, not why) shows.
+chain, which a profiler does not show (it times each kernel, not how the chain's kernels overlap
+under PDL), nor does removing a kernel (what it costs, not why).
 
 With KRAIT_TIMELINE=1, every launch of an instrumented kernel made while a CUDA graph is being
 captured gets a slice of one device buffer, [programs, 4] int64 (launches outside a capture
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from krait.ops._dispatch import env
+from krait.envs import get
 
 # the stamps of a program's record (constexpr globals: kernels read them)
 ENTRY, WAITED, EXIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -57,7 +57,7 @@ def timeline_args(name: str, grid: tuple[int, ...], device: torch.device) -> dic
     by the warm-up runs before a capture, never inside one (grids too large for the scratch
     get TL False). Otherwise TL False."""
     global _buffer, _next
-    if env("KRAIT_TIMELINE") != "1" or device.type != "cuda":
+    if get("KRAIT_TIMELINE") != "1" or device.type != "cuda":
         return {"TL": False}
     if _buffer is None:
         _buffer = torch.zeros(_CAPACITY, dtype=torch.int64, device=device)

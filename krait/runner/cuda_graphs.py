@@ -42,7 +42,7 @@ def warmup_stream(device_index: int) -> torch.cuda.Stream:
     """The one side stream every graph's eager warm-up runs on, per device. cuBLAS keeps a
     workspace (32 MiB on Hopper) per stream it ever ran on until the process ends: a fresh
     stream per capture size took up to 32 of torch's pooled streams, ~1 GiB that stayed
-    allocated after the engine was deleted (H200, session 19)."""
+    allocated after the engine was deleted (H200, docs/benchmarks.md)."""
     return torch.cuda.Stream(device=device_index)
 
 

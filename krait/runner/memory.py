@@ -7,18 +7,15 @@ import logging
 import torch
 
 from krait.config import EngineConfig
-from krait.runner.prefill_graphs import prefill_graph_rows_knob, prefill_graphs_enabled
 
 logger = logging.getLogger(__name__)
 
 # Room kept for CUDA graphs, the sampler's [batch, vocab] temporaries and allocator slack.
 _RESERVE_BYTES = 1 << 30
-# the pool over the activation peak of one eager forward at its largest bucket: measured 3.0x
-# and 3.7x (qwen3-0.6b 182 MiB for 61, granite-4.0-h-tiny 318 MiB for 87; session 10, H200)
+# the piecewise graphs' pool over the activation peak of one eager forward at its largest
+# bucket (measured 3.0-3.7x on the H200: docs/benchmarks.md)
 _PIECEWISE_MARGIN = 4.0
-# the prefill graphs (on unless KRAIT_PREFILL_GRAPHS=0) in the same pool: measured 5.8x and
-# 2.6x the activation peak on top of the pieces' (qwen3-0.6b 352 MiB, mamba2-1.3b 442 MiB;
-# session 11, H200)
+# the prefill graphs in the same pool, on top of the pieces' (measured 2.6-5.8x the peak)
 _PREFILL_GRAPHS_MARGIN = 6.0
 
 
@@ -45,10 +42,7 @@ def profile_free_memory(runner, config: EngineConfig) -> int:
             runner.profile_run(piecewise)
             torch.cuda.synchronize()
             piecewise_peak = torch.cuda.max_memory_allocated()
-        margin = _PIECEWISE_MARGIN
-        if prefill_graphs_enabled():  # one set of graphs per row count (1, 2, 4)
-            rows = prefill_graph_rows_knob()
-            margin += _PREFILL_GRAPHS_MARGIN * sum(1 for r in (1, 2, 4) if r <= rows)
+        margin = _PIECEWISE_MARGIN + _PREFILL_GRAPHS_MARGIN
         piecewise_bytes = int((piecewise_peak - temp_cache) * margin)
     # speculative verify graphs keep [rows * (1 + k), vocab] logits per capture size in the
     # graph pool (sizes share it, the largest dominates): twice the largest, for its float copies

@@ -66,8 +66,8 @@ class ModelRunner:
         self.cuda_graphs = None  # CudaGraphRunner once captured
         # speculative decoding: graphs of verify steps, every row 1 + k tokens (drafts padded)
         self.verify_graphs = None
-        self.piecewise = None  # PiecewiseGraphs for eager steps (KRAIT_PIECEWISE_GRAPHS=0: off)
-        self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps (KRAIT_PREFILL_GRAPHS=0: off)
+        self.piecewise = None  # PiecewiseGraphs for eager steps (krait/envs.py turns them off)
+        self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -118,7 +118,7 @@ class ModelRunner:
     def piecewise_max_tokens(self) -> int:
         """The largest eager step piecewise graphs serve: 0 when off (KRAIT_PIECEWISE_GRAPHS=0,
         enforce_eager, or no CUDA), else the most tokens a step can hold, up to
-        PIECEWISE_MAX_TOKENS (or KRAIT_PIECEWISE_MAX_TOKENS)."""
+        PIECEWISE_MAX_TOKENS."""
         if self.device.type != "cuda" or self.config.enforce_eager or not piecewise_enabled():
             return 0
         sched = self.config.scheduler

@@ -1,9 +1,9 @@
-"""Piecewise CUDA graphs for eager steps (prefills, mixed batches; on by default on the GPU,
-`KRAIT_PIECEWISE_GRAPHS=0` turns them off).
+"""Piecewise CUDA graphs for eager steps (prefills, mixed batches; on the GPU unless
+enforce_eager, or the diagnostic `KRAIT_PIECEWISE_GRAPHS=0`, turns them off).
 
-An eager step is bound by the host below a few thousand tokens (docs/benchmarks.md, session 9:
-~50 us of Python, dispatch and launcher per op, qwen3's 512-token prefill ~11 ms for 2 ms of
-kernels). Everything of a forward except the sequence mixers — embedding, norms, projections,
+An eager step is bound by the host below a few thousand tokens (~50 us of Python, dispatch and
+launcher per op: qwen3's 512-token prefill spent several times its kernels' time on the host,
+docs/benchmarks.md). Everything of a forward except the sequence mixers — embedding, norms, projections,
 MLP / MoE — has shapes fixed by the token count alone, so it can be captured per token bucket;
 the mixers (rotary + KV write + paged attention; conv + SSM scan with the state slots) need the
 step's own metadata and run eagerly between the pieces, as in vLLM.
@@ -39,34 +39,27 @@ from collections.abc import Callable
 
 import torch
 
-from krait.ops._dispatch import env
+from krait.envs import get
 from krait.runner.cuda_graphs import warmup_stream
 
 logger = logging.getLogger(__name__)
 
 _recorder: _Recorder | None = None  # the forward being padded, captured or replayed
-# the largest bucket (KRAIT_PIECEWISE_MAX_TOKENS sets another): past a few thousand tokens an
-# eager step is bound by the device anyway
+# the largest bucket: past a few thousand tokens an eager step is bound by the device anyway,
+# and larger buckets grow the pool for no gain
 PIECEWISE_MAX_TOKENS = 2048
 
 
 def piecewise_enabled() -> bool:
-    """On unless `KRAIT_PIECEWISE_GRAPHS=0` (the default since session 10: on the H200 a
-    one-request prefill of 128-512 tokens went 15 -> 6.2-6.8 ms for qwen3-0.6b, 59 -> 15.4 ms
-    for granite-4.0-h-micro, 51-70 -> 14.1-14.4 ms for granite-4.0-h-tiny; docs/benchmarks.md)."""
-    return env("KRAIT_PIECEWISE_GRAPHS", "1") != "0"
+    """On unless `KRAIT_PIECEWISE_GRAPHS=0` (a diagnostic: krait/envs.py): on the H200 they cut
+    a one-request prefill several times over (docs/benchmarks.md)."""
+    return get("KRAIT_PIECEWISE_GRAPHS") != "0"
 
 
 def piecewise_max_tokens_knob() -> int:
-    """KRAIT_PIECEWISE_MAX_TOKENS (a positive integer), else PIECEWISE_MAX_TOKENS: the most
-    tokens an eager step may have to take the piecewise graphs (an A/B knob: larger buckets
-    serve longer prefill steps for a larger pool)."""
-    value = env("KRAIT_PIECEWISE_MAX_TOKENS")
-    if not value:
-        return PIECEWISE_MAX_TOKENS
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"KRAIT_PIECEWISE_MAX_TOKENS must be a positive integer, got {value!r}")
-    return int(value)
+    """The most tokens an eager step may have to take the piecewise graphs:
+    PIECEWISE_MAX_TOKENS."""
+    return PIECEWISE_MAX_TOKENS
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:

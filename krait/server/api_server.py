@@ -631,13 +631,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_server(args: argparse.Namespace) -> None:
     """Serve `args.engine_config` until interrupted."""
-    import os
-
     import uvicorn
+
+    from krait import envs
 
     config = args.engine_config
     names = list(getattr(args, "served_model_name", None) or [config.model.model])
-    api_key = getattr(args, "api_key", None) or os.environ.get("KRAIT_API_KEY")
+    api_key = getattr(args, "api_key", None) or envs.get("KRAIT_API_KEY") or None
     metrics = ServerMetrics(names[0])
     engine = AsyncLLMEngine.from_config(config, observer=metrics)
     app = build_app(engine, names, api_key=api_key, metrics=metrics)

@@ -19,15 +19,16 @@ NUM_TOKENS = 8
                                   "qwen3+tma", "mamba2+tma", "qwen3+ropefold"])
 def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
     prompts, num_tokens = PROMPTS, NUM_TOKENS
-    engine_args, routes_ran, tma_ran, folded = {}, [], [], []
+    engine_args, overrides, routes_ran, tma_ran, folded, gemv_ran = {}, {}, [], [], [], []
     want_fold = arch.endswith("+ropefold")
     if want_fold:  # decode rows split (16 keys a split at least), rope and the K/V write
-        # inside the split kernel (the default; KRAIT_DECODE_ROPE_FOLD=0 turns it off), asserted
+        # inside the split kernel, asserted
         prompts = PROMPTS[:2]
         arch = arch.removesuffix("+ropefold")
-        monkeypatch.delenv("KRAIT_DECODE_ROPE_FOLD", raising=False)
-        monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
+        import krait.ops.paged_attention as paged_attention_mod
         import krait.ops.rope_attention as rope_attention_mod
+
+        monkeypatch.setattr(paged_attention_mod, "SPLIT_MIN_KEYS", 16)
 
         run_fold = rope_attention_mod.decode_split_rope
         monkeypatch.setattr(rope_attention_mod, "decode_split_rope",
@@ -38,12 +39,13 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         prompts = PROMPTS[:2]
         arch = arch.removesuffix("+tma")
         engine_args["max_num_seqs"] = 1
-        import krait.ops.linear as linear_mod
+        import krait.layers.linear as layers_linear
+        import krait.ops.linear as plan
 
-        monkeypatch.setattr(linear_mod, "tma_config", lambda n, k, silu=False, sms=4: dict(
+        monkeypatch.setattr(plan, "tma_config", lambda n, k, silu=False, sms=4: dict(
             BLOCK_N=8, BLOCK_K=32, STAGES=2, SPLIT_K=1, num_warps=4))
-        run_tma = linear_mod.gemv_tma
-        monkeypatch.setattr(linear_mod, "gemv_tma", lambda *a, **kw: tma_ran.append(
+        run_tma = layers_linear.gemv_tma
+        monkeypatch.setattr(layers_linear, "gemv_tma", lambda *a, **kw: tma_ran.append(
             "silu" if kw.get("silu_mul_out") else "conv" if kw.get("conv") else "plain")
             or run_tma(*a, **kw))
     if arch.endswith("+routes"):  # the router's top-k kernel (default), and decode at batch 1
@@ -55,15 +57,25 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         run = fused_moe_mod.moe_routes_triton
         monkeypatch.setattr(fused_moe_mod, "moe_routes_triton",
                             lambda *a: routes_ran.append(1) or run(*a))
-    if arch.endswith("+gemv"):  # every decode projection through krait/ops/gemv.py
-        # (KRAIT_GEMV=1; the interpreted GEMV is slow: two prompts, one of them chunked)
+    if arch.endswith("+gemv"):  # one row a decode step: every decode projection through
+        # krait/ops/gemv.py with its fusions (gate_up's activation; mamba2 with one norm group:
+        # the conv in in_proj's epilogue, the gated norm in out_proj's prologue), asserted; the
+        # interpreted GEMV is slow: two prompts, one of them chunked
         prompts = PROMPTS[:2]
         arch = arch.removesuffix("+gemv")
-        monkeypatch.setenv("KRAIT_GEMV", "1")
+        engine_args["max_num_seqs"] = 1
+        if arch == "mamba2":
+            overrides["n_groups"] = 1
+        import krait.layers.linear as layers_linear
+
+        run_gemv = layers_linear.gemv_triton
+        monkeypatch.setattr(layers_linear, "gemv_triton", lambda *a, **kw: gemv_ran.append(
+            "silu" if kw.get("silu_mul_out") else "conv" if kw.get("conv") else
+            "norm" if kw.get("norm") else "plain") or run_gemv(*a, **kw))
     if arch == "qwen3":
         d = make_tiny_llama(tmp_path / arch, arch="qwen3")
     else:
-        d = make_tiny_hybrid(tmp_path / arch, arch)
+        d = make_tiny_hybrid(tmp_path / arch, arch, **overrides)
     want, want_lp, _ = hf_greedy(d, prompts, num_tokens)
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     llm = LLM(d, device="cpu", dtype="float32", max_num_batched_tokens=7,  # chunked prefill too
@@ -78,10 +90,13 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         assert got.token_ids == tokens
         for entry, tok, lp in zip(got.logprobs, got.token_ids, lps):
             assert abs(entry[tok].logprob - lp) < 1e-3
-    assert bool(routes_ran) == ("max_num_seqs" in engine_args and not tma_ran)
+    assert bool(routes_ran) == ("max_num_seqs" in engine_args and not tma_ran and not gemv_ran)
     if tma_ran:
         assert set(tma_ran) == ({"silu", "plain"} if arch == "qwen3" else {"conv", "plain"})
     assert bool(folded) == want_fold
+    if gemv_ran:
+        assert set(gemv_ran) == ({"silu", "plain"} if arch == "qwen3"
+                                 else {"conv", "norm", "plain"})
 
 
 def test_triton_path_with_preemption_and_device_tables(tmp_path, monkeypatch):

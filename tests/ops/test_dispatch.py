@@ -18,23 +18,6 @@ def test_cuda_tensors_use_triton_unless_forced(monkeypatch):
     assert not use_triton(_FakeCuda())
 
 
-def test_env_reads_follow_os_environ(monkeypatch):
-    """`env` reads the store behind os.environ: every write through it (monkeypatch, a user's
-    os.environ[...] = ...) is seen at once."""
-    import os
-
-    from krait.ops._dispatch import env
-
-    monkeypatch.delenv("KRAIT_TEST_KNOB", raising=False)
-    assert env("KRAIT_TEST_KNOB") is None and env("KRAIT_TEST_KNOB", "d") == "d"
-    monkeypatch.setenv("KRAIT_TEST_KNOB", "1")
-    assert env("KRAIT_TEST_KNOB") == "1"
-    os.environ["KRAIT_TEST_KNOB"] = "wide"
-    assert env("KRAIT_TEST_KNOB", "d") == "wide"
-    monkeypatch.delenv("KRAIT_TEST_KNOB")
-    assert env("KRAIT_TEST_KNOB", "d") == "d"
-
-
 def test_next_pow2_matches_triton():
     import triton
 

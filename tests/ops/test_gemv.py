@@ -1,5 +1,6 @@
 """Skinny decode GEMV (krait/ops/gemv.py) against F.linear: shapes, bias, strides, the fused
-silu_and_mul; the dispatch of krait/ops/linear.py."""
+silu_and_mul, the norm prologue and the conv epilogue; krait/layers/linear.py following the plan
+(krait/ops/linear.py, its rules: tests/ops/test_linear_plan.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from krait.layers.linear import linear, silu_mul_linear
 from krait.ops.activation import silu_and_mul_ref
 from krait.ops.gemv import MAX_M, default_config, gemv_triton
-from krait.ops.linear import linear, silu_mul_linear
 from tests.ops.conv_cases import mamba2_conv_case, small_conv_case
 
 
@@ -62,12 +63,11 @@ def test_gemv_fused_silu_mul(split):
 
 
 def test_silu_mul_linear_matches_unfused_everywhere(monkeypatch):
-    x2, _, _ = _inputs(2, 8, 2 * 40, seed=13)
-    _, w, _ = _inputs(2, 16, 40, seed=14)
+    x2, _, _ = _inputs(1, 8, 2 * 40, seed=13)
+    _, w, _ = _inputs(1, 16, 40, seed=14)
     want = F.linear(silu_and_mul_ref(x2), w)
     torch.testing.assert_close(silu_mul_linear(x2, w), want)  # reference path
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.setenv("KRAIT_GEMV", "1")
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # one row: the GEMV, silu-and-mul its prologue
     torch.testing.assert_close(silu_mul_linear(x2, w), want, atol=1e-4, rtol=1e-4)
 
 
@@ -89,52 +89,30 @@ def test_gemv_refuses_wide_batches_and_configs_follow_shape_only():
     assert default_config(8, 64, 64)["BLOCK_M"] == 8
 
 
-def test_linear_dispatch(monkeypatch):
-    x, w, b = _inputs(2, 24, 48, bias=True)
-    calls = []
-    monkeypatch.setattr("krait.ops.linear.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.setenv("KRAIT_GEMV", "1")
-    linear(x, w, b)
-    assert len(calls) == 1
-    big, _, _ = _inputs(MAX_M + 3, 24, 48)
-    linear(big, w, b)  # prefill-sized: F.linear
-    monkeypatch.setenv("KRAIT_GEMV", "0")
-    linear(x, w, b)
-    assert len(calls) == 1
-
-
-def test_default_dispatch_takes_one_row_against_a_small_weight(monkeypatch):
+def test_linear_takes_the_gemv_for_one_row_against_a_small_weight(monkeypatch):
     from krait.ops.linear import ROW_GEMV_MAX_ELEMENTS
 
     calls = []
-    monkeypatch.setattr("krait.ops.linear.gemv_triton", lambda *a: calls.append(a) or F.linear(*a))
+    monkeypatch.setattr("krait.layers.linear.gemv_triton",
+                        lambda *a: calls.append(a) or F.linear(*a))
+    x, w, b = _inputs(1, 24, 48, bias=True)
+    linear(x, w, b)  # the torch path: F.linear
+    assert calls == []
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.delenv("KRAIT_GEMV", raising=False)
     narrow, wide = torch.zeros(24, 64), torch.zeros(64, 24)
     linear(torch.ones(1, 64), narrow)
-    linear(torch.ones(1, 24), wide)  # N > K/2 too, by default
-    assert len(calls) == 2
+    linear(torch.ones(1, 24), wide)
+    linear(x, w, b)
+    assert len(calls) == 3
     linear(torch.ones(2, 64), narrow)  # two rows: cuBLAS
-    assert len(calls) == 2
-    # over 8M elements, up to 20M (mamba2's in_proj, granite's MLP down): the GEMV (views: no
-    # memory behind)
+    assert len(calls) == 3
+    # up to 20M elements (mamba2's in_proj, granite's MLP down; views: no memory behind)
     tall = torch.zeros(1, 64).expand((8 << 20) // 64 + 1, 64)
-    flat = torch.zeros(1, (8 << 20) // 64 + 1).expand(64, (8 << 20) // 64 + 1)
     linear(torch.ones(1, 64), tall)
-    linear(torch.ones(1, flat.shape[1]), flat)
     assert len(calls) == 4
     head = torch.zeros(1, 64).expand(ROW_GEMV_MAX_ELEMENTS // 64 + 1, 64)  # an lm_head: cuBLAS
     linear(torch.ones(1, 64), head)
     assert len(calls) == 4
-    monkeypatch.setenv("KRAIT_GEMV", "small")  # session 6's rule: at most 8M
-    linear(torch.ones(1, 64), tall)
-    linear(torch.ones(1, 24), wide)
-    assert len(calls) == 5
-    monkeypatch.setenv("KRAIT_GEMV", "narrow")  # session 5's rule: N <= K/2 only
-    linear(torch.ones(1, 64), narrow)
-    linear(torch.ones(1, 24), wide)
-    assert len(calls) == 6
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -159,8 +137,8 @@ def test_gemv_gate_up_epilogue_rounds_each_half_as_the_unfused_path_bf16():
 
 
 def test_silu_mlp_dispatch(monkeypatch):
-    from krait.ops import linear as linear_mod
-    from krait.ops.linear import silu_mlp
+    from krait.layers import linear as linear_mod
+    from krait.layers.linear import silu_mlp
 
     x, gu, b = _inputs(1, 2 * 24, 48, seed=8, bias=True)  # [1, H], [2I, H]
     _, down, db = _inputs(1, 48, 24, seed=9, bias=True)  # [H, I]
@@ -171,15 +149,9 @@ def test_silu_mlp_dispatch(monkeypatch):
     monkeypatch.setattr(linear_mod, "gemv_triton",
                         lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.delenv("KRAIT_GEMV", raising=False)
     torch.testing.assert_close(silu_mlp(x, gu, down, b, db), want, atol=1e-4, rtol=1e-4)
     assert calls[0] == {"silu_mul_out": True} and len(calls) == 2  # gate_up, then down
     calls.clear()
-    monkeypatch.setenv("KRAIT_MLP_EPILOGUE", "0")  # the activation in down's prologue
-    torch.testing.assert_close(silu_mlp(x, gu, down, b, db), want, atol=1e-4, rtol=1e-4)
-    assert {"silu_mul": True} in calls and all("silu_mul_out" not in c for c in calls)
-    calls.clear()
-    monkeypatch.delenv("KRAIT_MLP_EPILOGUE")
     x2 = torch.cat([x, x])  # two rows: cuBLAS and the activation kernel
     torch.testing.assert_close(silu_mlp(x2, gu, down, b, db), torch.cat([want, want]),
                                atol=1e-4, rtol=1e-4)
@@ -209,12 +181,13 @@ def test_gemv_gate_up_epilogue_real_sizes_gpu(dtype, inter, hidden):
     assert ((y.float() - ref).norm() / ref.norm()) < tol
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_gemv_norm_gated_prologue_matches_gated_rms_norm_then_linear(split):
+@pytest.mark.parametrize("split,group", [(1, 128), (2, 64), (4, 64)])
+def test_gemv_norm_gated_prologue_matches_gated_rms_norm_then_linear(split, group):
+    """Every program streams columns of one norm group (one group, or a K slice a group)."""
     from krait.ops.gated_rms_norm import gated_rms_norm_ref
 
     g_ = torch.Generator().manual_seed(31)
-    m, k, n, group, part = 2, 128, 24, 64, 16
+    m, k, n, part = 2, 128, 24, 16
     y = torch.randn(m, k, generator=g_)
     z = torch.randn(m, k, generator=g_)
     nw = torch.randn(k, generator=g_)
@@ -225,9 +198,11 @@ def test_gemv_norm_gated_prologue_matches_gated_rms_norm_then_linear(split):
     cfg = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=split)
     got = gemv_triton(gv, w, config=cfg, norm=(nw, parts, group, 1e-5, part))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="norm groups"):
-        gemv_triton(gv, w, config=dict(cfg, BLOCK_K=128), norm=(nw, parts, group, 1e-5,
-                                                                       part))
+    with pytest.raises(ValueError, match="norm groups"):  # a K tile across groups
+        gemv_triton(gv, w, config=dict(cfg, BLOCK_K=128, SPLIT_K=1),
+                    norm=(nw, parts, 64, 1e-5, part))
+    with pytest.raises(ValueError, match="inside one group"):  # a program across groups
+        gemv_triton(gv, w, config=dict(cfg, SPLIT_K=1), norm=(nw, parts, 64, 1e-5, part))
 
 
 @pytest.mark.gpu
@@ -235,8 +210,8 @@ def test_gemv_norm_gated_prologue_matches_gated_rms_norm_then_linear(split):
 def test_norm_gated_prologue_real_sizes_gpu(dtype):
     """mamba2-1.3b's decode row: the gated state update's g and partials, then out_proj with the
     norm in its prologue, against the state update, gated_rms_norm and F.linear."""
+    from krait.layers.linear import gated_norm_linear
     from krait.ops.gated_rms_norm import gated_rms_norm_ref
-    from krait.ops.linear import gated_norm_linear
     from krait.ops.selective_state_update import gated_part_size, selective_state_update_triton
 
     g_ = torch.Generator().manual_seed(5)
@@ -262,61 +237,6 @@ def test_norm_gated_prologue_real_sizes_gpu(dtype):
     got = gated_norm_linear(packed, w, None, nw, inter, 1e-5, part)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
     assert ((got.float() - want).norm() / want.norm()) < tol
-
-
-@pytest.mark.parametrize("split,scale", [(1, 1.0), (3, 1.0), (3, 0.25)])
-def test_gemv_residual_epilogue_then_norm_prologue_chain(split, scale):
-    """A producing GEMV adds the residual (to its output times a scale: Granite's residual
-    multiplier) and sums each tile's squares; the next GEMV's RMSNorm prologue reads them:
-    rms_norm(y * scale + residual) -> linear, without a norm pass of its own."""
-    from krait.ops.rms_norm import rms_norm_ref
-
-    g_ = torch.Generator().manual_seed(41)
-    m, k, hidden, n = 2, 96, 64, 40
-    x = torch.randn(m, k, generator=g_)
-    w1 = torch.randn(hidden, k, generator=g_) / k**0.5  # producer: [hidden, K]
-    res = torch.randn(m, hidden, generator=g_)
-    nw = torch.randn(hidden, generator=g_)
-    w2 = torch.randn(n, hidden, generator=g_) / hidden**0.5  # consumer: [N, hidden]
-    cfg1 = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=split)
-    h, parts = gemv_triton(x, w1, config=cfg1, residual=res, residual_scale=scale)
-    want_h = F.linear(x, w1) * scale + res
-    torch.testing.assert_close(h, want_h, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(parts, want_h.square().view(m, hidden // 8, 8).sum(-1),
-                               atol=1e-4, rtol=1e-4)
-    cfg2 = dict(BLOCK_M=2, BLOCK_N=8, BLOCK_K=32, SPLIT_K=1)
-    got = gemv_triton(h, w2, config=cfg2, norm=(nw, parts, hidden, 1e-6, 8))
-    want = F.linear(rms_norm_ref(want_h, nw, 1e-6), w2)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="residual"):
-        gemv_triton(x, w1, config=cfg1, residual=res[:, :10])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scale", [1.0, 0.22])
-def test_residual_fold_chain_real_sizes_gpu(scale):
-    """mamba2-1.3b's block boundary in bf16: out_proj adds the residual (to its output times
-    `scale`: 0.22 is a Granite residual multiplier) and sums squares, the next in_proj
-    normalizes from them; against F.linear, the scaled add and rms_norm."""
-    from krait.ops.linear import RESIDUAL_PART, norm_linear
-    from krait.ops.rms_norm import rms_norm_ref
-
-    g_ = torch.Generator().manual_seed(6)
-    hidden, inter, proj = 2048, 4096, 8512
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g_) * scale).to(torch.bfloat16).cuda()
-
-    y, res, nw = r(1, inter), r(1, hidden), r(hidden)
-    w_out, w_in = r(hidden, inter, scale=inter**-0.5), r(proj, hidden, scale=hidden**-0.5)
-    h, parts = gemv_triton(y, w_out, residual=res, residual_scale=scale)
-    out = F.linear(y.float(), w_out.float()).to(torch.bfloat16)
-    want_h = (out.float() * scale).to(torch.bfloat16).float() + res.float()
-    assert ((h.float() - want_h).norm() / want_h.norm()) < 1e-2
-    assert parts.shape == (1, hidden // RESIDUAL_PART)
-    got = norm_linear(h, parts, nw, 1e-5, w_in, None)
-    want = F.linear(rms_norm_ref(h, nw, 1e-5).float(), w_in.float())
-    assert ((got.float() - want).norm() / want.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("split,slot,channel_last", [(1, 2, False), (3, 0, True), (1, -1, False)])

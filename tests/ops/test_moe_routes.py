@@ -50,11 +50,7 @@ def test_route_topk_dispatch(monkeypatch):
                         lambda *a: calls.append(a) or route_topk_ref(*a))
     route_topk(logits, 2, True)  # CPU tensors: the reference
     assert not calls
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.setenv("KRAIT_MOE_ROUTES", "0")
-    route_topk(logits, 2, True)  # interpreted kernels allowed, but the path is off
-    assert not calls
-    monkeypatch.delenv("KRAIT_MOE_ROUTES")  # on by default
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # the Triton path: the kernel
     route_topk(logits, 2, True)
     assert len(calls) == 1
 
@@ -84,7 +80,6 @@ def test_routes_bf16_rounding_matches_reference():
 
 def test_fused_moe_takes_the_routes_only_for_few_routes(monkeypatch):
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.setenv("KRAIT_MOE_ROUTES", "1")
     x = torch.zeros(1, 4)
     assert use_moe_routes(x, num_routes=4, num_experts=8)
     assert not use_moe_routes(x, num_routes=5, num_experts=8)  # experts read once per route
@@ -93,8 +88,6 @@ def test_fused_moe_takes_the_routes_only_for_few_routes(monkeypatch):
     add = torch.randn(2, 32)
     torch.testing.assert_close(fused_moe(x, w13, w2, tw, ids, "silu", add),
                                fused_moe_ref(x, w13, w2, tw, ids) + add, atol=1e-5, rtol=1e-5)
-    monkeypatch.setenv("KRAIT_MOE_ROUTES", "0")
-    assert not use_moe_routes(x, num_routes=4, num_experts=8)
 
 
 @pytest.mark.gpu

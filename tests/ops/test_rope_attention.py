@@ -1,7 +1,6 @@
-"""rope + KV write folded into the split-KV decode kernel (KRAIT_DECODE_ROPE_FOLD, on) against
-`rope_kv_write` then `paged_attention` (torch references)."""
+"""rope + KV write folded into the split-KV decode kernel against `rope_kv_write` then
+`paged_attention` (torch references)."""
 
-import os
 
 import pytest
 import torch
@@ -69,15 +68,16 @@ def test_folded_rope_matches_rope_kv_write_then_attention(norm, is_neox, rot_dim
     torch.testing.assert_close(got_caches, want_caches, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fold", ["0", "1"])
-def test_rope_paged_attention_dispatch(fold, monkeypatch):
-    """The layer's entry point: the same output and caches with the fold on or off (on, a split
-    decode batch takes `decode_split_rope`)."""
+@pytest.mark.parametrize("waves", [2, 8])
+def test_rope_paged_attention_dispatch(waves, monkeypatch):
+    """The layer's entry point: a decode batch the split-KV kernel takes (8 waves: 5 rows x 2 kv
+    heads on 4 "SMs" split) runs `decode_split_rope`, one it does not (2 waves) rope_kv_write
+    then paged_attention; the same output and caches either way."""
+    import krait.ops.paged_attention as pa
     import krait.ops.rope_attention as ra
 
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.setenv("KRAIT_DECODE_ROPE_FOLD", fold)
-    monkeypatch.setenv("KRAIT_DECODE_SPLIT_WAVES", "8")  # 5 rows x 2 kv heads on 4 "SMs": split
+    monkeypatch.setattr(pa, "SPLIT_WAVES", waves)
     folded = []
     real = ra.decode_split_rope
     monkeypatch.setattr(ra, "decode_split_rope",
@@ -89,7 +89,7 @@ def test_rope_paged_attention_dispatch(fold, monkeypatch):
                                max(SEQ_LENS), 0.2)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_caches, want_caches, rtol=1e-5, atol=1e-5)
-    assert bool(folded) == (fold == "1")
+    assert bool(folded) == (waves == 8)
 
 
 @pytest.mark.gpu
@@ -128,20 +128,6 @@ def test_folded_rope_real_size_gpu(rows):
                                 None, 16).float()
         assert (got - want).norm() / want.norm() < 1e-2
         torch.testing.assert_close(got_caches, ref_caches, rtol=1e-2, atol=1e-2)
-
-
-def test_bench_decode_attention_script_checks_its_outputs(monkeypatch):
-    """scripts/bench_decode_attention.py on CPU (interpreted, rows split): both paths match the
-    torch references it checks them against."""
-    before = dict(os.environ)
-    from scripts.bench_decode_attention import bench_rows
-
-    assert dict(os.environ) == before  # importing it changes nothing for later tests
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-    monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")
-    r = bench_rows(3, 40, (4, 2, 32), 64, cold_bytes=100_000)  # 2 copies of 80 KB of KV
-    assert r["splits"] > 1 and r["cache_copies"] == 2
-    assert r["attention_err"] < 1e-5 and r["rope_attention_err"] < 1e-5, r
 
 
 def test_folded_rope_on_fp8_caches():

@@ -13,16 +13,15 @@ BF, F32, I32 = "*bf16", "*fp32", "*i32"
 
 
 GEMV_TYPES = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, y_ptr=BF, part_ptr=F32, count_ptr=I32)
-GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, TRIGGER_LATE=False, EPILOGUE=0,
-                  PARTS=1, ONE_GROUP=False)
+GEMV_PLAIN = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, EPILOGUE=0, PARTS=1)
 
 
-@pytest.mark.parametrize("pdl,late", [(False, False), (True, False), (True, True)])
-def test_gemv_compiles_without_spills(pdl, late):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_compiles_without_spills(pdl):
     from krait.ops.gemv import SILU_MUL
 
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
-        GEMV_PLAIN, SPLIT_K=4, PROLOGUE=SILU_MUL, PDL=pdl, TRIGGER_LATE=late))
+        GEMV_PLAIN, SPLIT_K=4, PROLOGUE=SILU_MUL, PDL=pdl))
     # the weight streams in 16-byte loads; with PDL the kernel waits for the previous one
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
     assert r["pdl"] == pdl
@@ -33,68 +32,36 @@ def test_gemv_gate_up_epilogue_compiles_without_spills(split):
     from krait.ops.gemv import PLAIN, SILU_MUL
 
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES, dict(
-        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=PLAIN, EPILOGUE=SILU_MUL, PDL=True,
-        TRIGGER_LATE=True), num_warps=8)
+        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=PLAIN, EPILOGUE=SILU_MUL, PDL=True), num_warps=8)
     assert r["local"] == 0 and r["vector_loads"] > 0 and r["scalar_loads"] == 0, r
     assert r["pdl"] and r["regs"] <= 128, r
 
 
-@pytest.mark.parametrize("one_group", [True, False])
-def test_gemv_norm_gated_prologue_compiles_without_spills(one_group):
+@pytest.mark.parametrize("split", [1, 2])
+def test_gemv_norm_gated_prologue_compiles_without_spills(split):
+    # mamba2's out_proj: the gated norm from the state update's partials; the norm weight
+    # loads in the loop's layout (no shared-memory round trip)
     from krait.ops.gemv import NORM
 
-    types = dict(GEMV_TYPES, x_ptr=F32, norm_ptr=BF, part_ptr2=F32, eps="fp32")
+    types = dict(GEMV_TYPES, x_ptr=F32, norm_ptr=BF, norm_part_ptr=F32, eps="fp32")
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
-        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=NORM, PDL=True, TRIGGER_LATE=True, PARTS=256,
-        ONE_GROUP=one_group), num_warps=8)
-    assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128, r
-    if one_group:  # the norm weight loads in the loop's layout: no shared-memory round trip
-        assert r["loop_barriers"] == 0, r
-
-
-@pytest.mark.parametrize("x_type,prologue,scale", [(F32, "NORM", False), (BF, "NORM", False),
-                                                   (BF, "PLAIN", False), (BF, "PLAIN", True)])
-def test_gemv_residual_epilogue_compiles_without_spills(x_type, prologue, scale):
-    # KRAIT_NORM_PROLOGUE: out_proj adds the residual and sums squares (after the gated norm
-    # prologue, or a plain input; Granite's residual multiplier scaling the output first);
-    # in_proj's RMSNorm prologue reads a bf16 row
-    from krait.ops import gemv
-
-    types = dict(GEMV_TYPES, x_ptr=x_type, norm_ptr=BF, part_ptr2=F32, eps="fp32", res_ptr=BF,
-                 rpart_ptr=F32)
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
-        GEMV_PLAIN, SPLIT_K=2, PROLOGUE=getattr(gemv, prologue), PDL=True, TRIGGER_LATE=True,
-        PARTS=256, EPILOGUE=gemv.RESIDUAL_NORM, ONE_GROUP=True, SCALE_RES=scale), num_warps=8)
+        GEMV_PLAIN, SPLIT_K=split, PROLOGUE=NORM, PDL=True, PARTS=256), num_warps=8)
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128 and r["loop_barriers"] == 0, r
 
 
-def test_gemv_norm_prologue_with_gate_up_epilogue_compiles():
-    # KRAIT_NORM_PROLOGUE through a llama MLP: gate_up normalizes its input and activates
+def test_gemv_conv_epilogue_compiles_without_spills():
+    # mamba2's in_proj convolving its xBC columns in the epilogue
     from krait.ops import gemv
 
-    types = dict(GEMV_TYPES, norm_ptr=BF, part_ptr2=F32, eps="fp32")
+    types = dict(GEMV_TYPES, slots_ptr=I32, cw_ptr=BF, cb_ptr=BF, cs_ptr=BF)
     r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
-        GEMV_PLAIN, SPLIT_K=1, PROLOGUE=gemv.NORM, PDL=True, TRIGGER_LATE=True,
-        PARTS=128, EPILOGUE=gemv.SILU_MUL, ONE_GROUP=True), num_warps=8)
-    assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128 and r["loop_barriers"] == 0, r
-
-
-@pytest.mark.parametrize("prologue", ["PLAIN", "NORM"])
-def test_gemv_conv_epilogue_compiles_without_spills(prologue):
-    # KRAIT_CONV_EPILOGUE: mamba2's in_proj convolving its xBC columns (after the fold's norm)
-    from krait.ops import gemv
-
-    types = dict(GEMV_TYPES, norm_ptr=BF, part_ptr2=F32, eps="fp32", slots_ptr=I32, cw_ptr=BF,
-                 cb_ptr=BF, cs_ptr=BF)
-    r = compile_sm90("krait.ops.gemv", "_gemv_kernel", types, dict(
-        GEMV_PLAIN, SPLIT_K=1, PROLOGUE=getattr(gemv, prologue), PDL=True, TRIGGER_LATE=True,
-        PARTS=256, ONE_GROUP=prologue == "NORM", EPILOGUE=gemv.CONV, CONV_WIDTH=4,
+        GEMV_PLAIN, SPLIT_K=1, PROLOGUE=gemv.PLAIN, PDL=True, EPILOGUE=gemv.CONV, CONV_WIDTH=4,
         CONV_BIAS=True, CONV_SILU=True), num_warps=8)
     assert r["local"] == 0 and r["pdl"] and r["regs"] <= 128 and r["loop_barriers"] == 0, r
 
 
 def test_pdl_kernels_compile():
-    # the grid-dependency instructions (KRAIT_PDL=1) in kernels of the decode chain
+    # the grid-dependency instructions in kernels of the decode chain
     types = dict(x_ptr=BF, res_ptr=BF, w_ptr=BF, out_ptr=BF, sum_ptr=BF, eps="fp32",
                  x_scale="fp32")
     r = compile_sm90("krait.ops.rms_norm", "_rms_norm_kernel", types,
@@ -139,13 +106,13 @@ def test_pdl_mamba_decode_kernels_compile():
     r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel", types, dict(
         DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True, GATED=False))
     assert r["pdl"] and r["local"] == 0, r
-    # the gated output for the norm in out_proj's prologue (KRAIT_MAMBA_NORM_PROLOGUE=1)
-    for prefetch in (False, True):  # the state tile read before the PDL wait
-        r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel",
-                         dict(types, z_ptr=BF, g_ptr=F32, part_ptr=F32), dict(
-                             DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128,
-                             PDL=True, GATED=True, PREFETCH=prefetch))
-        assert r["pdl"] and r["local"] == 0, r
+    # the gated output for the norm in out_proj's prologue (the state tile read before the
+    # PDL wait)
+    r = compile_sm90("krait.ops.selective_state_update", "_ssu_kernel",
+                     dict(types, z_ptr=BF, g_ptr=F32, part_ptr=F32), dict(
+                         DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128,
+                         PDL=True, GATED=True))
+    assert r["pdl"] and r["local"] == 0, r
     types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, states_ptr=BF, out_ptr=BF, slots_ptr=I32)
     r = compile_sm90("krait.ops.causal_conv1d", "_conv_update_kernel", types, dict(
         WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_K=4, BLOCK_D=256, PDL=True))
@@ -201,8 +168,8 @@ def test_fp8_kv_cache_kernels_compile():
 
 
 def test_moe_route_kernels_compile_without_spills():
-    """KRAIT_MOE_ROUTES=1: the router's top-k and the two expert GEMVs at granite-4.0-h-tiny's
-    shapes (64 experts, top-6, 1536 x 512)."""
+    """The MoE's few-route path: the router's top-k and the two expert GEMVs at
+    granite-4.0-h-tiny's shapes (64 experts, top-6, 1536 x 512)."""
     r = compile_sm90("krait.ops.moe_routes", "_route_topk_kernel",
                      dict(logits_ptr=BF, w_ptr=F32, ids_ptr=I32),
                      dict(TOPK=6, TOPK_PAD=8, RENORM=True, ROUND_W=True, BLOCK_E=64, PDL=True))
@@ -230,12 +197,11 @@ def test_timeline_stamps_compile():
          dict(x_ptr=BF, res_ptr=BF, w_ptr=BF, out_ptr=BF, sum_ptr=BF, eps="fp32",
               x_scale="fp32"), dict(HAS_RESIDUAL=True, SCALE_X=False, BLOCK_D=1024, PDL=True), 4),
         ("krait.ops.gemv", "_gemv_kernel", GEMV_TYPES,
-         dict(GEMV_PLAIN, SPLIT_K=2, PROLOGUE=gemv.PLAIN, PDL=True, TRIGGER_LATE=True), 8),
+         dict(GEMV_PLAIN, SPLIT_K=2, PROLOGUE=gemv.PLAIN, PDL=True), 8),
         ("krait.ops.selective_state_update", "_ssu_kernel",
          dict(state_ptr=F32, x_ptr=BF, dt_ptr=BF, A_ptr=F32, B_ptr=BF, C_ptr=BF, D_ptr=F32,
               dt_bias_ptr=F32, y_ptr=BF, slots_ptr=I32, dt_min="fp32", dt_max="fp32"),
-         dict(DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True,
-              PREFETCH=True), 4),
+         dict(DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=16, BLOCK_N=128, PDL=True), 4),
         ("krait.ops.paged_attention", "_decode_combine_kernel",
          dict(out_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32, qsl_ptr=I32, seq_lens_ptr=I32),
          dict(NUM_SPLITS=8, BLOCK_D=128, PDL=True), 4),
@@ -250,8 +216,8 @@ def test_timeline_stamps_compile():
 
 @pytest.mark.parametrize("warps,rope", [(4, False), (8, False), (8, True)])
 def test_decode_split_compiles_without_spills(warps, rope):
-    # 8 warps while the grid fits one program an SM; ROPE (KRAIT_DECODE_ROPE_FOLD): q/k norm,
-    # rotary and the K/V write in the kernel (qwen3's shape: 2 query heads a kv head, head dim
+    # 8 warps while the grid fits one program an SM; ROPE: q/k norm, rotary and the K/V write
+    # in the kernel (qwen3's shape: 2 query heads a kv head, head dim
     # 128, 16 splits)
     types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32,
                  qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32",
@@ -262,3 +228,31 @@ def test_decode_split_compiles_without_spills(warps, rope):
         BLOCK_D=128, PDL=True, PREFETCH=True, ROPE=rope, NORM=rope, IS_NEOX=True),
         num_warps=warps)
     assert r["local"] == 0 and r["pdl"], r
+
+
+@pytest.mark.parametrize("state,block_p", [(F32, 8), (BF, 16)])
+def test_mamba_verify_ssm_kernel_compiles(state, block_p):
+    # speculative verify: a row's 1 + k tokens in a loop with the state tile in registers, a
+    # store a token (unit strides as a real launch specializes them: the loop converts no
+    # layout through shared memory)
+    types = dict(state_ptr=state, x_ptr=BF, dt_ptr=BF, A_ptr=F32, B_ptr=BF, C_ptr=BF, D_ptr=F32,
+                 dt_bias_ptr=F32, y_ptr=BF, qsl_ptr=I32, slots_ptr=I32, num_acc_ptr=I32,
+                 idx_ptr=I32, dt_min="fp32", dt_max="fp32")
+    r = compile_sm90("krait.ops.selective_state_verify", "_ssv_kernel", types, dict(
+        DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=block_p, BLOCK_N=128, PDL=True, stride_s_n=1,
+        stride_x_p=1, stride_B_n=1, stride_C_n=1, stride_sl_c=1))
+    assert r["pdl"] and r["local"] == 0 and r["loop_barriers"] == 0 and r["regs"] <= 128, r
+
+
+@pytest.mark.parametrize("channel_last", [True, False])
+def test_mamba_verify_conv_kernel_compiles(channel_last):
+    # the conv over a verify row's tokens at once, the engine's channel-last state and the
+    # dim-major one
+    types = dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, states_ptr=BF, out_ptr=BF, qsl_ptr=I32,
+                 slots_ptr=I32, num_acc_ptr=I32, idx_ptr=I32)
+    unit = dict(stride_s_d=1) if channel_last else dict(stride_s_k=1)
+    r = compile_sm90("krait.ops.causal_conv1d_verify", "_conv_verify_kernel", types, dict(
+        WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_T=4, BLOCK_W=4, BLOCK_D=128, PDL=True,
+        stride_x_d=1, stride_w_k=1, stride_sl_c=1, **unit),
+        odd=() if channel_last else ("stride_s_d",))  # [slots, 4352, 3]: stride 3 a channel
+    assert r["pdl"] and r["local"] == 0 and r["regs"] <= 128, r

@@ -2,8 +2,8 @@
 
 cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it ever ran on, until the process
 ends; graph warm-ups on a fresh stream per capture size left up to ~1 GiB allocated after the
-engine was gone (session 19, `scripts/find_gpu_holders.py`). Every capture now warms up on one
-stream (`krait.runner.cuda_graphs.warmup_stream`)."""
+engine was gone (docs/benchmarks.md). Every capture now warms up on one stream
+(`krait.runner.cuda_graphs.warmup_stream`)."""
 
 from __future__ import annotations
 

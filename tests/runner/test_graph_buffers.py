@@ -4,7 +4,6 @@ greedy tokens into the device token table: each piece against the path it replac
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -132,42 +131,41 @@ def test_capture_pauses_python_gc(monkeypatch):
     assert seen == [False, False, False] and gc.isenabled()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+gemv", "qwen3+split",
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+split",
                                   "granitemoehybrid+routes", "granitemoehybrid+fused"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
-    of several sizes as requests finish (CudaGraphRunner(record=False) runs the body eagerly).
-    +gemv: every decode projection in the GEMV (KRAIT_GEMV=1; padded rows too); +split: the
-    decode rows' keys split over several programs (the split-KV kernel and its combine);
-    +routes: KRAIT_MOE_ROUTES=1 with 16 experts, so every decode graph (padded rows too) takes
-    the few-route expert GEMVs; +fused: dense granite layers at batch 1 with every GEMV fusion
-    (KRAIT_NORM_PROLOGUE, KRAIT_MAMBA_NORM_PROLOGUE, KRAIT_CONV_EPILOGUE), the conv epilogue
-    reading the row's slot from the captured buffers."""
+    of several sizes as requests finish (CudaGraphRunner(record=False) runs the body eagerly;
+    the graphs of one row take the one-row GEMVs). +split: the decode rows' keys split over
+    several programs (the split-KV kernel and its combine); +routes: 16 experts, so every
+    decode graph (padded rows too) takes the few-route expert GEMVs; +fused: dense granite
+    layers with one norm group, so the graph of one row takes every GEMV fusion (the conv in
+    in_proj's epilogue, reading the row's slot from the captured buffers; the gated norm in
+    out_proj's prologue)."""
+    import krait.ops.paged_attention as paged_attention_mod
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
 
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # device tables and the Triton kernels
-    if arch.endswith("+gemv"):
-        arch = arch.removesuffix("+gemv")
-        monkeypatch.setenv("KRAIT_GEMV", "1")
     if arch.endswith("+split"):
         arch = arch.removesuffix("+split")
-        monkeypatch.setenv("KRAIT_DECODE_SPLIT_KEYS", "16")  # the captured batches split
-    overrides, routes_rows, conv_fused = {}, [], []
+        monkeypatch.setattr(paged_attention_mod, "SPLIT_MIN_KEYS", 16)  # the batches split
+    overrides, routes_rows, fused = {}, [], []
+    want_routes = want_fused = False
     if arch.endswith("+fused"):
         arch = arch.removesuffix("+fused")
-        for knob in ("KRAIT_NORM_PROLOGUE", "KRAIT_MAMBA_NORM_PROLOGUE", "KRAIT_CONV_EPILOGUE"):
-            monkeypatch.setenv(knob, "1")
-        overrides["num_local_experts"] = 0
+        want_fused = True
+        overrides.update(num_local_experts=0, mamba_n_groups=1)
         import krait.layers.mamba2 as mamba2_mod
 
-        real_conv_in_gemv = mamba2_mod.conv_in_gemv
-        monkeypatch.setattr(mamba2_mod, "conv_in_gemv",
-                            lambda *a: conv_fused.append(real_conv_in_gemv(*a)) or conv_fused[-1])
+        for name in ("conv_linear", "gated_norm_linear"):
+            real = getattr(mamba2_mod, name)
+            monkeypatch.setattr(mamba2_mod, name, lambda *a, _n=name, _f=real, **kw:
+                                fused.append(_n) or _f(*a, **kw))
     if arch.endswith("+routes"):
         arch = arch.removesuffix("+routes")
-        monkeypatch.setenv("KRAIT_MOE_ROUTES", "1")
+        want_routes = True
         overrides["num_local_experts"] = 16  # top-2: up to 4 rows take the route GEMVs
         import krait.ops.fused_moe as fused_moe_mod
 
@@ -182,7 +180,7 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
     greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 2, 4)]
     # all-greedy batches (the graph's own token write stands) once; the interpreter is slow
-    param_sets = (mixed, greedy) if arch == "qwen3" and "KRAIT_GEMV" not in os.environ else (mixed,)
+    param_sets = (mixed, greedy) if arch == "qwen3" else (mixed,)
 
     def run(graphs: bool) -> tuple[list, int]:
         llm = LLM(d, device="cpu", dtype="float32", max_num_seqs=4)
@@ -212,10 +210,10 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
             if got_lp is not None:
                 assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-4
     assert max(replays) == 3 and min(replays) == 1  # padded to 4, then smaller graphs
-    if "KRAIT_MOE_ROUTES" in os.environ:
+    if want_routes:
         assert 4 in routes_rows  # the padded graph of 4 rows ran the route GEMVs
-    if "KRAIT_CONV_EPILOGUE" in os.environ:
-        assert any(conv_fused)  # the batch-1 steps (and the graph of 1 row) took it
+    if want_fused:  # the batch-1 steps (and the graph of 1 row) took both
+        assert {"conv_linear", "gated_norm_linear"} <= set(fused)
 
 
 def test_decode_graph_rows_must_be_at_their_last_known_token():

@@ -3,7 +3,7 @@ CPU with record=False: each lone prefill (and each chunk of one) runs the padded
 captured tensors, the step's inputs and metadata copied in, and gives the same tokens and
 logprobs as the plain forward, dense and hybrid, through the torch references and through the
 Triton kernels (interpreted). Steps with more rows, or with a decode row, never take them. The
-capture and replay themselves need a GPU (the `gpu` test, `gpu_check.sh prefillgraphs`)."""
+capture and replay themselves need a GPU (the `gpu` tests, `gpu_check.sh kernels`)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_padded_prefill_graph_forward_matches_the_plain_one(arch, chunk, tmp_pat
     runner = llm.llm_engine.runner
     runner.prefill_graphs = graphs = PrefillGraphs(runner, [16, 32, 64], record=False)
     graphs.capture_all()
-    assert sorted(graphs.graphs) == [(16, 1), (32, 1), (64, 1)]
+    assert sorted(graphs.graphs) == [16, 32, 64]
     served = []
     real_run = graphs.run
     graphs.run = lambda batch, meta: served.append(
@@ -87,7 +87,7 @@ def test_only_lone_prefill_rows_take_them(tmp_path):
     assert graphs.bucket_for([20], 1) == (32, 1)
     assert graphs.bucket_for([65], 1) is None  # past the largest bucket
     assert graphs.bucket_for([1], 0) is None  # a decode row
-    assert graphs.bucket_for([3, 20], 2) is None  # two prefill rows (KRAIT_PREFILL_GRAPH_ROWS=1)
+    assert graphs.bucket_for([3, 20], 2) is None  # two prefill rows
     assert graphs.bucket_for([1, 20], 1) is None  # a decode row beside the prefill
     served = []
     real_run = graphs.run
@@ -106,68 +106,21 @@ def test_buckets_stop_below_max_model_len(tmp_path):
     assert PrefillGraphs(runner, [16, 32, 64], record=False).buckets == [16, 32]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "mamba2", "granitemoehybrid+triton"])
-def test_graphs_of_several_prefill_rows_serve_requests_arriving_together(arch, tmp_path,
-                                                                         monkeypatch):
-    """With max_rows=4 the three prompts' first step (three prefill rows, 70 tokens) takes the
-    graph of 128 tokens and 4 rows, its spare row empty (slot -1, no tokens)."""
-    prompts, new = PROMPTS, 4
-    if arch.endswith("+triton"):
-        arch = arch.removesuffix("+triton")
-        monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
-        prompts, new = PROMPTS[:2] + [[5, 6]], 2  # 25 tokens: the graph of 32 tokens, 4 rows
-    d = _model(tmp_path, arch)
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=0)
-
-    def run(llm: LLM):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [(o.outputs[0].token_ids,
-                 [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                for o in outs]
-
-    want = run(LLM(d, device="cpu", dtype="float32"))
-    llm = LLM(d, device="cpu", dtype="float32")
-    runner = llm.llm_engine.runner
-    runner.prefill_graphs = graphs = PrefillGraphs(runner, [16, 32, 64, 128], record=False,
-                                                   max_rows=4)
-    graphs.capture_all()
-    assert (128, 4) in graphs.graphs and (16, 2) in graphs.graphs
-    assert graphs.bucket_for([3, 20], 2) == (32, 2)
-    assert graphs.bucket_for([3, 20, 47], 3) == (128, 4)
-    assert graphs.bucket_for([3, 20, 47, 1, 1], 5) is None  # more rows than the largest graph
-    served = []
-    real_run = graphs.run
-    graphs.run = lambda batch, meta: served.append(
-        (batch.num_reqs, batch.num_reqs_padded, batch.num_tokens_padded)) or real_run(batch, meta)
-    _close(run(llm), want)
-    total = sum(len(p) for p in prompts)
-    assert served == [(len(prompts), 4,
-                       next(b for b in (16, 32, 64, 128) if b >= total))]
+def test_with_the_piecewise_graphs_and_one_row(tmp_path):
+    """The runner's calls: prefill graphs come with the piecewise graphs, one row each."""
+    assert prefill_graphs_enabled() and prefill_graph_rows_knob() == 1
+    llm = LLM(_model(tmp_path, "qwen3"), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="one row"):
+        PrefillGraphs(llm.llm_engine.runner, [16], record=False, max_rows=4)
 
 
-def test_on_by_default(monkeypatch):
-    monkeypatch.delenv("KRAIT_PREFILL_GRAPHS", raising=False)
-    assert prefill_graphs_enabled()
-    monkeypatch.setenv("KRAIT_PREFILL_GRAPHS", "0")
-    assert not prefill_graphs_enabled()
-    monkeypatch.delenv("KRAIT_PREFILL_GRAPH_ROWS", raising=False)
-    assert prefill_graph_rows_knob() == 1
-    monkeypatch.setenv("KRAIT_PREFILL_GRAPH_ROWS", "4")
-    assert prefill_graph_rows_knob() == 4
-    monkeypatch.setenv("KRAIT_PREFILL_GRAPH_ROWS", "3")
-    with pytest.raises(ValueError, match="KRAIT_PREFILL_GRAPH_ROWS"):
-        prefill_graph_rows_knob()
-
-
-def _gpu_llm(monkeypatch, model_dir: str, on: bool, rows: str, **engine_args):
-    """A float32 GPU engine with the prefill graphs on or off (KRAIT_PREFILL_GRAPH_ROWS=rows),
-    and the list its prefill graph replays append (real tokens, (real rows, graph rows)) to."""
-    monkeypatch.setenv("KRAIT_PREFILL_GRAPHS", "1" if on else "0")
-    monkeypatch.setenv("KRAIT_PREFILL_GRAPH_ROWS", rows)
+def _gpu_llm(model_dir: str, on: bool, **engine_args):
+    """A float32 GPU engine with the prefill graphs (off: enforce_eager, no graphs at all), and
+    the list its prefill graph replays append (real tokens, (real rows, graph rows)) to."""
     gc.collect()  # the previous engine's cache
     torch.cuda.empty_cache()
     llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=4,
-              gpu_memory_utilization=0.3, **engine_args)
+              gpu_memory_utilization=0.3, enforce_eager=not on, **engine_args)
     graphs = llm.llm_engine.runner.prefill_graphs
     served = []
     if graphs is not None:
@@ -179,16 +132,15 @@ def _gpu_llm(monkeypatch, model_dir: str, on: bool, rows: str, **engine_args):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "mamba2"])
-def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path, monkeypatch):
+def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path):
     """On the GPU, float32: buckets 16-128 captured at start-up; every lone prefill (and each
     chunk of 24 tokens at most) replays one, with the state slots and KV written as eagerly."""
     d = _model(tmp_path, arch)
 
     def generate(on: bool):
-        llm, served = _gpu_llm(monkeypatch, d, on, "1", max_num_batched_tokens=24,
-                               max_model_len=128)
+        llm, served = _gpu_llm(d, on, max_num_batched_tokens=24, max_model_len=128)
         graphs = llm.llm_engine.runner.prefill_graphs
-        assert (sorted(graphs.graphs) == [(16, 1), (32, 1)]) if on else graphs is None
+        assert (sorted(graphs.graphs) == [16, 32]) if on else graphs is None
         return _one_by_one(llm), [n for n, _ in served]
 
     want, _ = generate(False)
@@ -222,28 +174,3 @@ def test_a_prefix_cache_hit_replays_over_its_cached_context(tmp_path):
         int(batch.num_computed_tokens_np[0])) or real_run(batch, meta)
     assert run(llm) == want
     assert computed == [0, 32]  # the second prompt's first 32 tokens came from the cache
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid"])
-def test_gpu_graphs_of_several_prefill_rows(arch, tmp_path, monkeypatch):
-    """On the GPU, float32, KRAIT_PREFILL_GRAPH_ROWS=4: the three prompts' first step (three
-    prefill rows, 70 tokens) replays the graph of 128 tokens and 4 rows."""
-    d = _model(tmp_path, arch)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
-
-    def generate(on: bool):
-        llm, served = _gpu_llm(monkeypatch, d, on, "4", max_num_batched_tokens=128,
-                               max_model_len=256)
-        assert not on or (128, 4) in llm.llm_engine.runner.prefill_graphs.graphs
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        return [(o.outputs[0].token_ids,
-                 [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                for o in outs], served
-
-    want, _ = generate(False)
-    got, served = generate(True)
-    assert [rows for _, rows in served] == [(3, 4)]
-    assert [t for t, _ in got] == [t for t, _ in want]
-    for (_, a), (_, b) in zip(got, want):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
