@@ -8,14 +8,12 @@ catch-ups, skipped steps, preemptions and finished requests are right."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 import krait.runner.spec_decode.draft_model as draft_model
 from krait import LLM, SamplingParams
-from krait.outputs import CompletionOutput
+from tests.models.test_spec_decode_parity import Reference, assert_matches
 from tests.utils import device_options, hf_greedy, make_tiny_hybrid, make_tiny_llama
 
 MAX_NEW = 16
@@ -38,13 +36,6 @@ CONFIGS = {
     # a verify row of 1 + K tokens takes the whole budget: the other row waits, drafted already
     "budget_4_seqs_2": dict(max_num_batched_tokens=K + 1, max_num_seqs=2),
 }
-
-
-@dataclass
-class Reference:
-    model_dir: str
-    tokens: list[list[int]]
-    logprobs: list[torch.Tensor]  # per prompt: [MAX_NEW, vocab]
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +63,6 @@ def references(checkpoints, tmp_path_factory):
 def _params(**kw) -> SamplingParams:
     base = dict(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=NUM_LOGPROBS)
     return SamplingParams(**{**base, **kw})
-
-
-def assert_matches(ref: Reference, i: int, out: CompletionOutput) -> None:
-    assert out.token_ids == ref.tokens[i], f"prompt {i}"
-    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-    for step, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-        row = ref.logprobs[i][step]
-        assert entry[tok].rank == 1
-        assert set(entry) == set(row.topk(NUM_LOGPROBS).indices.tolist()), f"prompt {i} {step}"
-        for tid, lp in entry.items():
-            assert abs(lp.logprob - row[tid].item()) < TOL, f"prompt {i} step {step} id {tid}"
 
 
 def make_llm(target: Reference, draft_dir: str, k: int = K, **options) -> LLM:
