@@ -34,6 +34,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, base: str, log: Path, limit: float = 180) -> None:
+    """Waits for a started server's /health; fails with its log if it exits or stays unhealthy
+    (imports alone take ~10 s)."""
+    deadline = time.monotonic() + limit
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not healthy within {limit:.0f} s:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(base url, model dir) of a running server; its log is printed if it fails to start."""
@@ -48,18 +65,7 @@ def server(tmp_path_factory):
                                 env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180  # imports alone take ~10 s
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy within 180 s:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, base, log)
         yield base, model_dir
     finally:
         proc.terminate()

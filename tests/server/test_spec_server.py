@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from krait import LLM, SamplingParams  # noqa: E402
-from tests.server.test_api_server import _free_port, metric  # noqa: E402
+from tests.server.test_api_server import _free_port, metric, wait_healthy  # noqa: E402
 from tests.utils import make_tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,16 +39,7 @@ def test_serve_with_speculative_decoding(tmp_path) -> None:
     model_dir = make_tiny_llama(tmp_path / "m")
     proc, base = _serve(model_dir, json.dumps(SPEC), tmp_path / "log")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "log").read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, base, tmp_path / "log")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
         prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [11, 12, 13, 14]]
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
