@@ -122,7 +122,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
 
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "qwen3_next_mtp")
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.method={method!r}: EAGLE heads are not supported yet "
                 "(ngram and draft_model are)")
+        if method in ("mtp", "qwen3_next_mtp"):
+            raise ValueError(
+                f"speculative_config.method={method!r}: multi-token-prediction heads are not "
+                "built (a checkpoint's mtp.* weights are ignored); ngram and draft_model are")
         if method == "draft_model":
             if not self.model:
                 raise ValueError("speculative_config.model: the draft_model method needs a draft "

@@ -229,4 +229,6 @@ def make_tiny_qwen3_next(path: str | Path, seed: int = 0, **overrides) -> str:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("dt_bias"):
                 p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("mlp.gate.weight"):  # spread router logits: no near-ties that
+                p.mul_(4.0)  # a 1e-6 batching difference could flip
     return _save(model, Path(path))

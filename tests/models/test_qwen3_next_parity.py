@@ -1,0 +1,134 @@
+"""Greedy parity with Hugging Face for Qwen3-Next (Gated DeltaNet + gated attention + MoE with a
+shared expert) through the engine scenarios the Mamba2 hybrids pass (tests/models/
+test_hybrid_serving.py): chunked prefill (odd boundaries, a final chunk of one token), few
+sequences with large blocks, preemption and resume, requests arriving while others decode, state
+slots reused; a second shape (equal key/value heads, GDN first, tied embeddings, un-normalised
+top-k, sparse step 2); the whole model through its Triton kernels (interpreted); and the refusals
+of speculative decoding and of the MTP method."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from krait import LLM, SamplingParams
+from krait.config import SpeculativeConfig
+from tests.models import test_hybrid_serving as serving
+from tests.models.test_hybrid_serving import (
+    PROMPTS,
+    Reference,
+    assert_cache_returned,
+    assert_matches,
+    generate_all,
+    make_llm,
+)
+from tests.utils import hf_greedy, make_tiny_qwen3_next
+
+# the second shape: 4 value heads over 4 key heads, linear attention first, attention last
+VARIANT = dict(
+    num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=4,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+    tie_word_embeddings=True, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[],
+)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory) -> Reference:
+    model_dir = make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next"))
+    tokens, _, rows = hf_greedy(model_dir, PROMPTS, serving.MAX_NEW)
+    return Reference(model_dir, tokens, rows)
+
+
+def _check_all(ref: Reference, llm: LLM) -> None:
+    for i, out in enumerate(generate_all(llm)):
+        assert_matches(ref, i, out)
+    assert_cache_returned(llm.llm_engine)
+
+
+@pytest.mark.parametrize("config", ["defaults", "chunked_7", "block_size_32_chunked_11_seqs_3"])
+def test_parity(ref: Reference, config: str) -> None:
+    _check_all(ref, make_llm(ref, **serving.CONFIGS[config]))
+
+
+def test_parity_final_prefill_chunk_of_one_token(ref: Reference) -> None:
+    serving.test_parity_final_prefill_chunk_of_one_token(lambda arch: ref, "qwen3_next")
+
+
+def test_parity_with_preemption(ref: Reference) -> None:
+    serving.test_parity_with_preemption(lambda arch: ref, "qwen3_next", "blocks_4x24_chunked_7")
+
+
+def test_parity_requests_added_while_decoding(ref: Reference) -> None:
+    serving.test_parity_requests_added_while_decoding(lambda arch: ref, "qwen3_next")
+
+
+def test_parity_with_slot_reuse(ref: Reference) -> None:
+    serving.test_parity_with_slot_reuse(lambda arch: ref, "qwen3_next")
+
+
+def test_gdn_state_is_float32_and_sized(ref: Reference) -> None:
+    """The GDN layers' recurrent state lives in the slots in float32, [slots, Hv, K, V]."""
+    from krait.layers.gated_deltanet import GatedDeltaNet
+
+    llm = make_llm(ref, max_num_seqs=2)
+    state = llm.llm_engine.runner.model_state
+    gdn = [m for m in state.mamba_layers if isinstance(m, GatedDeltaNet)]
+    assert len(gdn) == 2 and len(state.mamba_layers) == 2
+    for m in gdn:
+        assert m.ssm_state.dtype == torch.float32
+        assert m.ssm_state.shape[1:] == (6, 16, 8)
+        assert m.conv_state.shape[1:] == (2 * 32 + 48, 3)
+    assert state.chunk_size is None  # no Mamba2 SSD layout to build
+
+
+def test_variant_shape_matches_hf(tmp_path) -> None:
+    model_dir = make_tiny_qwen3_next(tmp_path, seed=1, **VARIANT)
+    prompts = PROMPTS[2:6]
+    tokens, _, rows = hf_greedy(model_dir, prompts, 12)
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_batched_tokens=9)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, want, hf_rows in zip(outs, tokens, rows):
+        got = out.outputs[0]
+        assert got.token_ids == want
+        for step, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+            assert abs(entry[tok].logprob - hf_rows[step, tok].item()) < 1e-3
+
+
+def test_gdn_triton_kernels_match_hf(ref: Reference, monkeypatch) -> None:
+    """The GDN layers' ops through their Triton kernels (interpreted): the chunked prefill and
+    decode update kernels and the causal conv; the other ops stay on their references (their
+    kernels have their own whole-model Triton tests, and interpreted here they would take a
+    minute). A prompt of 16 tokens through chunks of 7, 7 and 2, then decode steps."""
+    import krait.layers.gated_deltanet as gdn_layer
+    from krait.ops import causal_conv1d, gated_delta_chunk, gated_delta_update
+
+    ran = []
+    for mod in (gated_delta_chunk, gated_delta_update, causal_conv1d):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    for name in ("gated_delta_chunk", "gated_delta_update"):
+        run = getattr(gdn_layer, name)
+        monkeypatch.setattr(gdn_layer, name,
+                            lambda *a, run=run, name=name, **kw: ran.append(name) or run(*a, **kw))
+    prompts, n = PROMPTS[4:5], 6
+    llm = LLM(ref.model_dir, device="cpu", dtype="float32", max_num_batched_tokens=7)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert set(ran) == {"gated_delta_chunk", "gated_delta_update"}
+    for out, i in zip(outs, (4,)):
+        got = out.outputs[0]
+        assert got.token_ids == ref.tokens[i][:n]
+        for step, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+            assert abs(entry[tok].logprob - ref.logprobs[i][step, tok].item()) < 1e-3
+
+
+def test_speculative_decoding_refused(ref: Reference) -> None:
+    with pytest.raises(ValueError, match="speculative decoding is not built for GatedDeltaNet"):
+        make_llm(ref, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("method", ["mtp", "qwen3_next_mtp"])
+def test_mtp_method_refused(method: str) -> None:
+    with pytest.raises(ValueError, match="not built"):
+        SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 1})
