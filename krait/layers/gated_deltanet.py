@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.mamba2 import MambaMetadata
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from krait.ops.causal_conv1d_verify import causal_conv1d_verify
 from krait.ops.gated_delta_chunk import gated_delta_chunk
 from krait.ops.gated_delta_update import gated_delta_update
+from krait.ops.gated_delta_verify import gated_delta_verify
 from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.runner.piecewise_graphs import mixer_call
 
@@ -57,7 +59,6 @@ class GatedDeltaNet(torch.nn.Module):
     has_recurrent_state = True
     chunk_layout_size = None  # no Mamba2 SSD chunk layout
     recurrent_state_dtype = torch.float32
-    supports_speculative = False
 
     def __init__(self, d: GatedDeltaNetDims) -> None:
         super().__init__()
@@ -101,7 +102,9 @@ class GatedDeltaNet(torch.nn.Module):
         nd = meta.num_decode_tokens
         T = qkv.shape[0]
         out = qkv.new_zeros(T, self.d.value_dim)  # [T, Hv * V]
-        if nd:
+        if nd and meta.num_accepted_tokens is not None:
+            out[:nd] = self._verify(qkv[:nd], g[:nd], beta[:nd], meta).reshape(nd, -1)
+        elif nd:
             idx = meta.decode_state_indices[:nd]
             conv = causal_conv1d_update(qkv[:nd], self.conv_state, self.conv1d_weight.squeeze(1),
                                         None, idx, self.d.activation)
@@ -121,6 +124,18 @@ class GatedDeltaNet(torch.nn.Module):
                                   meta.prefill_has_initial_state)
             out[nd:end] = o.reshape(end - nd, -1)
         return out
+
+    def _verify(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                meta: MambaMetadata) -> torch.Tensor:
+        """Speculative decoding's decode rows (1 + k tokens each): conv and delta rule from the
+        slot of the last accepted position, the state after every position kept in the row's
+        slots (as the Mamba2 verify ops do): o [num_decode_tokens, Hv, V]."""
+        rows = (meta.decode_query_start_loc, meta.decode_state_slots, meta.num_accepted_tokens,
+                meta.decode_idx_mapping)
+        conv = causal_conv1d_verify(qkv, self.conv_state, self.conv1d_weight.squeeze(1), None,
+                                    *rows, self.d.activation)
+        q, k, v = self._split(conv)
+        return gated_delta_verify(q, k, v, g, beta, self.ssm_state, *rows)
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv output [n, conv_dim] as q, k [n, Hk, K] and v [n, Hv, V] views."""

@@ -3,8 +3,9 @@ shared expert) through the engine scenarios the Mamba2 hybrids pass (tests/model
 test_hybrid_serving.py): chunked prefill (odd boundaries, a final chunk of one token), few
 sequences with large blocks, preemption and resume, requests arriving while others decode, state
 slots reused; a second shape (equal key/value heads, GDN first, tied embeddings, un-normalised
-top-k, sparse step 2); the whole model through its Triton kernels (interpreted); and the refusals
-of speculative decoding and of the MTP method."""
+top-k, sparse step 2); the GDN layers through their Triton kernels (interpreted); speculative
+decoding (the GDN verify path) with scripted and ngram drafts; and the refusal of the MTP
+method."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from krait import LLM, SamplingParams
 from krait.config import SpeculativeConfig
 from tests.models import test_hybrid_serving as serving
+from tests.models import test_spec_decode_parity as spec
 from tests.models.test_hybrid_serving import (
     PROMPTS,
     Reference,
@@ -123,9 +125,30 @@ def test_gdn_triton_kernels_match_hf(ref: Reference, monkeypatch) -> None:
             assert abs(entry[tok].logprob - ref.logprobs[i][step, tok].item()) < 1e-3
 
 
-def test_speculative_decoding_refused(ref: Reference) -> None:
-    with pytest.raises(ValueError, match="speculative decoding is not built for GatedDeltaNet"):
-        make_llm(ref, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+@pytest.fixture(scope="module")
+def spec_ref(ref: Reference) -> spec.Reference:
+    tokens, _, rows = hf_greedy(ref.model_dir, spec.PROMPTS, spec.MAX_NEW)
+    return spec.Reference(ref.model_dir, tokens, rows)
+
+
+@pytest.mark.parametrize("config", ["defaults", "chunked_7_seqs_3"])
+def test_spec_parity(spec_ref: spec.Reference, config: str) -> None:
+    """Drafts (scripted: a right prefix, then a wrong token) verified through the GDN verify
+    path: the state after each position kept, the next step from the accepted one."""
+    llm = spec.make_llm(spec_ref, **spec.CONFIGS[config])
+    for i, out in enumerate(spec.generate(llm, spec._params())):
+        spec.assert_matches(spec_ref, i, out.outputs[0])
+    spec.assert_spec_ran(llm)
+
+
+def test_spec_parity_ngram_drafter_with_preemption(spec_ref: spec.Reference) -> None:
+    llm = spec.make_llm(spec_ref, scripted=False, block_size=4, num_kv_blocks=14,
+                        max_model_len=56)
+    seen = serving._track_requests(llm.llm_engine)
+    for i, out in enumerate(spec.generate(llm, spec._params())):
+        spec.assert_matches(spec_ref, i, out.outputs[0])
+    assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
+    assert sum(r.num_preemptions for r in seen) > 0, "the pool was meant to force preemption"
 
 
 @pytest.mark.parametrize("method", ["mtp", "qwen3_next_mtp"])

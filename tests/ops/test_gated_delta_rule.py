@@ -1,6 +1,7 @@
-"""gated_delta_chunk (prefill) and gated_delta_update (decode): the torch references against
-Hugging Face's Qwen3-Next functions, the Triton kernels (through the interpreter on CPU) against
-the references, and chunk == token-by-token updates."""
+"""gated_delta_chunk (prefill), gated_delta_update (decode) and gated_delta_verify (speculative
+rows): the torch references against Hugging Face's Qwen3-Next functions, the Triton kernels
+(through the interpreter on CPU) against the references, chunk and verify == token-by-token
+updates."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from krait.ops import gated_delta_chunk as gdc
 from krait.ops import gated_delta_update as gdu
+from krait.ops import gated_delta_verify as gdv
 
 CHUNK = {"ref": gdc.gated_delta_chunk_ref, "triton": gdc.gated_delta_chunk_triton}
 UPDATE = {"ref": gdu.gated_delta_update_ref, "triton": gdu.gated_delta_update_triton}
@@ -113,3 +115,35 @@ def test_update_skips_minus_one_rows(impl):
     torch.testing.assert_close(got[rows], want[rows], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_states, want_states, atol=1e-5, rtol=1e-5)
     assert torch.equal(got_states[[1, 2, 3, 5]], states[[1, 2, 3, 5]])
+
+
+VERIFY = {"ref": gdv.gated_delta_verify_ref, "triton": gdv.gated_delta_verify_triton}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_verify_matches_token_by_token_updates(impl):
+    """Rows of 1 + k tokens starting from column num_accepted - 1: outputs and the state after
+    every position equal sequential updates; -1 rows (idx_mapping or slots) are skipped."""
+    lens = [3, 1, 2, 3]
+    S = 3
+    q, k, v, g, beta, states = _inputs(sum(lens), num_slots=12, seed=4)
+    qsl = torch.tensor([0, 3, 4, 6, 9], dtype=torch.int32)
+    slots = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [-1, -1, -1]], dtype=torch.int32)
+    idx = torch.tensor([2, 0, -1, 1], dtype=torch.int32)
+    num_accepted = torch.tensor([3, 1, 2], dtype=torch.int32)  # by request row
+    got_states = states.clone()
+    o = VERIFY[impl](q, k, v, g, beta, got_states, qsl, slots, num_accepted, idx)
+    want_states = states.clone()
+    for r, req in enumerate(idx.tolist()):
+        if req < 0 or slots[r, 0] < 0:
+            continue
+        scratch = states[slots[r, num_accepted[req] - 1]].clone()[None]
+        for j in range(lens[r]):
+            t = int(qsl[r]) + j
+            want = gdu.gated_delta_update_ref(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                              beta[t:t + 1], scratch,
+                                              torch.tensor([0], dtype=torch.int32))
+            torch.testing.assert_close(o[t], want[0], atol=1e-5, rtol=1e-5)
+            want_states[slots[r, j]] = scratch[0]
+    assert S == slots.shape[1]
+    torch.testing.assert_close(got_states, want_states, atol=1e-5, rtol=1e-5)

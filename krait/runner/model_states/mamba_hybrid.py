@@ -33,13 +33,6 @@ class MambaHybridModelState(DefaultModelState):
         # the Mamba2 SSD chunk the per-step chunk layout is built for (None: no Mamba2 layers)
         self.chunk_size = chunk_sizes.pop() if chunk_sizes else None
         spec = config.speculative
-        if spec is not None:
-            refused = sorted({type(m).__name__ for m in self.mamba_layers
-                              if not getattr(m, "supports_speculative", True)})
-            if refused:
-                raise ValueError(
-                    f"speculative decoding is not built for {', '.join(refused)} layers (Gated "
-                    "DeltaNet, e.g. Qwen3-Next): run this model without speculative_config")
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.slots_per_request = 1 + self.num_spec_tokens
         ssm = config.cache.mamba_ssm_cache_dtype
