@@ -151,6 +151,23 @@ def test_spec_parity_ngram_drafter_with_preemption(spec_ref: spec.Reference) -> 
     assert sum(r.num_preemptions for r in seen) > 0, "the pool was meant to force preemption"
 
 
+def test_mtp_weights_ignored_on_load(ref: Reference) -> None:
+    """A checkpoint's multi-token-prediction tensors (`mtp.*`) load as nothing; anything else
+    unknown is still refused."""
+    from transformers import AutoConfig
+
+    from krait.models.loader import iterate_safetensors
+    from krait.models.qwen3_next import Qwen3NextForCausalLM
+
+    model = Qwen3NextForCausalLM(AutoConfig.from_pretrained(ref.model_dir))
+    extra = [("mtp.fc.weight", torch.zeros(64, 128)), ("mtp.norm.weight", torch.zeros(64))]
+    with torch.no_grad():
+        model.load_weights([*iterate_safetensors(ref.model_dir), *extra])
+        with pytest.raises(ValueError, match="has no place"):
+            model.load_weights([*iterate_safetensors(ref.model_dir),
+                                ("model.extra.weight", torch.zeros(1))])
+
+
 @pytest.mark.parametrize("method", ["mtp", "qwen3_next_mtp"])
 def test_mtp_method_refused(method: str) -> None:
     with pytest.raises(ValueError, match="not built"):
