@@ -78,22 +78,39 @@ class MambaHybridModelState(DefaultModelState):
                                       device=self.device)
 
     # -- requests -----------------------------------------------------------------------
-    def add_requests(self, new: list[tuple[int, list[int]]]) -> None:
+    def add_requests(self, new: list[tuple[int, list[int]]],
+                     restores: list[int] | None = None) -> None:
         """Resets the new requests' slots, so nothing of an earlier owner leaks: every layer's
         slot rows zeroed by one multi-tensor launch per state dtype (on the GPU), not two
         launches a layer (a hybrid's 48 layers took ~100 launches of host time before each new
-        request's prefill)."""
-        slots = [s for _, ss in new for s in ss]
-        if not slots:
+        request's prefill). `restores[i] >= 0`: request i hit the prefix cache and its first
+        slot starts from that state snapshot instead (a copy, never shared)."""
+        if not any(ss for _, ss in new):
             return
-        # each slot's row of a state, contiguous: the conv state is bound as a transposed view
-        conv = [m.conv_state.transpose(1, 2)[s] for m in self.mamba_layers for s in slots]
-        ssm = [m.ssm_state[s] for m in self.mamba_layers for s in slots]
-        torch._foreach_zero_(conv)
-        torch._foreach_zero_(ssm)
+        restores = restores or [-1] * len(new)
+        zeroed = [s for (_, ss), r in zip(new, restores) for s in (ss[1:] if r >= 0 else ss)]
+        if zeroed:
+            torch._foreach_zero_(self._slot_rows(zeroed))
+        copies = [(r, ss[0]) for (_, ss), r in zip(new, restores) if r >= 0]
+        if copies:
+            self.copy_states(copies)
         if self.num_accepted_tokens is not None:
             rows = host_to_device([i for i, _ in new], self.device, torch.long)
             self.num_accepted_tokens.index_fill_(0, rows, 1)
+
+    def _slot_rows(self, slots: list[int]) -> list[torch.Tensor]:
+        """Each layer's conv and SSM state rows of these slots, contiguous views (the conv
+        state is bound as a transposed view)."""
+        conv = [m.conv_state.transpose(1, 2)[s] for m in self.mamba_layers for s in slots]
+        ssm = [m.ssm_state[s] for m in self.mamba_layers for s in slots]
+        return conv + ssm
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every layer's state of slot `src` into slot `dst` for each (src, dst): prefix
+        caching's snapshots (saved after a step's forward, restored into a fresh slot)."""
+        if pairs:
+            src, dst = zip(*pairs)
+            torch._foreach_copy_(self._slot_rows(list(dst)), self._slot_rows(list(src)))
 
     # -- per step ---------------------------------------------------------------------
     def prepare_attn(
