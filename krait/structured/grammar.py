@@ -39,7 +39,8 @@ def build_grammar(kind: str, spec: str) -> Any:
         else dict(any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE))
     try:
         if base == "json":
-            return xgr.Grammar.from_json_schema(spec, **json_args)
+            schema = json.loads(spec)
+            return xgr.Grammar.from_json_schema(json.dumps(_bounded_strings(schema)), **json_args)
         if base == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', **json_args)
         if base == "regex":
@@ -53,6 +54,23 @@ def build_grammar(kind: str, spec: str) -> Any:
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs.{base}: invalid ({_short(e)})") from e
     raise ValueError(f"structured_outputs: unknown kind {kind!r}")
+
+
+def _bounded_strings(schema: Any) -> Any:
+    """The schema with each length-bounded plain string (minLength/maxLength, no pattern or
+    format) turned into the equivalent pattern of unescaped characters: xgrammar 0.2.8 lets
+    raw control characters into length-bounded strings, which is not JSON."""
+    if isinstance(schema, list):
+        return [_bounded_strings(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings(v) for k, v in schema.items()}
+    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
+            and not {"pattern", "format", "enum", "const"} & out.keys()):
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        span = f"{{{lo},{'' if hi is None else int(hi)}}}"
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{span}$'
+    return out
 
 
 def validate_structured(params: StructuredOutputsParams) -> None:
