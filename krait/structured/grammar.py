@@ -12,6 +12,7 @@ from typing import Any
 
 from krait.sampling_params import StructuredOutputsParams
 
+_MAX_PATTERN_LENGTH = 64  # see _bounded_strings
 MAX_WHITESPACE = 4  # whitespace characters a run between JSON tokens, when whitespace is free
 
 
@@ -59,16 +60,21 @@ def build_grammar(kind: str, spec: str) -> Any:
 def _bounded_strings(schema: Any) -> Any:
     """The schema with each length-bounded plain string (minLength/maxLength, no pattern or
     format) turned into the equivalent pattern of unescaped characters: xgrammar 0.2.8 lets
-    raw control characters into length-bounded strings, which is not JSON."""
+    raw control characters into length-bounded strings, which is not JSON. Only for bounds up
+    to _MAX_PATTERN_LENGTH: its regex compiler fails on longer repetitions, so longer strings
+    keep xgrammar's own rule."""
     if isinstance(schema, list):
         return [_bounded_strings(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {k: _bounded_strings(v) for k, v in schema.items()}
+    lo, hi = out.get("minLength", 0), out.get("maxLength")
     if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
-            and not {"pattern", "format", "enum", "const"} & out.keys()):
-        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        span = f"{{{lo},{'' if hi is None else int(hi)}}}"
+            and not {"pattern", "format", "enum", "const"} & out.keys()
+            and isinstance(lo, int) and isinstance(hi, (int, type(None)))
+            and max(lo, hi or 0) <= _MAX_PATTERN_LENGTH):
+        out.pop("minLength", None), out.pop("maxLength", None)
+        span = f"{{{lo},{'' if hi is None else hi}}}"
         out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{span}$'
     return out
 
