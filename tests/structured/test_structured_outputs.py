@@ -239,3 +239,22 @@ def test_structured_rows_with_speculative_decoding(tmp_path):
         assert o.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
         assert o.metrics["spec_num_draft_tokens"] == 0
+
+
+def test_compiles_are_cached_and_n_children_each_match(llm, monkeypatch):
+    """One compile per (kind, spec), however many requests share it; n > 1 children each
+    follow the grammar with their own matcher."""
+    mgr = llm.llm_engine.structured_manager()
+    calls = []
+    real = mgr.compile
+    monkeypatch.setattr(mgr, "compile", lambda kind, spec: calls.append(kind) or real(kind, spec))
+    schema = {"type": "object", "properties": {"z": {"enum": [1, 2, 3]}}, "required": ["z"]}
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(json=dict(schema)))
+    outs = llm.generate([f"p{i}" for i in range(6)], params, use_tqdm=False)
+    assert calls == ["json"]
+    for out in outs:
+        assert len(out.outputs) == 3
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), schema)
