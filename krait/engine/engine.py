@@ -66,6 +66,7 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self._inflight = None  # (SchedulerOutput, PendingSample) launched, not yet read back
         self._structured = None  # StructuredOutputManager, built by the first structured request
+        self._structured_ids: set[str] = set()  # live structured requests (children)
         # seconds the host spent blocked on the device reading sampled tokens back: a step whose
         # wait is ~0 is host-bound (the benchmarks report it per decode step)
         self.device_wait_s = 0.0
@@ -167,7 +168,7 @@ class LLMEngine:
             from krait.structured.grammar import validate_structured  # noqa: PLC0415
 
             validate_structured(params.structured_outputs)  # bad schemas fail here, at once
-            self.structured_manager()
+            self.structured_manager().check_ready()  # xgrammar and a tokenizer are there
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         parent = _Parent(request_id, text, ids, children, params.output_kind == "final_only")
@@ -189,6 +190,7 @@ class LLMEngine:
             self._detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, cp)
             if cp.structured_outputs is not None:
                 self._structured.submit(req)  # compiles off the loop; the request waits
+                self._structured_ids.add(cid)
             self.scheduler.add_request(req)
         self.num_prompt_tokens_total += len(ids) * len(children)
 
@@ -201,6 +203,7 @@ class LLMEngine:
             for cid in parent.children:
                 if self._structured is not None:
                     self._structured.discard(cid)
+                    self._structured_ids.discard(cid)
                 self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
                 self._child_parent.pop(cid, None)
                 self._detok.pop(cid, None)
@@ -233,7 +236,7 @@ class LLMEngine:
         N's outputs."""
         failed = self._poll_grammars() if self._structured is not None else []
         sched = self.scheduler.schedule()
-        if self._structured is not None:
+        if self._structured_ids:
             self._fill_grammar_bitmask(sched)
         pending = self.runner.execute_model(sched)
         if not self.config.scheduler.async_scheduling:
@@ -284,9 +287,9 @@ class LLMEngine:
 
     def _fill_grammar_bitmask(self, sched) -> None:
         """The masks of the structured rows that sample in the step just scheduled."""
-        reqs = self.scheduler.requests
-        rows = [reqs[rid] for rid in sched.num_scheduled_tokens
-                if reqs[rid].grammar is not None and reqs[rid].num_inflight]
+        reqs, scheduled = self.scheduler.requests, sched.num_scheduled_tokens
+        rows = [reqs[rid] for rid in self._structured_ids
+                if rid in scheduled and reqs[rid].grammar is not None and reqs[rid].num_inflight]
         if rows:
             sched.structured_req_ids = [r.request_id for r in rows]
             sched.grammar_bitmask = self._structured.fill_bitmask(rows)
@@ -367,6 +370,7 @@ class LLMEngine:
             if finished:
                 del self._parents[pid]
                 for c in parent.children:
+                    self._structured_ids.discard(c)
                     self._child_parent.pop(c, None)
                     self._detok.pop(c, None)
                     self._text.pop(c, None)

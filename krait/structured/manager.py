@@ -53,6 +53,11 @@ class StructuredOutputManager:
         self._pending: dict[str, tuple[Request, cf.Future, float]] = {}
 
     # -- compilation ------------------------------------------------------------------
+    def check_ready(self) -> None:
+        """Raises ValueError (naming structured_outputs) when grammars cannot be built here:
+        no xgrammar, or a model without a tokenizer."""
+        self._ensure_compiler()
+
     def _ensure_compiler(self) -> None:
         if self._compiler is not None:
             return
