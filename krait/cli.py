@@ -28,6 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: keys and values in float8 e4m3 (half the KV bytes of bf16)")
     p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--mamba-block-size", type=int, default=None,
+                   help="prefix caching with recurrent layers: tokens between state snapshots "
+                        "(a multiple of --block-size; default: the Mamba chunk size)")
+    p.add_argument("--num-state-snapshots", type=int, default=None,
+                   help="prefix caching with recurrent layers: snapshots the cache holds "
+                        "(default: a tenth of the cache memory)")
     p.add_argument("--mamba-ssm-cache-dtype", default="float32")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys: '
@@ -60,6 +66,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
+        mamba_block_size=args.mamba_block_size,
+        num_state_snapshots=args.num_state_snapshots,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         speculative_config=args.speculative_config,
     )
@@ -168,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 
         offline.add_cli_args(bp, name)
         bp.set_defaults(func=cmd_bench)
+    bp = bsub.add_parser("prefix", help="prefix caching on a shared-prefix workload")
+    add_engine_args(bp)
+    from krait.bench import prefix
+
+    prefix.add_cli_args(bp)
+    bp.set_defaults(func=cmd_bench)
     bs = bsub.add_parser("serve")
     try:
         from krait.bench import serve

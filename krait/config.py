@@ -106,6 +106,11 @@ class CacheConfig:
     mamba_ssm_cache_dtype: str = "float32"
     enable_prefix_caching: bool = False
     cpu_kv_cache_gib: float = 2.0  # memory budget for the cache on CPU
+    # prefix caching with recurrent layers: tokens between state snapshots (a multiple of
+    # block_size; None: the Mamba chunk size rounded up to it) and how many snapshots the cache
+    # holds (None: what a tenth of the cache's memory holds, up to 4 per max_num_seqs)
+    mamba_block_size: int | None = None
+    num_state_snapshots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
 
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "qwen3_next_mtp")
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.method={method!r}: EAGLE heads are not supported yet "
                 "(ngram and draft_model are)")
+        if method in ("mtp", "qwen3_next_mtp"):
+            raise ValueError(
+                f"speculative_config.method={method!r}: multi-token-prediction heads are not "
+                "built (a checkpoint's mtp.* weights are ignored); ngram and draft_model are")
         if method == "draft_model":
             if not self.model:
                 raise ValueError("speculative_config.model: the draft_model method needs a draft "
@@ -221,6 +230,8 @@ class EngineConfig:
         tokenizer: str | None = None,
         cpu_kv_cache_gib: float = 2.0,
         async_scheduling: bool = True,
+        mamba_block_size: int | None = None,
+        num_state_snapshots: int | None = None,
     ) -> EngineConfig:
         """Builds and validates the whole configuration from LLM(...)-style keyword options."""
         if load_format not in ("auto", "safetensors", "dummy"):
@@ -244,6 +255,11 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if mamba_block_size is not None and (mamba_block_size < 1 or mamba_block_size % block_size):
+            raise ValueError(f"mamba_block_size must be a positive multiple of block_size="
+                             f"{block_size}, got {mamba_block_size}")
+        if num_state_snapshots is not None and num_state_snapshots < 1:
+            raise ValueError(f"num_state_snapshots must be at least 1, got {num_state_snapshots}")
         if num_kv_blocks is not None and num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {num_kv_blocks}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -292,6 +308,8 @@ class EngineConfig:
                 mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
                 cpu_kv_cache_gib=cpu_kv_cache_gib,
+                mamba_block_size=mamba_block_size,
+                num_state_snapshots=num_state_snapshots,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -43,3 +43,4 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (vLLM's name)

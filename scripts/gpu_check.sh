@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: what the project measures on the GPU as it is now. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [kernels|parity|targets|maxlen|throughput|spec]
+#   bash scripts/gpu_check.sh [kernels|parity|targets|maxlen|throughput|spec|prefix]
 # parity needs the oracle: here, PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity,
 # and carry=[".parity"] in the device call. docs/benchmarks.md records the results.
 set -uo pipefail
@@ -10,7 +10,7 @@ LOG=/tmp/krait_logs  # packed into $OUT/logs.tgz (a device call returns few file
 mkdir -p "$OUT" "$LOG"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KRAIT_TEST_GPU=1
 what=${1:-}
-case $what in kernels|parity|targets|maxlen|throughput|spec) ;; *) sed -n 3,4p "$0"; exit 2 ;; esac
+case $what in kernels|parity|targets|maxlen|throughput|spec|prefix) ;; *) sed -n 3,4p "$0"; exit 2 ;; esac
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }  # after each part: a timed-out call keeps its logs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$LOG/gpu.txt"
@@ -58,6 +58,14 @@ case $what in
       | tee "$LOG/kernels_spec.log"
     for m in $TARGETS; do
       bench_latency $m "_spec" --speculative-config '{"method":"ngram","num_speculative_tokens":3}'
+    done
+    ;;
+  prefix)  # prefix caching on hybrids: 64 requests sharing a 4096-token prefix + 64 distinct,
+    # 32 out; TTFT cold vs warm, throughput with caching on / off, distinct prompts' cost
+    for m in ${MODELS:-granite-4.0-h-micro nemotron-h-8b}; do
+      timeout ${PREFIX_TIMEOUT:-400} python3 -m krait bench prefix --config $m ${PREFIX_EXTRA:-} \
+        > "$LOG/prefix_$m.json" 2> "$LOG/prefix_$m.err"
+      echo "== $m prefix"; grep -v Warn "$LOG/prefix_$m.err" | tail -4; pack
     done
     ;;
 esac

@@ -195,3 +195,40 @@ def make_tiny_hybrid(path: str | Path, arch: str, seed: int = 0, **overrides) ->
     torch.manual_seed(seed)
     model = cls_model(cls_cfg(**kwargs)).eval()
     return _save(model, Path(path))
+
+
+def qwen3_next_config(**overrides):
+    """A tiny Qwen3-Next config: odd head counts (3 query heads over 1 KV head; 6 value heads
+    over 2 key heads in the GDN layers), full attention first and last, a dense MLP layer among
+    the MoE ones."""
+    import transformers as tf
+
+    kwargs = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=6, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[2],
+        max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+    kwargs.update(overrides)
+    return tf.Qwen3NextConfig(**kwargs)
+
+
+def make_tiny_qwen3_next(path: str | Path, seed: int = 0, **overrides) -> str:
+    """Saves a tiny random Qwen3-Next checkpoint (`qwen3_next_config(**overrides)`) with the demo
+    tokenizer into `path`. HF initialises the zero-centred norms to 0 and dt_bias to 1: they get
+    random values here, so that 1 + w and the gate bias are exercised."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.Qwen3NextForCausalLM(qwen3_next_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("dt_bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("mlp.gate.weight"):  # spread router logits: no near-ties that
+                p.mul_(4.0)  # a 1e-6 batching difference could flip
+    return _save(model, Path(path))

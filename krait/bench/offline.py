@@ -443,7 +443,12 @@ def _device_name(dev: torch.device) -> str:
 
 
 def main(args) -> int:
-    fn = bench_latency if args.bench_cmd == "latency" else bench_throughput
+    if args.bench_cmd == "prefix":
+        from krait.bench.prefix import bench_prefix
+
+        fn = bench_prefix
+    else:
+        fn = bench_latency if args.bench_cmd == "latency" else bench_throughput
     result, rows = fn(args)
     result["versions"] = {"torch": torch.__version__, "krait": _krait_version()}
     _emit(result, rows)

@@ -38,18 +38,16 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.tokenizer or mc.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, model_dir=mc.model)
         self.runner = ModelRunner(config)
-        num_blocks, num_slots = self._size_cache()
-        self.runner.initialize_cache(num_blocks, num_slots)
-        self.runner.capture_cuda_graphs()
         slots_per_request = self.runner.model_state.slots_per_request
-        if config.cache.enable_prefix_caching and slots_per_request:
-            raise ValueError(
-                "enable_prefix_caching is not supported for models with recurrent (Mamba) "
-                "layers yet: their state cannot be rebuilt from cached attention blocks"
-            )
+        self.state_block_size = self._state_block_size()
+        num_blocks, num_slots, num_snapshots = self._size_cache()
+        self.runner.initialize_cache(num_blocks, num_slots + num_snapshots)
+        self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, num_slots, slots_per_request,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            state_block_size=self.state_block_size,
+            snapshot_slots=list(range(num_slots, num_slots + num_snapshots)),
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -76,7 +74,25 @@ class LLMEngine:
         return cls(config)
 
     # -- cache sizing -----------------------------------------------------------------
-    def _size_cache(self) -> tuple[int, int]:
+    def _state_block_size(self) -> int:
+        """Tokens between recurrent-state snapshots when prefix caching is on for a model with
+        recurrent layers (0 otherwise): the Mamba chunk size rounded up to a multiple of the
+        attention block, unless `mamba_block_size` says otherwise. A chunk-aligned boundary
+        keeps a resumed prefill's SSD chunks whole, and snapshots stay few: one is taken only
+        where a prefill chunk ends on a boundary (see KVCacheManager)."""
+        cc = self.config.cache
+        ms = self.runner.model_state
+        if not (cc.enable_prefix_caching and ms.slots_per_request):
+            return 0
+        chunk = getattr(ms, "chunk_size", None) or 256  # Gated DeltaNet alone has no SSD chunk
+        size = cc.mamba_block_size or cdiv(chunk, cc.block_size) * cc.block_size
+        logger.info("prefix caching with recurrent state: a snapshot can start a request every "
+                    "%d tokens (the hybrid cache block; attention blocks are %d tokens)",
+                    size, cc.block_size)
+        return size
+
+    def _size_cache(self) -> tuple[int, int, int]:
+        """(attention blocks incl. the null block, request state slots, snapshot slots)."""
         cc, sc = self.config.cache, self.config.scheduler
         ms = self.runner.model_state
         per_block = ms.kv_bytes_per_block()
@@ -90,8 +106,11 @@ class LLMEngine:
                 "the cache; lower max_num_seqs or give the cache more memory "
                 "(gpu_memory_utilization, or cpu_kv_cache_gib on CPU)"
             )
+        snapshots = self._num_snapshots(budget - slots * per_slot, per_slot)
+        slots_only = slots
+        slots += snapshots
         if per_block == 0:
-            return 0, slots
+            return 0, slots_only, snapshots
         max_useful = sc.max_num_seqs * cdiv(self.config.model.max_model_len, cc.block_size) + 1
         if cc.num_kv_blocks is not None:
             blocks = cc.num_kv_blocks + 1  # + the null block
@@ -111,9 +130,27 @@ class LLMEngine:
             )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); %d state slots",
-            blocks - 1, cc.block_size, (blocks - 1) * cc.block_size, slots,
+            blocks - 1, cc.block_size, (blocks - 1) * cc.block_size, slots_only,
         )
-        return blocks, slots
+        return blocks, slots_only, snapshots
+
+    def _num_snapshots(self, free: int, per_slot: int) -> int:
+        """State snapshots for prefix caching (0 without it or without recurrent layers)."""
+        if not self.state_block_size:
+            return 0
+        cc, sc = self.config.cache, self.config.scheduler
+        n = cc.num_state_snapshots
+        if n is None:
+            n = min(int(free * 0.1) // per_slot, 4 * sc.max_num_seqs)
+        if n < 1 or n * per_slot > free:
+            raise ValueError(
+                f"prefix caching needs room for recurrent state snapshots of "
+                f"{per_slot / 2**20:.1f} MiB each, and {max(free, 0) / 2**30:.2f} GiB is left after "
+                "the requests' state slots; give the cache more memory or lower max_num_seqs "
+                "(or set num_state_snapshots)")
+        logger.info("prefix caching: %d recurrent state snapshots (%.2f GiB)", n,
+                    n * per_slot / 2**30)
+        return n
 
     def _memory_budget(self) -> int:
         dev = self.config.device
@@ -363,6 +400,8 @@ class LLMEngine:
                     ],
                     finished=finished,
                     prompt_logprobs=next(iter(parent.reqs.values())).prompt_logprobs,
+                    num_cached_tokens=max(
+                        max(r.num_cached_tokens for r in parent.reqs.values()), 0),
                     metrics=_spec_metrics(parent.reqs.values()) if self.runner.num_spec_tokens
                     else {},
                 )

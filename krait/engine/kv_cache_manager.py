@@ -3,17 +3,28 @@
 Block 0 is the null block: never handed out, it backs padded rows (CUDA graphs) so that
 their writes land nowhere that matters.
 
-Prefix caching (attention-only models): every full block is keyed by a hash of its tokens
-chained to the previous block's key. Blocks are reference-counted; a free block keeps its key
-(and contents) until it is handed out again, oldest-freed first, so a later request with the
-same prefix starts from it. A request always computes at least its last prompt token.
+Prefix caching: every full block is keyed by a hash of its tokens chained to the previous
+block's key. Blocks are reference-counted; a free block keeps its key (and contents) until it is
+handed out again, oldest-freed first, so a later request with the same prefix starts from it. A
+request always computes at least its last prompt token.
+
+Models with recurrent (Mamba) layers also need the layers' state where the cached prefix ends:
+a hit ends at a boundary of the hybrid cache block (`state_block_size` tokens, a multiple of the
+attention block) whose state snapshot exists (`StateSnapshotPool`). The scheduler stops prefill
+chunks at boundaries worth a snapshot (`prefill_cut`) and asks for one where a chunk ends on a
+boundary (`reserve_snapshot`); the runner copies the state after the step, and it becomes
+visible once that step's output is processed (`publish_snapshots`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 
 from krait.engine.request import Request
+from krait.engine.state_snapshots import StateSnapshotPool
+
+logger = logging.getLogger(__name__)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,12 +43,25 @@ class KVCacheManager:
         num_state_slots: int = 0,
         slots_per_request: int = 0,
         enable_prefix_caching: bool = False,
+        state_block_size: int = 0,
+        snapshot_slots: list[int] | None = None,
     ) -> None:
         # num_blocks == 0: the model has no attention layers (pure state-space model).
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.uses_blocks = num_blocks > 0
-        self.prefix_caching = enable_prefix_caching and self.uses_blocks
+        # recurrent layers: snapshots of their state every state_block_size tokens
+        self.recurrent = slots_per_request > 0
+        self.state_block_size = state_block_size
+        self.snapshots: StateSnapshotPool | None = None
+        if enable_prefix_caching and self.recurrent:
+            if not snapshot_slots or state_block_size <= 0 or state_block_size % block_size:
+                raise ValueError(
+                    "prefix caching with recurrent layers needs snapshot slots and a state block "
+                    f"size that is a multiple of block_size={block_size}; got "
+                    f"{len(snapshot_slots or [])} slots, state_block_size={state_block_size}")
+            self.snapshots = StateSnapshotPool(snapshot_slots)
+        self.prefix_caching = enable_prefix_caching and (self.uses_blocks or self.recurrent)
         # free blocks, oldest-freed first (a dict as an ordered set: O(1) removal on a cache hit)
         self._free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._ref = [0] * max(num_blocks, 1)
@@ -98,12 +122,33 @@ class KVCacheManager:
 
     def match_prefix(self, request: Request) -> int:
         """For a request being admitted without blocks: takes the cached blocks of its longest
-        cached prefix (never covering its last token) and returns how many tokens they hold."""
-        if not self.prefix_caching or request.block_ids:
+        cached prefix (never covering its last token) and returns how many tokens they hold.
+        With recurrent layers the prefix also ends where a state snapshot exists, which the
+        request's fresh slot is restored from (`request.snapshot_slot`)."""
+        if not self.prefix_caching or request.block_ids or request.snapshot_slot >= 0:
             return 0
-        limit = (request.num_tokens - 1) // self.block_size
         self.prefix_queries += request.num_tokens
-        for key in self._block_keys(request)[:limit]:
+        if self.snapshots is not None:
+            hit = self._match_recurrent(request)
+        else:
+            keys = self._block_keys(request)[: (request.num_tokens - 1) // self.block_size]
+            hit = self._take_cached_blocks(request, keys) * self.block_size
+        self.prefix_hits += hit
+        return hit
+
+    def _cached_run(self, keys: list[int]) -> int:
+        """How many of the leading `keys` have a cached block."""
+        n = 0
+        for key in keys:
+            if key not in self._block_of:
+                break
+            n += 1
+        return n
+
+    def _take_cached_blocks(self, request: Request, keys: list[int]) -> int:
+        """Gives the request (a reference to) the cached blocks of the leading `keys`; returns
+        how many it took."""
+        for key in keys:
             block = self._block_of.get(key)
             if block is None:
                 break
@@ -111,9 +156,65 @@ class KVCacheManager:
                 del self._free_blocks[block]
             self._ref[block] += 1
             request.block_ids.append(block)
-        hit = len(request.block_ids) * self.block_size
-        self.prefix_hits += hit
+        return len(request.block_ids)
+
+    def _match_recurrent(self, request: Request) -> int:
+        """The deepest state-block boundary before the request's last token where its
+        snapshot exists and (with attention layers) every block before it is cached."""
+        pool, bs, sb = self.snapshots, self.block_size, self.state_block_size
+        keys = self._block_keys(request)
+        n = request.num_tokens
+        deepest = (n - 1) // sb * sb
+        cached = self._cached_run(keys[: deepest // bs]) * bs if self.uses_blocks else deepest
+        hit, slot = 0, None
+        for b in range(min(deepest, cached // sb * sb), 0, -sb):
+            slot = pool.lookup(keys[b // bs - 1])
+            if slot is not None:
+                hit = b
+                break
+        if hit:
+            if self.uses_blocks:
+                self._take_cached_blocks(request, keys[: hit // bs])
+            request.snapshot_slot = slot
+        # a boundary past the hit that an earlier prompt crossed too is shared: the prefill
+        # stops there so that the next request finds a snapshot
+        bounds = [(b, keys[b // bs - 1]) for b in range(sb, n + 1, sb)]
+        request.snapshot_cut = max(
+            (b for b, key in bounds if b > hit and pool.seen(key) and not pool.has(key)),
+            default=0)
+        pool.mark_seen([key for _, key in bounds])
+        if n <= sb:
+            logger.debug("request %s: its %d prompt tokens are fewer than the hybrid cache "
+                         "block (%d), so it cannot hit the prefix cache", request.request_id, n, sb)
         return hit
+
+    def prefill_cut(self, request: Request, start: int, n: int) -> int:
+        """`n` scheduled tokens from `start`, or fewer so that the chunk ends on the state
+        boundary worth a snapshot: a shared one (`snapshot_cut`), else the last one the
+        request's known tokens reach."""
+        if self.snapshots is None:
+            return n
+        sb = self.state_block_size
+        last = request.num_tokens // sb * sb
+        for b in sorted((request.snapshot_cut, last)):
+            if start < b < start + n:
+                return b - start
+        return n
+
+    def reserve_snapshot(self, request: Request, end: int) -> tuple[int, int] | None:
+        """(request's state slot, snapshot slot) when a step that computes the request's
+        tokens up to `end` should leave a snapshot there, else None."""
+        pool = self.snapshots
+        if pool is None or end % self.state_block_size or end > request.num_tokens:
+            return None
+        key = self._block_keys(request)[end // self.block_size - 1]
+        slot = pool.reserve(key)
+        return None if slot is None else (request.state_slots[0], slot)
+
+    def publish_snapshots(self, saves: list[tuple[int, int]]) -> None:
+        """The step that wrote these snapshots has been processed."""
+        for _, slot in saves:
+            self.snapshots.publish(slot)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publishes the request's blocks that its computed tokens have filled."""
@@ -155,6 +256,8 @@ class KVCacheManager:
             if self._ref[block] == 0:
                 self._free_blocks[block] = None
         request.block_ids = []
+        request.snapshot_slot = -1
+        request.snapshot_cut = 0
         self._keys.pop(request.request_id, None)
         self._published.pop(request.request_id, None)
         self._free_slots.extend(request.state_slots)

@@ -53,6 +53,12 @@ class Request:
     # (async scheduling: the next step is scheduled before the last one's results are read)
     num_inflight: int = 0
     first_token_time: float | None = None
+    # prefix caching: prompt tokens found cached at the first admission (-1: not admitted yet);
+    # with recurrent layers, the snapshot slot its state starts from (-1: none) and the shared
+    # boundary its prefill stops at to leave a snapshot (0: none)
+    num_cached_tokens: int = -1
+    snapshot_slot: int = -1
+    snapshot_cut: int = 0
     # speculative decoding: drafts proposed for the next step, and this request's tallies
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0

@@ -42,6 +42,7 @@ class NewRequestData:
     num_computed_tokens: int
     num_output_tokens: int  # outputs already generated (seeded sampling offsets)
     eos_token_ids: list[int]
+    restore_snapshot: int = -1  # prefix caching: the state snapshot its slot starts from
 
 
 @dataclass
@@ -67,6 +68,9 @@ class SchedulerOutput:
     # None in a step without structured rows: the runner then does no mask work at all.
     structured_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # prefix caching with recurrent layers: (request state slot, snapshot slot) pairs whose
+    # state the runner copies after the step's forward
+    snapshot_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -176,6 +180,12 @@ class Scheduler:
             room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
         return req.spec_token_ids[: max(room, 0)]
 
+    def _reserve_snapshot(self, req: Request, n: int, saves: list[tuple[int, int]]) -> None:
+        """A step of `n` tokens ending on a state boundary leaves a snapshot there."""
+        save = self.kv.reserve_snapshot(req, req.num_computed_tokens + n)
+        if save is not None:
+            saves.append(save)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.spec_token_ids = []
@@ -196,6 +206,8 @@ class Scheduler:
         preempted_now = False
 
         spec: dict[str, list[int]] = {}
+        saves: list[tuple[int, int]] = []
+        snapshots = self.kv.snapshots is not None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -203,6 +215,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if snapshots:
+                n = self.kv.prefill_cut(req, req.num_computed_tokens, n)
             drafts = self._drafts_to_verify(req, n, budget) if req.spec_token_ids else []
             req.spec_token_ids = []
             n += len(drafts)
@@ -220,6 +234,8 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             if drafts:
                 spec[req.request_id] = drafts
+            elif snapshots:
+                self._reserve_snapshot(req, n, saves)
             budget -= n
             cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
             self._advance(req, n)
@@ -238,10 +254,16 @@ class Scheduler:
             if req.params.prompt_logprobs is None:  # cached tokens would have no logprobs
                 req.num_computed_tokens = self.kv.match_prefix(req)  # 0 without prefix caching
             n = self._num_new_tokens(req, budget)
+            if snapshots:
+                n = self.kv.prefill_cut(req, req.num_computed_tokens, n)
             if not self.kv.allocate_slots(req) or self.kv.allocate(req, n) is None:
                 self.kv.free(req)
                 req.num_computed_tokens = 0
                 break
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            if snapshots:
+                self._reserve_snapshot(req, n, saves)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -259,6 +281,7 @@ class Scheduler:
                     num_computed_tokens=req.num_computed_tokens,
                     num_output_tokens=req.num_output_tokens,
                     eos_token_ids=req.eos_token_ids,
+                    restore_snapshot=req.snapshot_slot,
                 )
             )
             self._advance(req, n)
@@ -272,6 +295,7 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
             scheduled_spec_decode_tokens=spec,
+            snapshot_saves=saves,
         )
         self._finished_ids = set()
         self._preempted_ids = set()
@@ -287,6 +311,8 @@ class Scheduler:
         progressed: list[Request] = []
         requests = self.requests
         prefix_caching = self.kv.prefix_caching
+        if sched.snapshot_saves:
+            self.kv.publish_snapshots(sched.snapshot_saves)
         for req_id in sched.num_scheduled_tokens:
             req = requests.get(req_id)
             if req is None or req.status.finished:

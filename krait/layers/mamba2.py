@@ -100,6 +100,11 @@ class Mamba2Mixer(torch.nn.Module):
 
     has_recurrent_state = True
 
+    @property
+    def chunk_layout_size(self) -> int:
+        """The SSD chunk the model state builds the per-step chunk layout for."""
+        return self.d.chunk_size
+
     def __init__(self, d: Mamba2Dims) -> None:
         super().__init__()
         self.d = d

@@ -197,6 +197,7 @@ class ModelRunner:
         for rid in sched.finished_req_ids | sched.preempted_req_ids:
             st.remove(rid)
         added: list[tuple[int, list[int]]] = []
+        restores: list[int] = []
         for new in sched.new_reqs:
             i = st.add(
                 new.req_id,
@@ -210,13 +211,14 @@ class ModelRunner:
                 new.eos_token_ids,
             )
             added.append((i, new.state_slots))
+            restores.append(new.restore_snapshot)
             if self.tables is not None:
                 self.tables.set_row(i, new.token_ids)
                 self.tables.add_blocks(i, 0, new.block_ids)
             n_prompt = new.num_prompt_tokens - new.num_output_tokens
             self.penalties.add(i, new.params, new.token_ids[:n_prompt], new.token_ids[n_prompt:])
         if added:
-            self.model_state.add_requests(added)
+            self.model_state.add_requests(added, restores)
         if sched.scheduled_spec_decode_tokens:
             self._write_drafts(sched.scheduled_spec_decode_tokens)
         cached = sched.cached_reqs
@@ -270,7 +272,14 @@ class ModelRunner:
         """Launches the step: forward and sampling are queued on the device, and the host
         counters advance as if the sampled tokens were known (their values stay on the device,
         where the next step's input preparation reads them). `.result()` of the returned handle
-        waits for the sampled tokens."""
+        waits for the sampled tokens. Prefix caching's state snapshots are copied after the
+        forward (the step's restores ran before it, in `_update_states`)."""
+        pending = self._execute(sched)
+        if sched.snapshot_saves:
+            self.model_state.copy_states(sched.snapshot_saves)
+        return pending
+
+    def _execute(self, sched: SchedulerOutput) -> PendingSample:
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
             return PendingSample.empty()

@@ -54,6 +54,7 @@ from krait.server.protocol import (
     FunctionCall,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
     ToolCall,
@@ -246,8 +247,10 @@ async def unless_disconnected(request: Request, work: Awaitable[Response],
 def usage_of(finals: dict[int, RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in finals.values())
     completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals.values())
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 # ---------------------------------------------------------------- logprobs

@@ -326,10 +326,15 @@ class DetokenizeResponse(OpenAIModel):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogProbs(OpenAIModel):

@@ -5,7 +5,7 @@ import pytest
 from krait import LLM, SamplingParams
 from krait.engine.kv_cache_manager import KVCacheManager
 from krait.engine.request import Request
-from tests.utils import make_tiny_hybrid, make_tiny_llama
+from tests.utils import make_tiny_llama
 
 
 def _req(rid: str, tokens: list[int]) -> Request:
@@ -93,9 +93,3 @@ def test_outputs_unchanged_and_cache_hit(model_dir, opts):
     assert stats["prefix_cache_hits"] > 0
     kv = llm.llm_engine.kv
     assert kv.num_free_blocks == kv.num_usable_blocks
-
-
-def test_refused_for_hybrid_models(tmp_path):
-    d = make_tiny_hybrid(tmp_path / "granite", "granitemoehybrid")
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        LLM(d, device="cpu", dtype="float32", enable_prefix_caching=True)

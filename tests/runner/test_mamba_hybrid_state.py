@@ -197,9 +197,9 @@ def test_invariant_5_slot_is_reset_when_assigned(checkpoints, arch: str) -> None
             m.conv_state.fill_(float("nan"))
             m.ssm_state.fill_(float("nan"))
 
-    def checking_add(new: list[tuple[int, list[int]]]) -> None:
+    def checking_add(new: list[tuple[int, list[int]]], restores=None) -> None:
         poison()  # whatever an earlier owner (or anyone) left there
-        add(new)
+        add(new, restores)
         for m in state.mamba_layers:
             for _, slots in new:
                 for s in slots:

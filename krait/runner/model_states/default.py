@@ -71,8 +71,13 @@ class DefaultModelState:
         device tensors of their own (the attention metadata holds the batch's tensors)."""
         return StepMetadata(attn=self.attention_metadata(batch, for_capture))
 
-    def add_requests(self, new: list[tuple[int, list[int]]]) -> None:
-        """Requests arrived (or resumed) this step: (req_state_idx, state slots) each."""
+    def add_requests(self, new: list[tuple[int, list[int]]],
+                     restores: list[int] | None = None) -> None:
+        """Requests arrived (or resumed) this step: (req_state_idx, state slots) each, and
+        (recurrent models with prefix caching) the state snapshot each starts from or -1."""
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies recurrent state from slot to slot (no state: nothing to copy)."""
 
     def postprocess_state(
         self,

@@ -1,4 +1,5 @@
-"""MambaHybridModelState: models with Mamba2 layers (alone or beside attention)."""
+"""MambaHybridModelState: models with recurrent-state layers (Mamba2, Gated DeltaNet), alone or
+beside attention."""
 
 from __future__ import annotations
 
@@ -15,23 +16,28 @@ from krait.runner.model_states.default import DefaultModelState
 
 
 class MambaHybridModelState(DefaultModelState):
-    """Adds per-request state slots (conv + SSM state of every Mamba layer) to the KV cache.
+    """Adds per-request state slots (conv + recurrent state of every Mamba2 or Gated DeltaNet
+    layer) to the KV cache.
 
     A running request owns 1 slot without speculative decoding (1 + k with k draft tokens).
     Slots are reset when (re)assigned. `num_accepted_tokens` exists only with speculation on."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         super().__init__(model, config)
+        # every layer with per-request state: Mamba2 mixers and Gated DeltaNet layers alike
+        # (a conv window + a recurrent state per slot)
         self.mamba_layers = [m for m in model.modules() if getattr(m, "has_recurrent_state", False)]
-        chunk_sizes = {m.d.chunk_size for m in self.mamba_layers}
-        if len(chunk_sizes) != 1:
+        chunk_sizes = {m.chunk_layout_size for m in self.mamba_layers} - {None}
+        if len(chunk_sizes) > 1:
             raise ValueError(f"mamba layers disagree on chunk_size: {sorted(chunk_sizes)}")
-        self.chunk_size = chunk_sizes.pop()
+        # the Mamba2 SSD chunk the per-step chunk layout is built for (None: no Mamba2 layers)
+        self.chunk_size = chunk_sizes.pop() if chunk_sizes else None
         spec = config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.slots_per_request = 1 + self.num_spec_tokens
         ssm = config.cache.mamba_ssm_cache_dtype
         self.ssm_dtype = config.model.dtype if ssm == "auto" else resolve_dtype(ssm, None, config.device)
+        self._ssm_dtype_auto = ssm == "auto"
         self.conv_dtype = config.model.dtype
         self.num_accepted_tokens: torch.Tensor | None = None
         if spec is not None:
@@ -42,12 +48,18 @@ class MambaHybridModelState(DefaultModelState):
         self._state_indices_np = None
 
     # -- cache sizing and allocation -----------------------------------------------------
+    def layer_ssm_dtype(self, m: torch.nn.Module) -> torch.dtype:
+        """A layer's recurrent-state dtype: `mamba_ssm_cache_dtype` when set, else the layer's
+        own preference (`recurrent_state_dtype`: float32 for Gated DeltaNet), else the model's."""
+        own = getattr(m, "recurrent_state_dtype", None)
+        return own if (self._ssm_dtype_auto and own is not None) else self.ssm_dtype
+
     def state_bytes_per_slot(self) -> int:
         c = torch.empty((), dtype=self.conv_dtype).element_size()
-        s = torch.empty((), dtype=self.ssm_dtype).element_size()
         total = 0
         for m in self.mamba_layers:
             conv, ssm = m.state_shapes()
+            s = torch.empty((), dtype=self.layer_ssm_dtype(m)).element_size()
             total += int(np.prod(conv)) * c + int(np.prod(ssm)) * s
         return total
 
@@ -62,25 +74,43 @@ class MambaHybridModelState(DefaultModelState):
             m.conv_state = torch.zeros(
                 (num_slots, taps, dim), dtype=self.conv_dtype, device=self.device
             ).transpose(1, 2)
-            m.ssm_state = torch.zeros((num_slots, *ssm), dtype=self.ssm_dtype, device=self.device)
+            m.ssm_state = torch.zeros((num_slots, *ssm), dtype=self.layer_ssm_dtype(m),
+                                      device=self.device)
 
     # -- requests -----------------------------------------------------------------------
-    def add_requests(self, new: list[tuple[int, list[int]]]) -> None:
+    def add_requests(self, new: list[tuple[int, list[int]]],
+                     restores: list[int] | None = None) -> None:
         """Resets the new requests' slots, so nothing of an earlier owner leaks: every layer's
         slot rows zeroed by one multi-tensor launch per state dtype (on the GPU), not two
         launches a layer (a hybrid's 48 layers took ~100 launches of host time before each new
-        request's prefill)."""
-        slots = [s for _, ss in new for s in ss]
-        if not slots:
+        request's prefill). `restores[i] >= 0`: request i hit the prefix cache and its first
+        slot starts from that state snapshot instead (a copy, never shared)."""
+        if not any(ss for _, ss in new):
             return
-        # each slot's row of a state, contiguous: the conv state is bound as a transposed view
-        conv = [m.conv_state.transpose(1, 2)[s] for m in self.mamba_layers for s in slots]
-        ssm = [m.ssm_state[s] for m in self.mamba_layers for s in slots]
-        torch._foreach_zero_(conv)
-        torch._foreach_zero_(ssm)
+        restores = restores or [-1] * len(new)
+        zeroed = [s for (_, ss), r in zip(new, restores) for s in (ss[1:] if r >= 0 else ss)]
+        if zeroed:
+            torch._foreach_zero_(self._slot_rows(zeroed))
+        copies = [(r, ss[0]) for (_, ss), r in zip(new, restores) if r >= 0]
+        if copies:
+            self.copy_states(copies)
         if self.num_accepted_tokens is not None:
             rows = host_to_device([i for i, _ in new], self.device, torch.long)
             self.num_accepted_tokens.index_fill_(0, rows, 1)
+
+    def _slot_rows(self, slots: list[int]) -> list[torch.Tensor]:
+        """Each layer's conv and SSM state rows of these slots, contiguous views (the conv
+        state is bound as a transposed view)."""
+        conv = [m.conv_state.transpose(1, 2)[s] for m in self.mamba_layers for s in slots]
+        ssm = [m.ssm_state[s] for m in self.mamba_layers for s in slots]
+        return conv + ssm
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every layer's state of slot `src` into slot `dst` for each (src, dst): prefix
+        caching's snapshots (saved after a step's forward, restored into a fresh slot)."""
+        if pairs:
+            src, dst = zip(*pairs)
+            torch._foreach_copy_(self._slot_rows(list(dst)), self._slot_rows(list(src)))
 
     # -- per step ---------------------------------------------------------------------
     def prepare_attn(
@@ -139,9 +169,11 @@ class MambaHybridModelState(DefaultModelState):
             # are in no sequence and no chunk), so that one layout serves every step of a bucket
             padded = batch.num_tokens_padded - num_decode_tokens
             meta.prefill_token_seq = token_to_seq(meta.prefill_query_start_loc, padded)
-            meta.prefill_chunk_layout = chunk_layout(
-                meta.prefill_query_start_loc, meta.prefill_state_indices, self.chunk_size, padded,
-            )
+            if self.chunk_size is not None:
+                meta.prefill_chunk_layout = chunk_layout(
+                    meta.prefill_query_start_loc, meta.prefill_state_indices, self.chunk_size,
+                    padded,
+                )
         if self.num_accepted_tokens is not None:
             meta.num_accepted_tokens = self.num_accepted_tokens
             (meta.num_decode_draft_tokens, meta.decode_query_start_loc,

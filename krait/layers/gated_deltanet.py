@@ -1,0 +1,162 @@
+"""The Gated DeltaNet mixer (Qwen3-Next's `linear_attention` layers) over packed varlen batches
+with per-request state slots, beside the Mamba2 mixer: the same slots, metadata and step layout
+(decode rows first, then prefill rows; see `MambaMetadata`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from krait.layers.linear import Linear, MergedLinear
+from krait.layers.mamba2 import MambaMetadata
+from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from krait.ops.causal_conv1d_verify import causal_conv1d_verify
+from krait.ops.gated_delta_chunk import gated_delta_chunk
+from krait.ops.gated_delta_update import gated_delta_update
+from krait.ops.gated_delta_verify import gated_delta_verify
+from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.runner.piecewise_graphs import mixer_call
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetDims:
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads
+    head_k_dim: int
+    head_v_dim: int
+    conv_width: int
+    eps: float
+    activation: str = "silu"
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+class GatedDeltaNet(torch.nn.Module):
+    """HF `Qwen3NextGatedDeltaNet` semantics: in_proj -> [q | k | v | z | b | a]; causal conv
+    (silu) on q, k, v; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); the gated delta
+    rule with l2-normed q, k; per-head RMSNorm of the output, gated by silu(z); out_proj.
+
+    in_proj holds HF's in_proj_qkvz (shard 0) and in_proj_ba (shard 1) with their rows regrouped
+    from HF's per-key-head interleave into whole q, k, v, z (and b, a) blocks
+    (`regroup_qkvz`, `regroup_ba` at load time), so the conv input is one contiguous slice.
+    The runner binds `conv_state` [num_slots, conv_dim, width - 1] and `ssm_state`
+    [num_slots, Hv, head_k_dim, head_v_dim] (float32 unless the cache dtype says otherwise)."""
+
+    has_recurrent_state = True
+    chunk_layout_size = None  # no Mamba2 SSD chunk layout
+    recurrent_state_dtype = torch.float32
+
+    def __init__(self, d: GatedDeltaNetDims) -> None:
+        super().__init__()
+        if d.num_v_heads % d.num_k_heads:
+            raise ValueError(f"GatedDeltaNet: {d.num_v_heads} value heads do not divide into "
+                             f"{d.num_k_heads} key heads")
+        self.d = d
+        self.in_proj = MergedLinear(d.hidden_size, [2 * d.key_dim + 2 * d.value_dim,
+                                                    2 * d.num_v_heads])
+        self.conv1d_weight = torch.nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_width))
+        self.dt_bias = torch.nn.Parameter(torch.ones(d.num_v_heads))
+        self.A_log = torch.nn.Parameter(torch.empty(d.num_v_heads))
+        self.norm_weight = torch.nn.Parameter(torch.ones(d.head_v_dim))
+        self.out_proj = Linear(d.value_dim, d.hidden_size)
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        d = self.d
+        return (d.conv_dim, d.conv_width - 1), (d.num_v_heads, d.head_k_dim, d.head_v_dim)
+
+    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        d = self.d
+        T = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split(
+            [d.conv_dim, d.value_dim, d.num_v_heads, d.num_v_heads], dim=-1)
+        # [T, Hv] float32 log-decay, and beta in the model dtype (as HF rounds it)
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
+        beta = b.sigmoid()
+        core = mixer_call(self._mix, (qkv, g, beta), meta, "mamba")  # [T, Hv * V]
+        normed = gated_rms_norm(core.reshape(T * d.num_v_heads, d.head_v_dim), None,
+                                self.norm_weight, d.eps, d.head_v_dim)
+        gated = normed.float() * F.silu(z.reshape(T * d.num_v_heads, d.head_v_dim).float())
+        return self.out_proj(gated.to(x.dtype).reshape(T, d.value_dim))
+
+    def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             meta: MambaMetadata) -> torch.Tensor:
+        """Conv and delta rule of decode rows then prefill rows, reading and writing the state
+        slots: [T, Hv * V] (rows past both, padding, are 0)."""
+        nd = meta.num_decode_tokens
+        T = qkv.shape[0]
+        out = qkv.new_zeros(T, self.d.value_dim)  # [T, Hv * V]
+        if nd and meta.num_accepted_tokens is not None:
+            out[:nd] = self._verify(qkv[:nd], g[:nd], beta[:nd], meta).reshape(nd, -1)
+        elif nd:
+            idx = meta.decode_state_indices[:nd]
+            conv = causal_conv1d_update(qkv[:nd], self.conv_state, self.conv1d_weight.squeeze(1),
+                                        None, idx, self.d.activation)
+            q, k, v = self._split(conv)
+            out[:nd] = gated_delta_update(q, k, v, g[:nd], beta[:nd], self.ssm_state,
+                                          idx).reshape(nd, -1)
+        if meta.num_prefills:
+            end = nd + meta.num_prefill_tokens
+            conv = causal_conv1d_fn(
+                qkv[nd:end], self.conv1d_weight.squeeze(1), None, self.conv_state,
+                meta.prefill_query_start_loc, meta.prefill_state_indices,
+                meta.prefill_has_initial_state, self.d.activation, meta.prefill_token_seq,
+            )
+            q, k, v = self._split(conv)
+            o = gated_delta_chunk(q, k, v, g[nd:end], beta[nd:end], self.ssm_state,
+                                  meta.prefill_query_start_loc, meta.prefill_state_indices,
+                                  meta.prefill_has_initial_state)
+            out[nd:end] = o.reshape(end - nd, -1)
+        return out
+
+    def _verify(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                meta: MambaMetadata) -> torch.Tensor:
+        """Speculative decoding's decode rows (1 + k tokens each): conv and delta rule from the
+        slot of the last accepted position, the state after every position kept in the row's
+        slots (as the Mamba2 verify ops do): o [num_decode_tokens, Hv, V]."""
+        rows = (meta.decode_query_start_loc, meta.decode_state_slots, meta.num_accepted_tokens,
+                meta.decode_idx_mapping)
+        conv = causal_conv1d_verify(qkv, self.conv_state, self.conv1d_weight.squeeze(1), None,
+                                    *rows, self.d.activation)
+        q, k, v = self._split(conv)
+        return gated_delta_verify(q, k, v, g, beta, self.ssm_state, *rows)
+
+    def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv output [n, conv_dim] as q, k [n, Hk, K] and v [n, Hv, V] views."""
+        d = self.d
+        n = conv.shape[0]
+        q, k, v = conv.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
+        return (q.view(n, d.num_k_heads, d.head_k_dim), k.view(n, d.num_k_heads, d.head_k_dim),
+                v.view(n, d.num_v_heads, d.head_v_dim))
+
+
+def regroup_qkvz(w: torch.Tensor, d: GatedDeltaNetDims) -> torch.Tensor:
+    """HF's in_proj_qkvz rows, grouped per key head as [q (K), k (K), v (r V), z (r V)] for
+    r = Hv / Hk, -> [all q | all k | all v | all z] (value heads keep their order)."""
+    r = d.num_v_heads // d.num_k_heads
+    parts = w.view(d.num_k_heads, -1, w.shape[-1]).split(
+        [d.head_k_dim, d.head_k_dim, r * d.head_v_dim, r * d.head_v_dim], dim=1)
+    return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts], dim=0)
+
+
+def regroup_ba(w: torch.Tensor, d: GatedDeltaNetDims) -> torch.Tensor:
+    """HF's in_proj_ba rows, [b (r), a (r)] per key head, -> [all b | all a]."""
+    r = d.num_v_heads // d.num_k_heads
+    parts = w.view(d.num_k_heads, 2 * r, w.shape[-1]).split([r, r], dim=1)
+    return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts], dim=0)

@@ -1,0 +1,125 @@
+"""Gated delta rule, one decode token per row, with per-row state slots (Gated DeltaNet decode).
+
+The step of `gated_delta_chunk` for one token: q, k l2-normed (optionally), q scaled;
+S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q, per value head h (key head h // (Hv // Hk)).
+Row b reads and writes states[state_indices[b]]; -1 skips the row (nothing written, its output
+rows unspecified). No host synchronisation and shapes fixed by the batch: safe inside the decode
+CUDA graph. Math is float32; o is in v's dtype; the state keeps its own dtype.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from krait.ops._dispatch import cdiv, next_pow2, use_triton
+from krait.ops.gated_delta_chunk import delta_step_ref, prepare_qkv_ref
+
+# ----------------------------------------------------------------------------- triton
+
+
+@triton.jit
+def _gdn_update_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, slots_ptr,
+    scale, key_dim, value_dim, v_per_k,
+    stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+    stride_g_b, stride_beta_b, stride_o_b, stride_o_h,
+    stride_s_slot, stride_s_h, stride_s_k,
+    QK_L2NORM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    # One program: batch row b, value head h, BV columns of its [K, V] state (all of K).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + b)
+    hk = h // v_per_k
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = offs_k < key_dim
+    v_ok = offs_v < value_dim
+    s_ok = k_ok[:, None] & v_ok[None, :] & (slot >= 0)
+    s_ptrs = (state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_s_slot + h * stride_s_h
+              + offs_k[:, None] * stride_s_k + offs_v[None, :])
+    S = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)  # [BK, BV]
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * stride_q_b + hk * stride_q_h + offs_k, mask=k_ok,
+                other=0.0).to(tl.float32)  # [BK]
+    k = tl.load(k_ptr + b64 * stride_k_b + hk * stride_k_h + offs_k, mask=k_ok,
+                other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b64 * stride_v_b + h * stride_v_h + offs_v, mask=v_ok,
+                other=0.0).to(tl.float32)  # [BV]
+    g = tl.load(g_ptr + b64 * stride_g_b + h).to(tl.float32)
+    beta = tl.load(beta_ptr + b64 * stride_beta_b + h).to(tl.float32)
+    if QK_L2NORM:
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    q = q * scale
+    S = S * tl.exp(g)
+    mem = tl.sum(S * k[:, None], 0)  # [BV]
+    delta = (v - mem) * beta
+    S = S + k[:, None] * delta[None, :]
+    o = tl.sum(S * q[:, None], 0)  # [BV]
+    tl.store(s_ptrs, S.to(s_ptrs.dtype.element_ty), mask=s_ok)
+    tl.store(o_ptr + b64 * stride_o_b + h * stride_o_h + offs_v, o.to(o_ptr.dtype.element_ty),
+             mask=v_ok & (slot >= 0))
+
+
+def gated_delta_update_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
+    state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
+) -> Tensor:
+    """Triton launcher of `gated_delta_update`."""
+    B, hk, K = q.shape
+    hv, V = v.shape[1], v.shape[2]
+    o = torch.empty(B, hv, V, dtype=v.dtype, device=v.device)  # [B, Hv, V]
+    if B == 0:
+        return o
+    for t in (q, k, v):
+        assert t.stride(-1) == 1, "gated_delta_update: the last dim must be contiguous"
+    assert states.stride(-1) == 1
+    bk = next_pow2(K)
+    # a [BK, BV] float32 tile per program: keep it near 4096 elements (registers)
+    bv = max(1, min(next_pow2(V), 4096 // bk))
+    _gdn_update_kernel[(B, hv, cdiv(V, bv))](
+        q, k, v, g, beta, o, states, state_indices,
+        float(scale if scale is not None else K ** -0.5), K, V, hv // hk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
+        states.stride(0), states.stride(1), states.stride(2),
+        QK_L2NORM=qk_l2norm, BK=bk, BV=bv,
+    )
+    return o
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def gated_delta_update_ref(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
+    state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
+) -> Tensor:
+    """Torch reference of `gated_delta_update`."""
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # [B, Hv, V]
+    rows = (state_indices >= 0).nonzero().squeeze(1)
+    slots = state_indices[rows].long()
+    qf, kf, vf = prepare_qkv_ref(q[rows], k[rows], v[rows], scale, qk_l2norm)
+    out, S = delta_step_ref(states[slots].float(), qf, kf, vf, g[rows].float(),
+                            beta[rows].float())
+    o[rows] = out.to(o.dtype)
+    states[slots] = S.to(states.dtype)
+    return o
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def gated_delta_update(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
+    state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
+) -> Tensor:
+    """One token per row: q, k [B, Hk, K]; v [B, Hv, V]; g [B, Hv] float32 log-decay; beta
+    [B, Hv]; states [num_slots, Hv, K, V] updated in place at state_indices int32 [B] (-1: skip).
+    Returns o [B, Hv, V] in v's dtype."""
+    if use_triton(v):
+        return gated_delta_update_triton(q, k, v, g, beta, states, state_indices, scale,
+                                         qk_l2norm)
+    return gated_delta_update_ref(q, k, v, g, beta, states, state_indices, scale, qk_l2norm)
