@@ -258,3 +258,19 @@ def test_compiles_are_cached_and_n_children_each_match(llm, monkeypatch):
         for c in out.outputs:
             assert c.finish_reason == "stop"
             jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_hybrid_model(tmp_path):
+    """A Mamba2 + attention hybrid: the grammar acts on the logits alone, whatever the layers."""
+    from tests.utils import make_tiny_hybrid, require_arch
+
+    require_arch("granitemoehybrid")
+    llm = LLM(make_tiny_hybrid(tmp_path / "h", "granitemoehybrid"), max_model_len=256)
+    schema = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}}, "required": ["v"]}
+    params = [SamplingParams(temperature=float(i % 2), seed=i, max_tokens=48,
+                             structured_outputs=StructuredOutputsParams(json=schema))
+              for i in range(8)]
+    for out in llm.generate([f"h{i}" for i in range(8)], params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
