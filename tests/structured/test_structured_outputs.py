@@ -274,3 +274,15 @@ def test_hybrid_model(tmp_path):
     for out in llm.generate([f"h{i}" for i in range(8)], params, use_tqdm=False):
         assert out.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_missing_xgrammar_is_a_clear_value_error(monkeypatch):
+    import sys
+
+    from krait.structured.grammar import load_xgrammar
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as on an image without it
+    with pytest.raises(ValueError, match="structured_outputs: .*pip install xgrammar"):
+        load_xgrammar()
+    with pytest.raises(ValueError, match="pip install xgrammar"):
+        validate_structured(StructuredOutputsParams(regex="a+"))
