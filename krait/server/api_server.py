@@ -439,7 +439,7 @@ class ChatBuilder:
         self.parser = parser  # tools with tool_choice "auto": the server's tool-call parser
         self.forced = forced  # tool_choice "required" or named: the output is the call(s)
 
-    def _finish_reason(self, c: CompletionOutput, calls: list[ParsedCall]) -> str | None:
+    def _finish_reason(self, c: CompletionOutput, calls: list) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call; a named (forced) call is a "stop"
         if calls and c.finish_reason == "stop" and named_choice(self.req.tool_choice) is None:
             return "tool_calls"
@@ -501,20 +501,18 @@ class ChatBuilder:
                     d.text_len, d.num_tokens, d.done = len(c.text), len(c.token_ids), new_finish
                     tc = tools.setdefault(c.index, ToolCallStream(
                         self.parser, self.req.tool_choice, self.forced))
-                    calls: list[ParsedCall] = []
-                    if new_finish:
-                        text, calls = tc.finish(c.text)
-                    else:
-                        text = tc.feed(c.text)
+                    text, calls = tc.finish(c.text) if new_finish else tc.feed(c.text)
                     delta = DeltaMessage(content=text, tool_calls=[
                         DeltaToolCall(index=j, id=call.id, type="function",
                                       function=DeltaFunctionCall(name=call.name,
                                                                  arguments=call.arguments))
-                        for j, call in enumerate(calls)] or None)
+                        for j, call in calls] or None)
+                    reason = None
+                    if new_finish:
+                        reason = self._finish_reason(c, [None] * tc.num_calls)
                     yield chunk(ChatStreamChoice(
                         index=c.index, delta=delta, logprobs=self.logprobs(c, start),
-                        finish_reason=self._finish_reason(c, calls) if new_finish else None,
-                        stop_reason=c.stop_reason))
+                        finish_reason=reason, stop_reason=c.stop_reason))
             if usage and final is not None:
                 c = ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                         usage=usage_of({0: final}))

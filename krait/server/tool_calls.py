@@ -204,14 +204,17 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 class ToolCallStream:
-    """One streamed choice: `feed(text so far)` -> the content to send now; `finish(text)` ->
-    (content still to send, every tool call). Content that may begin a tool call is held back;
-    the calls go out when the choice finishes (each call whole in one delta)."""
+    """One streamed choice: `feed(text so far)` -> (the content to send now, the calls completed
+    since the last feed, each with its index); `finish(text)` the same for the finished text.
+    Content that may begin a tool call is held back; each call goes out whole in one delta as
+    soon as it is complete (a hermes block closed, an item of a "required" array closed; a
+    granite list or a named call when the choice finishes)."""
 
     def __init__(self, parser: ToolParser | None, tool_choice: Any = None,
                  forced: bool = False) -> None:
         self.parser, self.tool_choice, self.forced = parser, tool_choice, forced
         self.sent = 0  # characters of the text sent as content
+        self.num_calls = 0  # calls sent
 
     def _safe_end(self, text: str) -> int:
         """How much of `text` is surely content."""
@@ -228,19 +231,28 @@ class ToolCallStream:
                 return len(text) - k
         return len(text)
 
-    def feed(self, text: str) -> str:
+    def _new_calls(self, text: str) -> list[tuple[int, ParsedCall]]:
+        if self.forced or (self.parser is not None and self.parser.start in text):
+            calls = parse_calls(text, self.parser, self.tool_choice, self.forced)[1]
+        else:
+            calls = []
+        new = list(enumerate(calls))[self.num_calls:]
+        self.num_calls = max(self.num_calls, len(calls))
+        return new
+
+    def feed(self, text: str) -> tuple[str, list[tuple[int, ParsedCall]]]:
         end = max(self._safe_end(text), self.sent)
         delta, self.sent = text[self.sent:end], end
-        return delta
+        return delta, self._new_calls(text)
 
-    def finish(self, text: str) -> tuple[str, list[ParsedCall]]:
-        calls = parse_calls(text, self.parser, self.tool_choice, self.forced)[1]
-        if calls:
-            rest = "" if self.forced else text[self.sent:self._safe_end(text)]
+    def finish(self, text: str) -> tuple[str, list[tuple[int, ParsedCall]]]:
+        new = self._new_calls(text)
+        if self.num_calls:
+            rest = "" if self.forced else text[self.sent:max(self._safe_end(text), self.sent)]
         else:
             rest = text[self.sent:]  # no call after all: everything held back is content
         self.sent = len(text)
-        return rest, calls
+        return rest, new
 
 
 def parse_calls(text: str, parser: ToolParser | None, tool_choice: Any,

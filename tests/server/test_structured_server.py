@@ -233,3 +233,26 @@ def test_tools_rendered_auto_and_none(server, client):
                                                   "type": "function",
                                                   "function": {"name": "nope"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+def test_auto_tool_choice_parses_hermes_calls(client):
+    """tool_choice "auto" with the hermes parser: a regex makes the random model write a hermes
+    block after some text; it comes back as content + tool_calls, streamed and not."""
+    regex = (r'[a-z]{1,3} <tool_call>\{"name": "add", "arguments": \{"a": [0-9], '
+             r'"b": [0-9]\}\}</tool_call>')
+    kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=80,
+              temperature=1.0, seed=1, extra_body={"guided_regex": regex})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert re.fullmatch("[a-z]{1,3}", choice.message.content)
+    _check_calls(choice.message.tool_calls, names={"add"})
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            calls[tc.index] = (tc.function.name, tc.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == choice.message.content + " "
+    assert list(calls.values()) == [(c.function.name, c.function.arguments)
+                                    for c in choice.message.tool_calls]

@@ -42,15 +42,17 @@ def test_granite():
         get_tool_parser("nope")
 
 
-def test_stream_holds_back_a_marker():
+def test_stream_holds_back_a_marker_and_sends_calls_as_they_close():
     s = ToolCallStream(get_tool_parser("hermes"))
-    assert s.feed("Hi <tool") == "Hi "  # "<tool" may begin "<tool_call>"
-    assert s.feed("Hi <tool_call>{\"name\"") == ""
-    text = 'Hi <tool_call>{"name": "f", "arguments": {"x": 3}}</tool_call>'
-    rest, calls = s.finish(text)
-    assert rest == "" and [c.name for c in calls] == ["f"]
+    assert s.feed("Hi <tool") == ("Hi ", [])  # "<tool" may begin "<tool_call>"
+    assert s.feed('Hi <tool_call>{"name"') == ("", [])
+    first = 'Hi <tool_call>{"name": "f", "arguments": {"x": 3}}</tool_call>'
+    text, calls = s.feed(first)
+    assert text == "" and [(j, c.name) for j, c in calls] == [(0, "f")]
+    rest, calls = s.finish(first + '\n<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    assert rest == "" and [(j, c.name) for j, c in calls] == [(1, "g")]
     s = ToolCallStream(get_tool_parser("hermes"))
-    assert s.feed("a <to") == "a "
+    assert s.feed("a <to") == ("a ", [])
     assert s.finish("a <to be") == ("<to be", [])  # no call after all: the held text is content
 
 
@@ -64,8 +66,11 @@ def test_forced_calls():
     assert call.name == "f" and json.loads(call.arguments) == {"x": 5}
     assert forced_calls('{"x": ', named) == []
     s = ToolCallStream(None, "required", forced=True)
-    assert s.feed('[{"name": "g"') == ""  # forced output is never content
-    assert [c.name for c in s.finish('[{"name": "g", "parameters": {}}]')[1]] == ["g"]
+    assert s.feed('[{"name": "g"') == ("", [])  # forced output is never content
+    text, calls = s.feed('[{"name": "g", "parameters": {}}, {"na')
+    assert [(j, c.name) for j, c in calls] == [(0, "g")]
+    rest, calls = s.finish('[{"name": "g", "parameters": {}}, {"name": "f", "parameters": {}}]')
+    assert rest == "" and [(j, c.name) for j, c in calls] == [(1, "f")]
 
 
 def test_tool_choice_constraints():
