@@ -286,3 +286,21 @@ def test_missing_xgrammar_is_a_clear_value_error(monkeypatch):
         load_xgrammar()
     with pytest.raises(ValueError, match="pip install xgrammar"):
         validate_structured(StructuredOutputsParams(regex="a+"))
+
+
+def test_chat_with_tools_offline(llm):
+    """LLM.chat renders tools through the template; a tool_choice grammar forces a call."""
+    from krait.server.tool_calls import forced_calls, tool_choice_constraint
+
+    template = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+                "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}}}]
+    conv = [{"role": "user", "content": "pick one"}]
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=(
+        tool_choice_constraint(tools, "required", parallel=False)))
+    (out,) = llm.chat(conv, params, use_tqdm=False, chat_template=template, tools=tools)
+    (bare,) = llm.chat(conv, params, use_tqdm=False, chat_template=template)
+    assert len(out.prompt_token_ids) > len(bare.prompt_token_ids) + 10
+    (call,) = forced_calls(out.outputs[0].text, "required")
+    assert call.name == "pick" and json.loads(call.arguments)["n"] in (1, 2)
