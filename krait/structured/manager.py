@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 60.0  # a grammar not compiled by then fails its request
 _CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped
+_BATCH_FILL_ROWS = 16  # from this many structured rows a step, masks are filled in parallel
 
 
 class StructuredOutputManager:
@@ -51,6 +52,7 @@ class StructuredOutputManager:
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], cf.Future] = OrderedDict()
         self._pending: dict[str, tuple[Request, cf.Future, float]] = {}
+        self._batch: Any = None  # xgrammar BatchGrammarMatcher, for steps of many rows
 
     # -- compilation ------------------------------------------------------------------
     def check_ready(self) -> None:
@@ -131,8 +133,13 @@ class StructuredOutputManager:
         """int32 [len(reqs), words] (CPU): row s allows the tokens reqs[s]'s grammar allows
         next."""
         bitmask = torch.empty(len(reqs), self.words, dtype=torch.int32)
-        for s, req in enumerate(reqs):
-            req.grammar.fill(bitmask, s)
+        if len(reqs) < _BATCH_FILL_ROWS:
+            for s, req in enumerate(reqs):
+                req.grammar.fill(bitmask, s)
+            return bitmask
+        if self._batch is None:  # xgrammar's threads fill many rows at once
+            self._batch = load_xgrammar().BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask([r.grammar.matcher for r in reqs], bitmask)
         return bitmask
 
     def shutdown(self) -> None:
