@@ -7,6 +7,7 @@ fails with a ValueError saying how to install it."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -80,9 +81,16 @@ def _bounded_strings(schema: Any) -> Any:
 
 
 def validate_structured(params: StructuredOutputsParams) -> None:
-    """Checks a constraint fully (its fields, then its grammar); ValueError naming the field."""
+    """Checks a constraint fully (its fields, then its grammar); ValueError naming the field.
+    Constraints that passed are remembered, so the engine's check of a request the server
+    checked already (off the event loop) is a lookup."""
     params.validate()
-    build_grammar(*params.key())
+    _check_grammar(*params.key())
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_grammar(kind: str, spec: str) -> None:
+    build_grammar(kind, spec)  # raises for a bad one (errors are not cached)
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
