@@ -183,7 +183,7 @@ def test_tool_choice_required(client):
         kw = dict(parallel_tool_calls=False) if seed % 2 else {}
         resp = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
                                               tool_choice="required", temperature=1.0,
-                                              seed=seed, max_tokens=120, **kw)
+                                              seed=seed, max_tokens=80, **kw)
         choice = resp.choices[0]
         assert choice.finish_reason in ("tool_calls", "length"), choice.message
         _check_calls(choice.message.tool_calls)
@@ -193,7 +193,7 @@ def test_tool_choice_required(client):
             assert len(choice.message.tool_calls) == 1
         stream = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
                                                 tool_choice="required", temperature=1.0,
-                                                seed=seed, stream=True, max_tokens=120,
+                                                seed=seed, stream=True, max_tokens=80,
                                                 **kw)
         calls: dict[int, dict] = {}
         finish = None
