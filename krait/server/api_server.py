@@ -766,6 +766,9 @@ def run_server(args: argparse.Namespace) -> None:
     config = args.engine_config
     names = list(getattr(args, "served_model_name", None) or [config.model.model])
     api_key = getattr(args, "api_key", None) or envs.get("KRAIT_API_KEY") or None
+    parser = getattr(args, "tool_call_parser", None)
+    if getattr(args, "enable_auto_tool_choice", False) and parser is None:
+        raise SystemExit("krait serve: --enable-auto-tool-choice needs --tool-call-parser NAME")
     metrics = ServerMetrics(names[0])
     engine = AsyncLLMEngine.from_config(config, observer=metrics)
     app = build_app(engine, names, api_key=api_key, metrics=metrics,

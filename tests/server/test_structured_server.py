@@ -135,6 +135,9 @@ def test_guided_fields_streamed_and_not(client):
         assert check(text), (extra, text)
         if "json_object" not in str(extra):
             assert chunks[-1].choices[0].finish_reason == "stop"
+        streamed = client.completions.create(model="tiny", prompt="go", max_tokens=80,
+                                             temperature=0.0, stream=True, extra_body=extra)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == full.choices[0].text
 
 
 class Weather(BaseModel):
