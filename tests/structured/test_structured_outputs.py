@@ -304,3 +304,10 @@ def test_chat_with_tools_offline(llm):
     assert len(out.prompt_token_ids) > len(bare.prompt_token_ids) + 10
     (call,) = forced_calls(out.outputs[0].text, "required")
     assert call.name == "pick" and json.loads(call.arguments)["n"] in (1, 2)
+
+
+def test_min_tokens_does_not_hold_back_the_grammars_end(llm):
+    params = SamplingParams(temperature=1.0, seed=0, min_tokens=6, max_tokens=16,
+                            structured_outputs=StructuredOutputsParams(choice=["ab"]))
+    (out,) = llm.generate(["m"], params, use_tqdm=False)
+    assert out.outputs[0].text == "ab" and out.outputs[0].finish_reason == "stop"
