@@ -2,7 +2,7 @@
 
 from krait.config import EngineConfig
 from krait.outputs import CompletionOutput, RequestOutput
-from krait.sampling_params import SamplingParams
+from krait.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -16,4 +16,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput",
+           "CompletionOutput"]

@@ -33,9 +33,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to
-        several, each rendered by the tokenizer's chat template."""
+        several, each rendered by the tokenizer's chat template (with `tools`, OpenAI-style
+        function definitions, for templates that render them; constrain the reply with
+        SamplingParams.structured_outputs to force a call)."""
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("messages: this model has no tokenizer to render a chat template")
@@ -45,7 +48,7 @@ class LLM:
             try:
                 ids = tok.apply_chat_template(
                     conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                    chat_template=chat_template,
+                    chat_template=chat_template, **({"tools": tools} if tools else {}),
                 )
             except ValueError as e:  # e.g. no chat template
                 raise ValueError(f"messages: {e}") from e

@@ -2,9 +2,84 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for (OpenAI's top_logprobs, vLLM's default)
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output, as vLLM names it: exactly one of `json` (a JSON
+    schema, dict or string), `regex`, `choice` (the output is one of the strings), `grammar`
+    (EBNF, xgrammar's dialect: `root ::= ...`) or `json_object=True` (any JSON object).
+
+    `disable_any_whitespace`: JSON without free whitespace between its tokens (compact
+    separators); otherwise whitespace is free, up to a few characters a run (a model cannot
+    loop on whitespace). `validate()` raises ValueError naming the field."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def validate(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = ", ".join(given) if given else "none"
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                f"must be set, got {what}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from e
+            if not isinstance(value, (dict, bool)):
+                raise ValueError("structured_outputs.json: a JSON schema must be an object")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_outputs.{kind}: must be a non-empty string")
+        elif kind == "choice":
+            if (not isinstance(value, (list, tuple)) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of "
+                                 "non-empty strings")
+        elif value is not True:
+            raise ValueError("structured_outputs.json_object: must be true")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint given: json, regex, choice, grammar or json_object."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): the constraint as a hashable, canonical pair (the compile cache's key);
+        JSON schemas are serialized with sorted keys."""
+        kind = self.kind
+        value: Any = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                value = json.loads(value)
+            spec = json.dumps(value, sort_keys=True)
+        elif kind == "choice":
+            spec = json.dumps(list(value))
+        elif kind == "json_object":
+            spec = ""
+        else:
+            spec = value
+        if self.disable_any_whitespace and kind in ("json", "json_object"):
+            kind += ":compact"
+        return kind, spec
 
 
 @dataclass
@@ -37,6 +112,9 @@ class SamplingParams:
     # "cumulative": an output every step a request progresses (streaming); "final_only": one
     # output when it finishes (offline generation; skips per-step copies)
     output_kind: str = "cumulative"
+    # a grammar the output must follow (JSON schema, regex, choice, EBNF); the request waits
+    # in the scheduler until its grammar is compiled
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, repr=False, init=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +171,10 @@ class SamplingParams:
                 bad("logit_bias", f"values must be in [-100, 100], got {b} for token {t}")
         if self.output_kind not in ("cumulative", "final_only"):
             bad("output_kind", f"must be 'cumulative' or 'final_only', got {self.output_kind!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         if vocab_size is not None:
             for t in self.stop_token_ids or []:
                 if not 0 <= t < vocab_size:

@@ -133,3 +133,20 @@ def test_hf_baseline_halves_its_batch_when_out_of_memory(tmp_path, monkeypatch, 
     assert r["batch_size"] == 1 and r["requested_batch_size"] == 4
     assert r["output_tok_per_s"] > 0 and len(r["output_tok_per_s_each_pass"]) == 2
     assert "retrying at batch 1" in capsys.readouterr().err
+
+
+def test_latency_structured_json(tmp_path):
+    """--structured-json: every decode row under a grammar that outlasts the run."""
+    pytest.importorskip("xgrammar")
+    from krait.bench import offline
+    from krait.cli import build_parser, resolve_model
+
+    d = make_tiny_llama(tmp_path / "m")  # in process: a subprocess would import all again
+    args = build_parser().parse_args(
+        ["bench", "latency", "--model", str(d), "--batch-sizes", "2", "--context-len", "8",
+         "--prompt-lens", "", "--num-steps", "4", "--structured-json", "--device", "cpu",
+         "--dtype", "float32"])
+    args.model = resolve_model(args)
+    r, _ = offline.bench_latency(args)
+    assert r["structured_json"]["minItems"] == 1 << 24 and r["structured_tokenizer"] == str(d)
+    assert [row["batch"] for row in r["decode"]] == [2] and r["decode"][0]["step_ms"] > 0

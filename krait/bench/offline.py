@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from krait.bench.roofline import (
 )
 from krait.config import EngineConfig
 from krait.engine.engine import LLMEngine
-from krait.sampling_params import SamplingParams
+from krait.sampling_params import SamplingParams, StructuredOutputsParams
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -45,6 +46,12 @@ def add_cli_args(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--num-steps", type=int, default=20)
         p.add_argument("--workload", default="random", choices=["random", "repetitive"],
                        help="repetitive: prompts of a repeated phrase (ngram drafting's case)")
+        p.add_argument("--structured-json", action="store_true",
+                       help="constrain every decode row by a small JSON schema (an array of "
+                       "digits that never ends within the run): the cost of grammar masks")
+        p.add_argument("--tokenizer", default=None,
+                       help="tokenizer directory for --structured-json when the model has none "
+                       "(default: the bundled 512-token demo tokenizer)")
     else:
         p.add_argument("--num-prompts", type=int, default=256)
         p.add_argument("--input-len", type=int, default=256)
@@ -72,6 +79,26 @@ def _engine(args, model: str, **over) -> LLMEngine:
         os.environ.setdefault("KRAIT_ALLOW_LONG_MAX_MODEL_LEN", "1")
     kw.update(over)
     return LLMEngine(EngineConfig.from_kwargs(model=model, **kw))
+
+
+# --structured-json: a grammar every row keeps following for the whole run (2**24 items)
+BENCH_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                "minItems": 1 << 24}
+
+
+def _structured_tokenizer(args) -> str:
+    """The tokenizer directory grammar masks are built from: --tokenizer, the model's own, or
+    the bundled demo tokenizer written to a temporary directory."""
+    from krait.tokenizer_utils import get_tokenizer, save_demo_tokenizer  # noqa: PLC0415
+
+    if args.tokenizer:
+        return args.tokenizer
+    model = _model_dir(args)
+    if get_tokenizer(model) is not None:
+        return model
+    directory = tempfile.mkdtemp(prefix="krait-bench-tokenizer-")
+    save_demo_tokenizer(directory)
+    return directory
 
 
 def _model_dir(args) -> str:
@@ -111,9 +138,14 @@ def bench_latency(args) -> dict:
     max_len = args.max_model_len or max([need, *prompt_lens]) + 16
     if need > max_len:
         raise ValueError(f"max_model_len {max_len} is too short for this run (needs {need})")
+    structured = getattr(args, "structured_json", False)
+    over = {}
+    if structured:
+        over["tokenizer"] = _structured_tokenizer(args)
     engine = _engine(
         args, _model_dir(args), max_model_len=max_len,
         max_num_seqs=max(args.max_num_seqs or 0, *batch_sizes), max_num_batched_tokens=budget,
+        **over,
     )
     dev = engine.config.device
     ceil = measure_ceilings(dev)
@@ -124,6 +156,9 @@ def bench_latency(args) -> dict:
            "max_num_seqs": engine.config.scheduler.max_num_seqs,
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "decode": [], "prefill": []}
+    if structured:
+        out["structured_json"] = BENCH_SCHEMA
+        out["structured_tokenizer"] = over["tokenizer"]
     spec = engine.config.speculative
     if spec is not None:
         out["speculative_config"] = {"method": spec.method, "k": spec.num_speculative_tokens}
@@ -131,7 +166,7 @@ def bench_latency(args) -> dict:
             f"{'wait ms':>8} {'graph ms':>9}" + ("  tok/step accept" if spec else "")]
     for b in batch_sizes:
         ms, wait, graph_ms, s = _decode_step_ms(engine, b, args.context_len, args.num_steps,
-                                                vocab, dev, args.workload)
+                                                vocab, dev, args.workload, structured)
         roof = roofline_seconds(ceil, decode_bytes(mb, b, args.context_len + args.num_steps)) * 1e3
         # wait: host time blocked on the device a step; ~0 means the host is the bottleneck.
         # graph_ms: the GPU's own time a step (the graph replayed back to back)
@@ -160,13 +195,16 @@ def bench_latency(args) -> dict:
 
 
 def _decode_step_ms(
-    engine, batch, context, steps, vocab, dev, workload: str = "random"
+    engine, batch, context, steps, vocab, dev, workload: str = "random", structured: bool = False,
 ) -> tuple[float, float, float | None, dict]:
     """(median step ms, host ms blocked on the device a step, device ms of the step's graph
     replayed back to back — None without CUDA graphs, speculative-decoding figures of the timed
-    steps: tokens a row gained a step, acceptance rate) of `batch` rows at `context`."""
+    steps: tokens a row gained a step, acceptance rate) of `batch` rows at `context`;
+    `structured`: every row under BENCH_SCHEMA's grammar (each step then syncs)."""
     params = SamplingParams(
-        temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only"
+        temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only",
+        structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA, disable_any_whitespace=True)
+        if structured else None,
     )
     ids = [f"lat{batch}_{i}" for i in range(batch)]
     for rid, prompt in zip(ids, _prompts(batch, context, vocab, seed=batch, workload=workload)):

@@ -63,6 +63,8 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self._inflight = None  # (SchedulerOutput, PendingSample) launched, not yet read back
+        self._structured = None  # StructuredOutputManager, built by the first structured request
+        self._structured_ids: set[str] = set()  # live structured requests (children)
         # seconds the host spent blocked on the device reading sampled tokens back: a step whose
         # wait is ~0 is host-bound (the benchmarks report it per decode step)
         self.device_wait_s = 0.0
@@ -199,6 +201,11 @@ class LLMEngine:
                 f"prompt is {len(ids)} tokens; max_model_len is {mc.max_model_len} "
                 "(the prompt must leave room for at least one generated token)"
             )
+        if params.structured_outputs is not None:
+            from krait.structured.grammar import validate_structured  # noqa: PLC0415
+
+            validate_structured(params.structured_outputs)  # bad schemas fail here, at once
+            self.structured_manager().check_ready()  # xgrammar and a tokenizer are there
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         parent = _Parent(request_id, text, ids, children, params.output_kind == "final_only")
@@ -218,6 +225,9 @@ class LLMEngine:
             self._child_parent[cid] = request_id
             parent.reqs[cid] = req
             self._detok[cid] = IncrementalDetokenizer(self.tokenizer, ids, cp)
+            if cp.structured_outputs is not None:
+                self._structured.submit(req)  # compiles off the loop; the request waits
+                self._structured_ids.add(cid)
             self.scheduler.add_request(req)
         self.num_prompt_tokens_total += len(ids) * len(children)
 
@@ -228,6 +238,9 @@ class LLMEngine:
             if parent is None:
                 continue
             for cid in parent.children:
+                if self._structured is not None:
+                    self._structured.discard(cid)
+                    self._structured_ids.discard(cid)
                 self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
                 self._child_parent.pop(cid, None)
                 self._detok.pop(cid, None)
@@ -258,17 +271,65 @@ class LLMEngine:
         With async scheduling the step launched here is read back by the next call: the host
         schedules and prepares step N+1 while the device still runs step N, and returns step
         N's outputs."""
+        failed = self._poll_grammars() if self._structured is not None else []
         sched = self.scheduler.schedule()
+        if self._structured_ids:
+            self._fill_grammar_bitmask(sched)
         pending = self.runner.execute_model(sched)
         if not self.config.scheduler.async_scheduling:
             outputs = self._process(sched, self._read_back(pending))
             if self.runner.drafter is not None:
                 self._propose_drafts()
-            return outputs
+            return failed + outputs
+        if sched.grammar_bitmask is not None:
+            # a structured row's next mask needs this step's token on the host: read the step
+            # back now (and the one before it first), so no structured row is ever in flight
+            previous, self._inflight = self._inflight, None
+            outputs = [] if previous is None else self._process(
+                previous[0], self._read_back(previous[1]))
+            return failed + outputs + self._process(sched, self._read_back(pending))
         previous, self._inflight = self._inflight, (sched, pending)
         if previous is None:
-            return []
-        return self._process(previous[0], self._read_back(previous[1]))
+            return failed
+        return failed + self._process(previous[0], self._read_back(previous[1]))
+
+    # -- structured outputs -----------------------------------------------------------
+    def structured_manager(self):
+        """The engine's StructuredOutputManager (krait/structured), built on first use."""
+        if self._structured is None:
+            from krait.structured.manager import StructuredOutputManager  # noqa: PLC0415
+
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
+        return self._structured
+
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Attaches compiled grammars to their waiting requests; a request whose grammar failed
+        finishes with finish_reason "error" (stop_reason: why). With nothing else to run, waits
+        briefly for a compile instead of spinning."""
+        mgr = self._structured
+        failed = mgr.poll()
+        if (not failed and mgr.has_pending() and not self.scheduler.running
+                and all(r.waiting_for_grammar for r in self.scheduler.waiting)):
+            mgr.wait(0.01)
+            failed = mgr.poll()
+        touched: dict[str, None] = {}
+        for req, why in failed:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+            req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, why
+            pid = self._child_parent.get(req.request_id)
+            if pid is not None:
+                touched[pid] = None
+        return self._outputs(touched) if touched else []
+
+    def _fill_grammar_bitmask(self, sched) -> None:
+        """The masks of the structured rows that sample in the step just scheduled."""
+        reqs, scheduled = self.scheduler.requests, sched.num_scheduled_tokens
+        rows = [reqs[rid] for rid in self._structured_ids
+                if rid in scheduled and reqs[rid].grammar is not None and reqs[rid].num_inflight]
+        if rows:
+            sched.structured_req_ids = [r.request_id for r in rows]
+            sched.grammar_bitmask = self._structured.fill_bitmask(rows)
 
     def _propose_drafts(self) -> None:
         """Drafts for the next step of every running request (speculative decoding)."""
@@ -317,6 +378,10 @@ class LLMEngine:
             pid = self._child_parent.get(req.request_id)
             if pid is not None:
                 touched[pid] = None
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, None]) -> list[RequestOutput]:
+        """The RequestOutputs of the parents in `touched`; finished parents are forgotten."""
         outputs = []
         for pid in touched:
             parent = self._parents[pid]
@@ -344,6 +409,7 @@ class LLMEngine:
             if finished:
                 del self._parents[pid]
                 for c in parent.children:
+                    self._structured_ids.discard(c)
                     self._child_parent.pop(c, None)
                     self._detok.pop(c, None)
                     self._text.pop(c, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from krait.outputs import Logprob
 from krait.sampling_params import SamplingParams
@@ -16,6 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # e.g. its grammar failed to compile; stop_reason says why
 
     @property
     def finished(self) -> bool:
@@ -62,12 +64,20 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0
+    # structured outputs: the request's matcher (krait/structured/grammar.py RequestGrammar),
+    # set once its grammar is compiled; the scheduler does not start the request before
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """Structured, and its grammar is not compiled yet: not schedulable."""
+        return self.grammar is None and self.params.structured_outputs is not None
 
     @property
     def all_token_ids(self) -> list[int]:

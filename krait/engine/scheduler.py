@@ -12,12 +12,17 @@ request's tokens counts one token in flight (`num_inflight`) until its value arr
 are read back, so a decode row of N+1 takes its input token from the device; a request whose
 in-flight tokens will end it by length is not scheduled again, and one that turns out to have
 stopped (EOS, a stop token or string) has its extra step's result dropped.
+
+Structured requests (a grammar constrains their tokens) wait in the queue, without holding up
+the requests behind them, until their grammar is compiled (`Request.waiting_for_grammar`); their
+matcher advances here, with each token appended, and its end finishes the request.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from krait.engine.kv_cache_manager import KVCacheManager
 from krait.engine.request import Request, RequestStatus
@@ -58,6 +63,11 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # structured outputs: the requests whose token this step samples under a grammar, and their
+    # masks (int32 [len(structured_req_ids), words], CPU; filled by the engine after scheduling).
+    # None in a step without structured rows: the runner then does no mask work at all.
+    structured_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
     # prefix caching with recurrent layers: (request state slot, snapshot slot) pairs whose
     # state the runner copies after the step's forward
     snapshot_saves: list[tuple[int, int]] = field(default_factory=list)
@@ -231,10 +241,14 @@ class Scheduler:
             self._advance(req, n)
             i += 1
 
+        skipped: list[Request] = []  # waiting for their grammar: they keep their place
         while self.waiting and budget > 0 and not preempted_now:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            if req.waiting_for_grammar:
+                skipped.append(self.waiting.popleft())
+                continue
             if req.num_inflight:
                 break  # preempted with a token in flight: it resumes once the token is known
             if req.params.prompt_logprobs is None:  # cached tokens would have no logprobs
@@ -271,6 +285,7 @@ class Scheduler:
                 )
             )
             self._advance(req, n)
+        self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(
             new_reqs=new,
@@ -366,6 +381,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         p = req.params
+        grammar = req.grammar
+        if grammar is not None:  # the matcher advances with each accepted token
+            if not grammar.accept(tok):
+                req.status = RequestStatus.FINISHED_ERROR
+                req.stop_reason = f"structured_outputs: the grammar rejected token {tok}"
+                return True
+            if grammar.is_terminated():  # it accepted a stop token: the output is complete
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
         if len(req.output_token_ids) >= p.min_tokens:
             if not p.ignore_eos and tok in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -14,6 +14,7 @@ from krait.engine.scheduler import SampledTokens, SchedulerOutput
 from krait.models.loader import load_model
 from krait.ops._dispatch import use_triton
 from krait.ops.argmax import argmax
+from krait.ops.token_bitmask import apply_token_bitmask
 from krait.runner.device_tables import DeviceTables
 from krait.runner.input_batch import InputBatch, build_input_batch, host_to_device
 from krait.runner.model_states import create_model_state
@@ -68,6 +69,7 @@ class ModelRunner:
         self.verify_graphs = None
         self.piecewise = None  # PiecewiseGraphs for eager steps (krait/envs.py turns them off)
         self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps
+        self._grammar = None  # this step's (structured req ids, bitmask), see execute_model
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -281,6 +283,9 @@ class ModelRunner:
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
             return PendingSample.empty()
+        # structured rows' masks for this step (None: no structured row samples, no mask work)
+        self._grammar = (None if sched.grammar_bitmask is None
+                         else (sched.structured_req_ids, sched.grammar_bitmask))
         req_ids, num_scheduled, rows, num_prefills = self._ordered_rows(sched)
         if self.tables is not None:
             self.tables.flush()
@@ -362,6 +367,8 @@ class ModelRunner:
             positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
             logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
         draft_ids = [t for r in rows for t in spec.get(req_ids[r], ())]
+        if self._grammar is not None:  # structured rows draft nothing: one position each
+            self._apply_grammar(logits, [req_ids[r] for r in rows], cu[:-1])
         if st.plain_greedy[idx[rows]].all():  # no per-row parameters to gather
             meta = greedy_sampling_metadata(len(rows), logits.device)
         else:
@@ -516,6 +523,9 @@ class ModelRunner:
                 logits = logits[sel]
                 greedy = greedy[sel] if greedy is not None else None
                 greedy_written = False
+            if self._grammar is not None:
+                self._apply_grammar(logits, [batch.req_ids[r] for r in rows])
+                greedy, greedy_written = None, False  # a decode graph's argmax was unmasked
             result = self._sample(logits, idx[rows], greedy)
             self.penalties.record(idx[rows], result.sampled_token_ids)
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
@@ -542,6 +552,22 @@ class ModelRunner:
                 batch.idx_mapping[: batch.num_reqs], num_sampled, batch.seq_lens[: batch.num_reqs]
             )
         return pending
+
+    def _apply_grammar(self, logits: torch.Tensor, row_req_ids: list[str],
+                       logits_rows: np.ndarray | None = None) -> None:
+        """Masks the structured rows' logits in place (one launch): `row_req_ids[j]` is the
+        request of sampling row j, whose logits are row `logits_rows[j]` (default j). The
+        sampler then sees the masked logits, so greedy, sampling, penalties and logprobs all
+        follow the grammar; the logprobs are those of the masked distribution (as vLLM v1's:
+        its bitmask is applied before the sampler too)."""
+        req_ids, bitmask = self._grammar
+        where = {rid: j for j, rid in enumerate(row_req_ids)}
+        rows = [where.get(rid, -1) for rid in req_ids]
+        if logits_rows is not None:
+            rows = [int(logits_rows[j]) if j >= 0 else -1 for j in rows]
+        dev = logits.device
+        apply_token_bitmask(logits, bitmask.to(dev, non_blocking=True),
+                            host_to_device(np.array(rows, dtype=np.int32), dev))
 
     def _sample(
         self, logits: torch.Tensor, idx: np.ndarray, greedy: torch.Tensor | None = None

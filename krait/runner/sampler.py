@@ -128,7 +128,9 @@ def build_sampling_metadata(
         if r.num_outputs >= r.params.min_tokens:
             continue
         ids = list(r.params.stop_token_ids or [])
-        if not r.params.ignore_eos:
+        # a grammar's end (EOS, allowed only where the grammar may stop) is not held back: the
+        # grammar would leave nothing else to sample
+        if not r.params.ignore_eos and r.params.structured_outputs is None:
             ids += r.eos_token_ids
         ids = sorted({t for t in ids if 0 <= t < vocab_size})
         if ids:

@@ -44,19 +44,32 @@ from krait.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     random_id,
+)
+from krait.server.tool_calls import (
+    ParsedCall,
+    ToolCallStream,
+    ToolParser,
+    get_tool_parser,
+    named_choice,
+    parse_calls,
+    tool_choice_constraint,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,6 +98,8 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 def _param_of(message: str) -> str | None:
     """The request field a ValueError's message starts with, if any (the engine names it)."""
     first = message.split(" ", 1)[0].rstrip(":,")
+    if first not in _KNOWN_PARAMS:
+        first = first.split(".", 1)[0]
     return first if first in _KNOWN_PARAMS else None
 
 
@@ -110,6 +125,8 @@ class ServerState:
     served_model_names: list[str]
     max_model_len: int
     vocab_size: int
+    tool_parser: ToolParser | None = None  # --tool-call-parser
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
 
     @property
     def tokenizer(self) -> Any:
@@ -127,16 +144,19 @@ class ServerState:
         return self.tokenizer
 
     def render_chat(self, messages: list, add_generation_prompt: bool,
-                    kwargs: dict | None) -> list[int]:
-        """Token ids of the chat template applied to `messages` (special tokens come from it)."""
+                    kwargs: dict | None, tools: list | None = None) -> list[int]:
+        """Token ids of the chat template applied to `messages` (and `tools`, for templates
+        that render them; special tokens come from the template)."""
         tok = self.need_tokenizer("messages")
         msgs = [m.for_template() for m in messages]
         if not getattr(tok, "chat_template", None):
             raise ValueError("messages: the model's tokenizer has no chat template")
         try:
+            extra = dict(kwargs or {})
+            if tools:
+                extra["tools"] = tools
             text = tok.apply_chat_template(msgs, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
-                                           **(kwargs or {}))
+                                           add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:
             raise ValueError(f"messages: cannot apply the chat template: {exc}") from exc
         return list(tok(text, add_special_tokens=False)["input_ids"])
@@ -347,6 +367,7 @@ class CompletionBuilder:
     async def full(self, rid: str, model: str, streams: list[RequestStream]) -> Response:
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(streams):
+            _raise_on_error(out)
             finals[i] = out
         choices = [self.choice(i, finals[i], c, None) for i in sorted(finals)
                    for c in finals[i].outputs]
@@ -361,6 +382,7 @@ class CompletionBuilder:
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge(streams):
+                _raise_on_error(out)
                 finals[i] = out
                 for c in out.outputs:
                     choice = self.choice(i, out, c, self.deltas.setdefault((i, c.index), _Delta()))
@@ -383,10 +405,25 @@ class CompletionBuilder:
 
 
 def _stream_error(exc: Exception) -> str:
+    if isinstance(exc, ValueError):  # the request's own fault (e.g. its grammar)
+        err = ErrorInfo(message=str(exc), type="BadRequestError", code=400)
+        return ErrorResponse(error=err).model_dump_json()
     if not isinstance(exc, (EngineStepError, EngineDeadError)):
         logger.exception("error while streaming a response", exc_info=exc)
     err = ErrorInfo(message=str(exc), type="InternalServerError", code=500)
     return ErrorResponse(error=err).model_dump_json()
+
+
+def _raise_on_error(out: RequestOutput) -> None:
+    """A choice that finished with an error (its grammar failed to compile) fails the request."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise ValueError(str(c.stop_reason or "the request failed"))
+
+
+def _tool_calls(calls: list[ParsedCall]) -> list[ToolCall]:
+    return [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]
 
 
 # ---------------------------------------------------------------- chat
@@ -395,9 +432,18 @@ def _stream_error(exc: Exception) -> str:
 class ChatBuilder:
     """Turns RequestOutputs into /v1/chat/completions choices and chunks."""
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest):
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, parser: ToolParser | None,
+                 forced: bool):
         self.state, self.req = state, req
         self.k = (req.top_logprobs or 0) if req.logprobs else None
+        self.parser = parser  # tools with tool_choice "auto": the server's tool-call parser
+        self.forced = forced  # tool_choice "required" or named: the output is the call(s)
+
+    def _finish_reason(self, c: CompletionOutput, calls: list) -> str | None:
+        # OpenAI: "tool_calls" when the model chose to call; a named (forced) call is a "stop"
+        if calls and c.finish_reason == "stop" and named_choice(self.req.tool_choice) is None:
+            return "tool_calls"
+        return c.finish_reason
 
     def logprobs(self, c: CompletionOutput, start: int) -> ChatLogProbs | None:
         if self.k is None or c.logprobs is None:
@@ -407,10 +453,19 @@ class ChatBuilder:
     async def full(self, rid: str, model: str, streams: list[RequestStream]) -> Response:
         final = None
         async for _, out in merge(streams):
+            _raise_on_error(out)
             final = out
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self.logprobs(c, 0), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason) for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            content, calls = c.text, []
+            if self.parser is not None or self.forced:
+                content, calls = parse_calls(c.text, self.parser, self.req.tool_choice,
+                                             self.forced)
+            message = ChatResponseMessage(content=content, tool_calls=_tool_calls(calls))
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=self.logprobs(c, 0),
+                                      finish_reason=self._finish_reason(c, calls),
+                                      stop_reason=c.stop_reason))
         resp = ChatCompletionResponse(id=rid, model=model, choices=choices,
                                       usage=usage_of({0: final}))
         return Response(resp.model_dump_json(), media_type="application/json")
@@ -432,20 +487,32 @@ class ChatBuilder:
             yield chunk(ChatStreamChoice(index=index,
                                          delta=DeltaMessage(role="assistant", content="")))
         deltas: dict[int, _Delta] = {}
+        tools: dict[int, ToolCallStream] = {}
         try:
             async for _, out in merge(streams):
+                _raise_on_error(out)
                 final = out
                 for c in out.outputs:
                     d = deltas.setdefault(c.index, _Delta())
-                    text, start = c.text[d.text_len:], d.num_tokens
+                    start = d.num_tokens
                     new_finish = c.finish_reason is not None and not d.done
-                    if not (text or len(c.token_ids) > start or new_finish):
+                    if not (len(c.text) > d.text_len or len(c.token_ids) > start or new_finish):
                         continue
                     d.text_len, d.num_tokens, d.done = len(c.text), len(c.token_ids), new_finish
+                    tc = tools.setdefault(c.index, ToolCallStream(
+                        self.parser, self.req.tool_choice, self.forced))
+                    text, calls = tc.finish(c.text) if new_finish else tc.feed(c.text)
+                    delta = DeltaMessage(content=text, tool_calls=[
+                        DeltaToolCall(index=j, id=call.id, type="function",
+                                      function=DeltaFunctionCall(name=call.name,
+                                                                 arguments=call.arguments))
+                        for j, call in calls] or None)
+                    reason = None
+                    if new_finish:
+                        reason = self._finish_reason(c, [None] * tc.num_calls)
                     yield chunk(ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=text),
-                        logprobs=self.logprobs(c, start), finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason))
+                        index=c.index, delta=delta, logprobs=self.logprobs(c, start),
+                        finish_reason=reason, stop_reason=c.stop_reason))
             if usage and final is not None:
                 c = ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
                                         usage=usage_of({0: final}))
@@ -496,10 +563,17 @@ class ApiKeyMiddleware:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
-              api_key: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_names` (the first is the default)."""
+              api_key: str | None = None, metrics: ServerMetrics | None = None,
+              tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
+    """The FastAPI app serving `engine` under `served_model_names` (the first is the default);
+    `tool_call_parser` (hermes, granite) reads tool calls when tool_choice is "auto"."""
     cfg = engine.config.model
-    state = ServerState(engine, list(served_model_names), cfg.max_model_len, cfg.vocab_size)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    state = ServerState(engine, list(served_model_names), cfg.max_model_len, cfg.vocab_size,
+                        parser, enable_auto_tool_choice)
     app = FastAPI(title="krait", docs_url=None, redoc_url=None)
     app.state.krait = state
 
@@ -563,6 +637,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
         model = state.model_name(req.model)
         params = req.to_sampling_params()
         params.validate(state.vocab_size)
+        await _check_grammar(params, req.structured_field)
         prompts = req.prompts()
         if req.echo and state.tokenizer is None and any(isinstance(p, dict) for p in prompts):
             raise ValueError("echo: this model has no tokenizer to decode the prompt")
@@ -578,11 +653,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
         req = await parse_body(raw, ChatCompletionRequest)
         model = state.model_name(req.model)
         params = req.to_sampling_params()
+        parser, forced = _tool_mode(state, req, params)
         params.validate(state.vocab_size)
-        ids = state.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        await _check_grammar(params, "tool_choice" if forced else req.structured_field)
+        ids = state.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                req.tools or None)
         rid = random_id("chatcmpl")
         streams = await add_all(state, rid, [{"prompt_token_ids": ids}], params)
-        builder = ChatBuilder(state, req)
+        builder = ChatBuilder(state, req, parser, forced)
         if req.stream:
             return EngineStreamResponse(builder.stream(rid, model, streams), streams)
         return await unless_disconnected(raw, builder.full(rid, model, streams), streams)
@@ -618,6 +696,48 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str],
     return app
 
 
+async def _check_grammar(params: SamplingParams, field: str) -> None:
+    """A request's constraint checked off the event loop (the first one imports xgrammar):
+    a bad schema, regex or grammar is a 400 naming the body `field` it came from, before the
+    engine sees it."""
+    if params.structured_outputs is None:
+        return
+    from krait.structured.grammar import validate_structured  # noqa: PLC0415
+
+    try:
+        await asyncio.to_thread(validate_structured, params.structured_outputs)
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith("structured_outputs") and ": " in msg:
+            msg = msg.split(": ", 1)[1]
+        raise ValueError(f"{field}: {msg}") from e
+
+
+def _tool_mode(state: ServerState, req: ChatCompletionRequest,
+               params: SamplingParams) -> tuple[ToolParser | None, bool]:
+    """(parser, forced) of a chat request: tool_choice "auto" parses the output with the
+    server's parser; "required" or a named function constrains it (params gains the grammar)
+    and reads the call(s) from it; "none" or no tools leave the output alone."""
+    tools, choice = req.tools or None, req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise ValueError("tool_choice: needs tools")
+        return None, False
+    constraint = tool_choice_constraint(tools, choice, req.parallel_tool_calls)
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise ValueError("tool_choice: a required or named tool choice cannot be combined "
+                             "with response_format or guided decoding")
+        params.structured_outputs = constraint
+        return None, True
+    if choice == "none":
+        return None, False
+    if not state.enable_auto_tool_choice or state.tool_parser is None:
+        raise ValueError('tool_choice: "auto" needs the server started with '
+                         "--enable-auto-tool-choice --tool-call-parser NAME")
+    return state.tool_parser, False
+
+
 # ---------------------------------------------------------------- CLI entry
 
 
@@ -629,6 +749,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="require `Authorization: Bearer KEY` on /v1/* routes")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) the API answers to (default: the model path)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let tool_choice "auto" parse tool calls (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", default=None, choices=["hermes", "granite"],
+                        help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>) "
+                        "or granite (<|tool_call|>[...])")
     return parser
 
 
@@ -641,9 +766,14 @@ def run_server(args: argparse.Namespace) -> None:
     config = args.engine_config
     names = list(getattr(args, "served_model_name", None) or [config.model.model])
     api_key = getattr(args, "api_key", None) or envs.get("KRAIT_API_KEY") or None
+    parser = getattr(args, "tool_call_parser", None)
+    if getattr(args, "enable_auto_tool_choice", False) and parser is None:
+        raise SystemExit("krait serve: --enable-auto-tool-choice needs --tool-call-parser NAME")
     metrics = ServerMetrics(names[0])
     engine = AsyncLLMEngine.from_config(config, observer=metrics)
-    app = build_app(engine, names, api_key=api_key, metrics=metrics)
+    app = build_app(engine, names, api_key=api_key, metrics=metrics,
+                    tool_call_parser=getattr(args, "tool_call_parser", None),
+                    enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False))
     try:
         uvicorn.run(app, host=getattr(args, "host", "127.0.0.1"),
                     port=getattr(args, "port", 8000), log_level="info",

@@ -6,13 +6,14 @@ repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...). Unknown fields
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 
-from krait.sampling_params import MAX_LOGPROBS, SamplingParams
+from krait.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -86,26 +87,68 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    # OpenAI / vLLM fields krait does not implement: refused with a 400, never ignored
+    # structured outputs: OpenAI's response_format, vLLM's guided_* fields and its
+    # structured_outputs object (one of them at most); tools: chat completions only
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+
+    _structured_field: str = PrivateAttr(default="structured_outputs")
 
     def _refuse_unsupported(self) -> None:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
-        if self.tools or self.functions:
-            raise ValueError("tools: tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: tool calling is not supported")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: guided decoding is not supported")
+        if self.functions:
+            raise ValueError("functions: the legacy functions field is not supported; use tools")
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint the body asks for, from whichever one field gives it; ValueError
+        naming the field when it is malformed or several are given."""
+        given: dict[str, StructuredOutputsParams] = {}
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text") if isinstance(rf, dict) else None
+            if kind == "json_object":
+                given["response_format"] = StructuredOutputsParams(json_object=True)
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, (dict, str)):
+                    raise ValueError("response_format: json_schema must hold a 'schema' object")
+                given["response_format"] = StructuredOutputsParams(json=schema)
+            elif kind != "text":
+                raise ValueError("response_format: type must be 'text', 'json_object' or "
+                                 f"'json_schema', got {kind!r}")
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = StructuredOutputsParams(**{key: value})
+        if self.structured_outputs is not None:
+            try:
+                given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from e
+        if len(given) > 1:
+            raise ValueError(f"{', '.join(given)}: give at most one structured-output field")
+        if not given:
+            return None
+        (name, so), = given.items()
+        self._structured_field = name
+        try:
+            so.validate()
+        except ValueError as e:  # name the field the client sent
+            raise ValueError(f"{name}: {e}") from e
+        return so
+
+    @property
+    def structured_field(self) -> str:
+        """The body field the request's constraint came from (for error messages)."""
+        return self._structured_field
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._refuse_unsupported()
@@ -115,6 +158,7 @@ class SamplingFields(OpenAIModel):
         except ValueError as e:
             raise ValueError(f"logit_bias: keys must be token ids ({e})") from e
         return SamplingParams(
+            structured_outputs=self.structured_outputs_params(),
             logit_bias=bias,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -178,6 +222,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"best_of is not supported (must equal n={self.n}), got {self.best_of}")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools: tool calling is served by /v1/chat/completions only")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         params = self._sampling_params(self.max_tokens, self.logprobs)
@@ -205,7 +251,22 @@ class ChatMessage(BaseModel):
             msg["content"] = "\n".join(texts)
         elif self.content is None:
             msg["content"] = ""
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):  # templates expect the arguments as a mapping
+            msg["tool_calls"] = [_call_for_template(c) for c in calls]
         return msg
+
+
+def _call_for_template(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return {**call, "function": fn}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -218,6 +279,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
         if not self.messages:
@@ -313,9 +375,33 @@ class ChatLogProbs(OpenAIModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIModel):
@@ -338,6 +424,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_nones(self, handler: Any) -> dict[str, Any]:

@@ -57,6 +57,8 @@ def create_drafter(spec: SpeculativeConfig, config: EngineConfig) -> Drafter:
 def drafts_allowed(params: SamplingParams | None, num_outputs: int) -> bool:
     """Whether a request's next step may verify drafts: the rejection sampler serves
     temperature, top-k/p, min-p, seeds and logprobs; rows with penalties, logit biases or
-    tokens still banned by min_tokens decode one token a step instead (exact either way)."""
+    tokens still banned by min_tokens decode one token a step instead (exact either way), and
+    so do structured rows: their grammar's mask is known for one position only, and their
+    matcher must never see a token that verification could reject."""
     return (params is not None and not uses_penalties(params) and not params.logit_bias
-            and num_outputs >= params.min_tokens)
+            and num_outputs >= params.min_tokens and params.structured_outputs is None)
