@@ -149,7 +149,7 @@ def _gen(llm: LLM, prompts, **kw):
 @pytest.mark.parametrize("opts", [
     {},
     {"max_num_batched_tokens": 11, "mamba_block_size": 8},
-    {"num_kv_blocks": 40, "max_num_seqs": 3},
+    {"num_kv_blocks": 24, "max_num_seqs": 3},
 ], ids=["default", "chunked", "preempting"])
 def test_hybrid_outputs_equal_hf_with_prefix_caching(hybrid, opts):
     d, hf_tokens, hf_lps = hybrid
@@ -157,6 +157,9 @@ def test_hybrid_outputs_equal_hf_with_prefix_caching(hybrid, opts):
         opts = {"mamba_block_size": 16, **opts}  # no SSD chunk: the default block is 256
     llm = LLM(d, **device_options(), block_size=4, max_model_len=96,
               enable_prefix_caching=True, **opts)
+    sched = llm.llm_engine.scheduler
+    preempt, preempted = sched._preempt, []
+    sched._preempt = lambda req: (preempted.append(req.request_id), preempt(req))
     # the first pass fills the cache, the second one starts from it
     for rnd in range(2):
         outs = _gen(llm, PROMPTS)
@@ -167,6 +170,8 @@ def test_hybrid_outputs_equal_hf_with_prefix_caching(hybrid, opts):
                 assert abs(lp[t].logprob - ref) < 1e-3
     assert max(o.num_cached_tokens for o in outs) >= 32
     kv = llm.llm_engine.kv
+    # the tight pool preempts (mamba2 has no attention blocks to run out of)
+    assert bool(preempted) == ("num_kv_blocks" in opts and kv.uses_blocks)
     assert kv.prefix_hits > 0
     assert kv.num_free_slots == kv.num_state_slots  # no request slot leaked
     assert kv.snapshots.num_reserved == 0  # every snapshot written was published
