@@ -7,13 +7,13 @@ import time
 from dataclasses import dataclass, field
 
 from krait.config import EngineConfig
+from krait.distributed.executor import create_executor
+from krait.distributed.worker import RankProfile
 from krait.engine.detokenizer import IncrementalDetokenizer
 from krait.engine.kv_cache_manager import KVCacheManager, cdiv
 from krait.engine.request import Request, RequestStatus
 from krait.engine.scheduler import Scheduler
 from krait.outputs import CompletionOutput, RequestOutput
-from krait.distributed.executor import create_executor
-from krait.distributed.worker import RankProfile
 from krait.sampling_params import SamplingParams
 from krait.tokenizer_utils import eos_token_ids, get_tokenizer
 
