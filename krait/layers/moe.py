@@ -132,6 +132,8 @@ def load_expert_weights(
             continue
         path, kind, expert = hit
         mod = modules.get(path)
+        if mod is None and _held_elsewhere(modules, path):
+            continue  # another pipeline stage's layer
         if not isinstance(mod, FusedMoE):
             raise ValueError(f"checkpoint tensor {name!r}: {path!r} is not a FusedMoE")
         mod.load_expert(kind, expert, tensor)
@@ -140,3 +142,12 @@ def load_expert_weights(
         for pname in ("w13", "w2"):
             if mod.fully_loaded(pname):
                 yield f"{path}.{pname}", getattr(mod, pname).data
+
+
+def _held_elsewhere(modules: dict, path: str) -> bool:
+    """`path` lies under a MissingModule (a layer another pipeline stage holds)."""
+    from krait.layers.embedding import MissingModule
+
+    parts = path.split(".")
+    return any(isinstance(modules.get(".".join(parts[:i])), MissingModule)
+               for i in range(1, len(parts)))

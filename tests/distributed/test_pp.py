@@ -1,0 +1,42 @@
+"""Pipeline parallelism (gloo): PP=2 (2 processes) and TP=2 x PP=2 (4 processes) equal the
+single-process engine token for token, with chunked prefill and preemption. NemotronH's
+4 layers "M*-E" split into a stage with attention and Mamba and one with neither (its cache
+sizing must not limit the others)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.common import assert_same, models, run  # noqa: F401
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("name", ["llama", "nemotronh"])
+def test_pp2_matches_single_process(models, name: str) -> None:  # noqa: F811
+    model = models(name)
+    ref_pre: list = []
+    ref = run(model, ref_pre)
+    assert ref_pre, "the workload must preempt"
+    assert_same(ref, run(model, [], pipeline_parallel_size=2))
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid"])
+def test_tp2_pp2_matches_single_process(models, name: str) -> None:  # noqa: F811
+    model = models(name)
+    ref = run(model)
+    assert_same(ref, run(model, tensor_parallel_size=2, pipeline_parallel_size=2))
+
+
+def test_pp_layer_partition_override(monkeypatch) -> None:
+    """KRAIT_PP_LAYER_PARTITION sets the stages' layers (workers inherit the environment);
+    without it the split is even, the remainder to the first stages."""
+    from krait.distributed.pipeline import stage_layer_ranges
+
+    monkeypatch.setenv("KRAIT_PP_LAYER_PARTITION", "1,2")
+    with pytest.raises(ValueError, match="KRAIT_PP_LAYER_PARTITION"):
+        stage_layer_ranges(2, 2)
+    monkeypatch.setenv("KRAIT_PP_LAYER_PARTITION", "3,1")
+    assert stage_layer_ranges(4, 2) == [(0, 3), (3, 4)]
+    monkeypatch.delenv("KRAIT_PP_LAYER_PARTITION")
+    assert stage_layer_ranges(5, 2) == [(0, 3), (3, 5)]
