@@ -23,10 +23,6 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KRAIT_CACHE_DIR": ("~/.cache/krait", "where the built-in demo model is built and kept"),
     "KRAIT_API_KEY": ("", "the bearer key `krait serve` requires (and `krait bench serve` "
                       "sends) when --api-key is not given"),
-    "KRAIT_PP_LAYER_PARTITION": ("", "pipeline parallelism: layers per stage as \"a,b,c\" "
-                                 "(default: even, the remainder to the first stages)"),
-    "KRAIT_WORKER_FAULT": ("", "tests: \"rank:step\" makes that worker process raise in that "
-                           "step (the engine must report the error and stop every worker)"),
     "KRAIT_ALLOW_LONG_MAX_MODEL_LEN": ("0", "1: a max_model_len past the config's "
                                        "max_position_embeddings is allowed (as vLLM's override)"),
 }

@@ -9,24 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
-from krait import envs
 from krait.distributed import parallel_state as ps
 
 
-def stage_layer_ranges(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
-    """[start, end) of every stage: even, the remainder to the first stages, unless
-    KRAIT_PP_LAYER_PARTITION ("a,b,c": layers a stage) says otherwise."""
-    text = envs.get("KRAIT_PP_LAYER_PARTITION")
-    if text:
-        try:
-            sizes = [int(v) for v in text.split(",")]
-        except ValueError:
-            raise ValueError(f"KRAIT_PP_LAYER_PARTITION={text!r}: not comma-separated integers"
-                             ) from None
+def stage_layer_ranges(num_layers: int, pp_size: int, partition: list[int] | None = None
+                       ) -> list[tuple[int, int]]:
+    """[start, end) of every stage: even, the remainder to the first stages, unless `partition`
+    (layers a stage) says otherwise. (No environment override: krait/envs.py keeps the list of
+    variables short; an engine option can carry a partition when one is needed.)"""
+    if partition is not None:
+        sizes = list(partition)
         if len(sizes) != pp_size or sum(sizes) != num_layers or min(sizes) < 1:
-            raise ValueError(
-                f"KRAIT_PP_LAYER_PARTITION={text!r} must give {pp_size} stages of at least one "
-                f"layer each, {num_layers} layers in all")
+            raise ValueError(f"layer partition {sizes} must give {pp_size} stages of at least "
+                             f"one layer each, {num_layers} layers in all")
     else:
         if pp_size > num_layers:
             raise ValueError(f"pipeline_parallel_size={pp_size} is more than the model's "

@@ -49,15 +49,6 @@ def rank_profile(runner, config: EngineConfig) -> RankProfile:
                        runner.num_spec_tokens, runner.drafter is not None)
 
 
-def _fault_step(rank: int) -> int | None:
-    """KRAIT_WORKER_FAULT="rank:step": the step at which this rank raises (tests)."""
-    text = envs.get("KRAIT_WORKER_FAULT")
-    if not text:
-        return None
-    r, s = (int(v) for v in text.split(":"))
-    return s if r == rank else None
-
-
 class Worker:
     """One rank: joins the process group, builds its shard of the model (its TP slices of its
     PP stage's layers) in a ModelRunner, and runs the engine's steps on it."""
@@ -89,7 +80,7 @@ class Worker:
 
         self.runner = ModelRunner(self.config)
         self.is_output_rank = st.is_output_rank
-        self._fault = _fault_step(rank)
+        self._fault: int | None = None  # a step that raises (`inject_fault`, tests)
         self._steps = 0
 
     def profile(self) -> RankProfile:
@@ -102,12 +93,15 @@ class Worker:
     def execute_model(self, sched):
         self._steps += 1
         if self._fault is not None and self._steps == self._fault:
-            raise RuntimeError(f"injected fault (KRAIT_WORKER_FAULT) in worker {self.rank} at "
-                               f"step {self._steps}")
+            raise RuntimeError(f"injected fault in worker {self.rank} at step {self._steps}")
         return self.runner.execute_model(sched)
 
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
         return self.runner.propose_drafts(req_ids)
+
+    def inject_fault(self, steps_from_now: int) -> None:
+        """Tests: the worker raises in its step `steps_from_now` steps on."""
+        self._fault = self._steps + steps_from_now
 
 
 def _watch_parent(parent_pid: int) -> None:

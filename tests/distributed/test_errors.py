@@ -87,14 +87,14 @@ def _gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
-def test_worker_exception_is_raised_by_the_engine(models, monkeypatch) -> None:  # noqa: F811
+def test_worker_exception_is_raised_by_the_engine(models) -> None:  # noqa: F811
     """Worker 1 raises in its 3rd step: generate raises WorkerError with that worker's
     traceback, both workers are stopped, and later steps fail at once."""
-    monkeypatch.setenv("KRAIT_WORKER_FAULT", "1:3")
     executor_mod.COLLECTIVE_TIMEOUT_S = 60.0
     llm = LLM(models("llama"), **ENGINE, tensor_parallel_size=2)
     ex = llm.llm_engine.executor
     pids = [p.pid for p in ex.procs]
+    ex._call("inject_fault", 3, ranks=[1])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with pytest.raises(WorkerError, match=r"(?s)worker 1 failed:.*injected fault"):
         llm.generate(PROMPTS, params, use_tqdm=False)

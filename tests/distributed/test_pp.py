@@ -28,15 +28,14 @@ def test_tp2_pp2_matches_single_process(models, name: str) -> None:  # noqa: F81
     assert_same(ref, run(model, tensor_parallel_size=2, pipeline_parallel_size=2))
 
 
-def test_pp_layer_partition_override(monkeypatch) -> None:
-    """KRAIT_PP_LAYER_PARTITION sets the stages' layers (workers inherit the environment);
-    without it the split is even, the remainder to the first stages."""
+def test_stage_layer_ranges() -> None:
+    """Even stages, the remainder to the first; an explicit partition is checked."""
     from krait.distributed.pipeline import stage_layer_ranges
 
-    monkeypatch.setenv("KRAIT_PP_LAYER_PARTITION", "1,2")
-    with pytest.raises(ValueError, match="KRAIT_PP_LAYER_PARTITION"):
-        stage_layer_ranges(2, 2)
-    monkeypatch.setenv("KRAIT_PP_LAYER_PARTITION", "3,1")
-    assert stage_layer_ranges(4, 2) == [(0, 3), (3, 4)]
-    monkeypatch.delenv("KRAIT_PP_LAYER_PARTITION")
     assert stage_layer_ranges(5, 2) == [(0, 3), (3, 5)]
+    assert stage_layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert stage_layer_ranges(4, 2, [3, 1]) == [(0, 3), (3, 4)]
+    with pytest.raises(ValueError, match="layer partition"):
+        stage_layer_ranges(2, 2, [1, 2])
+    with pytest.raises(ValueError, match="more than the model's 2 layers"):
+        stage_layer_ranges(2, 3)
