@@ -26,6 +26,7 @@ import time
 import weakref
 
 from krait.config import EngineConfig
+from krait.distributed.wire import decode_sampled, encode_sched
 from krait.distributed.worker import RankProfile, rank_profile, worker_main
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,9 @@ def _stop(procs, conns, timeout: float = 5.0) -> None:
 class MultiprocExecutor(Executor):
     """One spawned worker process a rank (rank = pp_rank * tp_size + tp_rank)."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0,
+                 worker_cls: type | None = None) -> None:
+        """`worker_cls`: a stand-in for Worker (a stubbed model: scripts/mp_overhead.py)."""
         self.config = config
         world = config.parallel.world_size
         ctx = multiprocessing.get_context("spawn")
@@ -159,7 +162,7 @@ class MultiprocExecutor(Executor):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"krait-worker-{rank}", daemon=True,
                             args=(config, rank, init_method, child, os.getpid(),
-                                  COLLECTIVE_TIMEOUT_S))
+                                  COLLECTIVE_TIMEOUT_S, worker_cls))
             p.start()
             child.close()
             self.procs.append(p)
@@ -210,6 +213,10 @@ class MultiprocExecutor(Executor):
             except (EOFError, OSError):
                 continue  # its sentinel reports the death
             if msg[0] == "error":
+                dead = self._dead_worker(exclude=msg[1])
+                if dead is not None:  # the error is the other rank's death seen in a collective
+                    raise self._fail(WorkerError(
+                        f"{dead}; worker {msg[1]} then failed: {msg[2].strip().splitlines()[-1]}"))
                 raise self._fail(WorkerError(f"worker {msg[1]} failed:\n{msg[2]}"))
             self._inbox[r].append(msg)
         for r, p in enumerate(self.procs):
@@ -217,6 +224,24 @@ class MultiprocExecutor(Executor):
                 p.join(1.0)
                 raise self._fail(WorkerError(
                     f"worker {r} (pid {p.pid}) died with exit code {p.exitcode}"))
+
+    def _dead_worker(self, exclude: int, wait_s: float = 0.5) -> str | None:
+        """'worker N (pid P) died with exit code C' for a worker (not `exclude`) that is gone
+        or goes within `wait_s` without having reported an error of its own."""
+        others = [(r, p) for r, p in enumerate(self.procs) if r != exclude]
+        multiprocessing.connection.wait([p.sentinel for _, p in others], wait_s)
+        for r, p in others:
+            if p.exitcode is None:
+                continue
+            try:  # its own error, if it sent one before going
+                while self.conns[r].poll():
+                    msg = pickle.loads(self.conns[r].recv_bytes())
+                    if msg[0] == "error":
+                        return f"worker {msg[1]} failed:\n{msg[2]}"
+            except (EOFError, OSError):
+                pass
+            return f"worker {r} (pid {p.pid}) died with exit code {p.exitcode}"
+        return None
 
     def _broadcast(self, msg: tuple) -> None:
         if self._dead is not None:
@@ -247,7 +272,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, sched) -> _RemotePending:
         self._step += 1
-        self._broadcast(("execute", sched, self._step))
+        self._broadcast(("execute", encode_sched(sched), self._step))
         return _RemotePending(self, self._step)
 
     def _result(self, step: int):
@@ -257,7 +282,7 @@ class MultiprocExecutor(Executor):
         msg = self._wait(self.output_rank, "result")
         if msg[1] != step:
             raise self._fail(WorkerError(f"step {msg[1]}'s result came for step {step}"))
-        return msg[2]
+        return decode_sampled(msg[2])
 
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
         return self._call("propose_drafts", req_ids, ranks=[self.output_rank])[0]

@@ -18,6 +18,7 @@ from krait import envs
 from krait.config import EngineConfig
 from krait.distributed import parallel_state as ps
 from krait.distributed import pipeline
+from krait.distributed.wire import decode_sched, encode_sampled
 
 logger = logging.getLogger(__name__)
 
@@ -113,16 +114,16 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str, conn, parent_pid: int,
-                timeout_s: float) -> None:
+                timeout_s: float, worker_cls: type | None = None) -> None:
     """A worker process: messages from the executor over `conn` (pickled tuples), in order:
     ("execute", SchedulerOutput, step), ("result", step) (output rank only: replies ("result",
     step, {req_id: SampledTokens})), ("call", method, args) (replies ("reply", value)),
-    ("shutdown",). Any exception is sent back as ("error", rank, traceback) and ends the
+    ("shutdown",). `worker_cls` replaces Worker (scripts/mp_overhead.py's stub). Any exception is sent back as ("error", rank, traceback) and ends the
     process; a closed pipe (the parent died) ends it too."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     logging.basicConfig(level=envs.get("KRAIT_LOG_LEVEL"))
     try:
-        worker = Worker(config, rank, init_method, timeout_s)
+        worker = (worker_cls or Worker)(config, rank, init_method, timeout_s)
         conn.send(("ready", worker.profile()))
         pending: dict[int, object] = {}
         loads = pickle.loads
@@ -130,12 +131,13 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn, parent_
             msg = loads(conn.recv_bytes())
             kind = msg[0]
             if kind == "execute":
-                p = worker.execute_model(msg[1])
+                p = worker.execute_model(decode_sched(msg[1]))
                 if worker.is_output_rank:
                     pending[msg[2]] = p
             elif kind == "result":
                 p = pending.pop(msg[1])
-                conn.send_bytes(pickle.dumps(("result", msg[1], p.result()), protocol=5))
+                conn.send_bytes(pickle.dumps(("result", msg[1], encode_sampled(p.result())),
+                                             protocol=5))
             elif kind == "call":
                 conn.send(("reply", getattr(worker, msg[1])(*msg[2])))
             elif kind == "shutdown":

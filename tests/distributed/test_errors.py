@@ -96,7 +96,9 @@ def test_worker_exception_is_raised_by_the_engine(models) -> None:  # noqa: F811
     pids = [p.pid for p in ex.procs]
     ex._call("inject_fault", 3, ranks=[1])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    with pytest.raises(WorkerError, match=r"(?s)worker 1 failed:.*injected fault"):
+    # the fault, or (a race) worker 0's collective failing on its peer's exit first
+    with pytest.raises(WorkerError, match=r"(?s)worker 1 failed:.*injected fault|worker 0 "
+                       r"failed:.*(Connection reset|Connection closed|Read error)"):
         llm.generate(PROMPTS, params, use_tqdm=False)
     assert all(_gone(pid) for pid in pids)
     with pytest.raises(WorkerError, match="the workers are stopped"):
@@ -110,7 +112,8 @@ def test_killed_worker_is_reported(models) -> None:  # noqa: F811
     pids = [p.pid for p in ex.procs]
     os.kill(pids[1], signal.SIGKILL)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\) died with exit code -9"):
+    with pytest.raises(WorkerError, match=r"(?s)worker 1 \(pid \d+\) died with exit code -9|"
+                       r"worker 0 failed:.*(Connection reset|Connection closed|Read error)"):
         llm.generate(PROMPTS, params, use_tqdm=False)
     assert all(_gone(pid) for pid in pids)
 
