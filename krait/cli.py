@@ -35,6 +35,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefix caching with recurrent layers: snapshots the cache holds "
                         "(default: a tenth of the cache memory)")
     p.add_argument("--mamba-ssm-cache-dtype", default="float32")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks a layer is split across (one worker process each)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages the layers are split into")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"],
+                   help="how ranks run: mp (worker processes; the default for several ranks), "
+                        "ray (Ray actors; RAY_ADDRESS or a local Ray), uni (one process)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, vLLM\'s keys: '
                         '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
@@ -70,6 +77,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_state_snapshots=args.num_state_snapshots,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 

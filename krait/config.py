@@ -125,6 +125,13 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "uni": the runner in this process (one rank); "mp": one worker process a rank (the
+    # default for several); "ray": workers as Ray actors in a placement group
+    distributed_executor_backend: str = "uni"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "qwen3_next_mtp")
@@ -232,6 +239,7 @@ class EngineConfig:
         async_scheduling: bool = True,
         mamba_block_size: int | None = None,
         num_state_snapshots: int | None = None,
+        distributed_executor_backend: str | None = None,
     ) -> EngineConfig:
         """Builds and validates the whole configuration from LLM(...)-style keyword options."""
         if load_format not in ("auto", "safetensors", "dummy"):
@@ -264,8 +272,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 1, got {num_kv_blocks}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size > 1 are not supported yet")
+        from krait.distributed.layout import validate_layout
+
+        backend = validate_layout(hf_config, tensor_parallel_size, pipeline_parallel_size,
+                                  distributed_executor_backend, dev)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"
@@ -286,6 +296,13 @@ class EngineConfig:
             speculative_config = speculative_config.validated()
         elif speculative_config is not None:
             raise ValueError("speculative_config must be a dict or a SpeculativeConfig")
+        if speculative_config is not None and pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
+                             "supported yet (tensor parallelism is)")
+        if (speculative_config is not None and speculative_config.method == "draft_model"
+                and tensor_parallel_size > 1):
+            raise ValueError("speculative_config.method='draft_model' with tensor_parallel_size"
+                             " > 1 is not supported yet (ngram is)")
         vocab_size = getattr(hf_config, "vocab_size", None)
         if vocab_size is None:
             raise ValueError("model: config.json has no vocab_size")
@@ -316,7 +333,7 @@ class EngineConfig:
                 # speculative steps read their accepted counts back before the next schedule
                 async_scheduling=bool(async_scheduling) and speculative_config is None,
             ),
-            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size, backend),
             device=dev,
             enforce_eager=enforce_eager,
             speculative=speculative_config,

@@ -149,7 +149,7 @@ def bench_latency(args) -> dict:
     )
     dev = engine.config.device
     ceil = measure_ceilings(dev)
-    mb = model_bytes(engine.runner.model, engine.runner.model_state)
+    mb = _model_bytes(engine)
     vocab = engine.config.model.vocab_size
     out = {"kind": "latency", "model": args.config or args.model, "device": _device_name(dev),
            "context_len": args.context_len, "max_model_len": max_len,
@@ -241,11 +241,11 @@ def _decode_step_ms(
     times = [(b[0] - a[0]) * 1e3 / group for a, b in zip(marks, marks[1:])]
     waits = [(b[1] - a[1]) * 1e3 / group for a, b in zip(marks, marks[1:])]
     running = sum(1 for r in sched.running if r.request_id.startswith(f"lat{batch}_"))
-    graphs = engine.runner.cuda_graphs
+    graphs = getattr(engine.runner, "cuda_graphs", None)  # None: worker ranks
     # the same step's graph with no host work between replays: what the GPU takes (its writes
     # repeat into these rows' caches and state, which are dropped next)
     graph_ms = graphs.replay_ms(batch) if graphs is not None and dev.type == "cuda" else None
-    verify = engine.runner.verify_graphs  # speculative decoding: the 1 + k token step's graph
+    verify = getattr(engine.runner, "verify_graphs", None)  # speculative decoding: the 1 + k token step's graph
     if verify is not None and dev.type == "cuda":
         spec["verify_graph_ms"] = verify.replay_ms(batch)
     engine.abort_request(ids)
@@ -290,7 +290,7 @@ def bench_throughput(args) -> dict:
     # the workload at this machine's roofline: what no engine could beat (the same model
     # bytes and ceilings as `bench latency`)
     ceil = measure_ceilings(dev)
-    mb = model_bytes(engine.runner.model, engine.runner.model_state)
+    mb = _model_bytes(engine)
     max_batch = min(args.num_prompts, engine.config.scheduler.max_num_seqs)
     roof_s = workload_seconds(ceil, mb, args.num_prompts, args.input_len, args.output_len,
                               max_batch)
@@ -459,3 +459,24 @@ def _krait_version() -> str:
     import krait
 
     return krait.__version__
+
+
+def _model_bytes(engine):
+    """The model's bytes for the roofline: the in-process runner's, or (worker ranks) the whole
+    model's built on the meta device (the roofline of one device holding all of it)."""
+    import torch
+
+    if engine.runner is not None:
+        return model_bytes(engine.runner.model, engine.runner.model_state)
+    from krait.models.registry import get_model_class
+    from krait.runner.model_states import create_model_state
+
+    cfg = engine.config
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.model.dtype)
+    try:
+        with torch.device("meta"):
+            model = get_model_class(cfg.model.hf_config)(cfg.model.hf_config)
+    finally:
+        torch.set_default_dtype(old)
+    return model_bytes(model, create_model_state(model, cfg))

@@ -7,12 +7,13 @@ import time
 from dataclasses import dataclass, field
 
 from krait.config import EngineConfig
+from krait.distributed.executor import create_executor
+from krait.distributed.worker import RankProfile
 from krait.engine.detokenizer import IncrementalDetokenizer
 from krait.engine.kv_cache_manager import KVCacheManager, cdiv
 from krait.engine.request import Request, RequestStatus
 from krait.engine.scheduler import Scheduler
 from krait.outputs import CompletionOutput, RequestOutput
-from krait.runner.model_runner import ModelRunner
 from krait.sampling_params import SamplingParams
 from krait.tokenizer_utils import eos_token_ids, get_tokenizer
 
@@ -37,12 +38,19 @@ class LLMEngine:
         mc = config.model
         self.tokenizer = get_tokenizer(mc.tokenizer or mc.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.hf_config, model_dir=mc.model)
-        self.runner = ModelRunner(config)
-        slots_per_request = self.runner.model_state.slots_per_request
-        self.state_block_size = self._state_block_size()
-        num_blocks, num_slots, num_snapshots = self._size_cache()
-        self.runner.initialize_cache(num_blocks, num_slots + num_snapshots)
-        self.runner.capture_cuda_graphs()
+        # the model runner(s): in this process (one rank), or one worker process a rank
+        self.executor = create_executor(config)
+        self.runner = self.executor.runner  # the in-process ModelRunner; None with workers
+        self.num_spec_tokens = self.executor.num_spec_tokens
+        self._has_drafter = self.executor.has_drafter
+        slots_per_request = self.executor.slots_per_request
+        try:
+            self.state_block_size = self._state_block_size()
+            num_blocks, num_slots, num_snapshots = self._size_cache()
+            self.executor.initialize(num_blocks, num_slots + num_snapshots)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, num_slots, slots_per_request,
             enable_prefix_caching=config.cache.enable_prefix_caching,
@@ -54,7 +62,7 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
             config.scheduler.max_num_batched_tokens,
             mc.max_model_len,
-            num_spec_tokens=self.runner.num_spec_tokens,
+            num_spec_tokens=self.num_spec_tokens,
         )
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
@@ -73,6 +81,10 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
 
+    def shutdown(self) -> None:
+        """Stops the worker processes (with several ranks; nothing to do with one)."""
+        self.executor.shutdown()
+
     # -- cache sizing -----------------------------------------------------------------
     def _state_block_size(self) -> int:
         """Tokens between recurrent-state snapshots when prefix caching is on for a model with
@@ -81,10 +93,9 @@ class LLMEngine:
         keeps a resumed prefill's SSD chunks whole, and snapshots stay few: one is taken only
         where a prefill chunk ends on a boundary (see KVCacheManager)."""
         cc = self.config.cache
-        ms = self.runner.model_state
-        if not (cc.enable_prefix_caching and ms.slots_per_request):
+        if not (cc.enable_prefix_caching and self.executor.slots_per_request):
             return 0
-        chunk = getattr(ms, "chunk_size", None) or 256  # Gated DeltaNet alone has no SSD chunk
+        chunk = self.executor.chunk_size or 256  # Gated DeltaNet alone has no SSD chunk
         size = cc.mamba_block_size or cdiv(chunk, cc.block_size) * cc.block_size
         logger.info("prefix caching with recurrent state: a snapshot can start a request every "
                     "%d tokens (the hybrid cache block; attention blocks are %d tokens)",
@@ -92,13 +103,31 @@ class LLMEngine:
         return size
 
     def _size_cache(self) -> tuple[int, int, int]:
-        """(attention blocks incl. the null block, request state slots, snapshot slots)."""
+        """(attention blocks incl. the null block, request state slots, snapshot slots): what
+        every rank holds (each rank sizes by its own bytes and memory; the least wins; a rank
+        without attention or recurrent layers, a pipeline stage, does not limit them)."""
+        sizes = [self._size_rank_cache(p) for p in self.executor.profiles]
+        with_blocks = [b for b, _, _, per_block in sizes if per_block]
+        blocks = min(with_blocks) if with_blocks else 0
+        snapshots = min(s for _, _, s, _ in sizes)
+        slots_only = sizes[0][1]
+        if with_blocks:
+            cc = self.config.cache
+            logger.info(
+                "KV cache: %d blocks of %d tokens (%d tokens); %d state slots",
+                blocks - 1, cc.block_size, (blocks - 1) * cc.block_size, slots_only,
+            )
+        if self.state_block_size:
+            logger.info("prefix caching: %d recurrent state snapshots", snapshots)
+        return blocks, slots_only, snapshots
+
+    def _size_rank_cache(self, prof: RankProfile) -> tuple[int, int, int, int]:
+        """One rank's (blocks, slots, snapshots, its bytes per block)."""
         cc, sc = self.config.cache, self.config.scheduler
-        ms = self.runner.model_state
-        per_block = ms.kv_bytes_per_block()
-        per_slot = ms.state_bytes_per_slot()
-        slots = sc.max_num_seqs * ms.slots_per_request
-        budget = self._memory_budget()
+        per_block = prof.kv_bytes_per_block
+        per_slot = prof.state_bytes_per_slot
+        slots = sc.max_num_seqs * self.executor.slots_per_request
+        budget = prof.budget
         if slots and slots * per_slot > budget:
             raise ValueError(
                 f"max_num_seqs={sc.max_num_seqs}: the recurrent state of that many requests needs "
@@ -110,7 +139,7 @@ class LLMEngine:
         slots_only = slots
         slots += snapshots
         if per_block == 0:
-            return 0, slots_only, snapshots
+            return 0, slots_only, snapshots, 0
         max_useful = sc.max_num_seqs * cdiv(self.config.model.max_model_len, cc.block_size) + 1
         if cc.num_kv_blocks is not None:
             blocks = cc.num_kv_blocks + 1  # + the null block
@@ -128,11 +157,7 @@ class LLMEngine:
                 f"{self.config.model.max_model_len}; raise num_kv_blocks (or "
                 "gpu_memory_utilization / cpu_kv_cache_gib), or lower max_model_len"
             )
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); %d state slots",
-            blocks - 1, cc.block_size, (blocks - 1) * cc.block_size, slots_only,
-        )
-        return blocks, slots_only, snapshots
+        return blocks, slots_only, snapshots, per_block
 
     def _num_snapshots(self, free: int, per_slot: int) -> int:
         """State snapshots for prefix caching (0 without it or without recurrent layers)."""
@@ -140,6 +165,8 @@ class LLMEngine:
             return 0
         cc, sc = self.config.cache, self.config.scheduler
         n = cc.num_state_snapshots
+        if not per_slot:  # a pipeline stage without recurrent layers: no limit of its own
+            return n if n is not None else 4 * sc.max_num_seqs
         if n is None:
             n = min(int(free * 0.1) // per_slot, 4 * sc.max_num_seqs)
         if n < 1 or n * per_slot > free:
@@ -148,17 +175,9 @@ class LLMEngine:
                 f"{per_slot / 2**20:.1f} MiB each, and {max(free, 0) / 2**30:.2f} GiB is left after "
                 "the requests' state slots; give the cache more memory or lower max_num_seqs "
                 "(or set num_state_snapshots)")
-        logger.info("prefix caching: %d recurrent state snapshots (%.2f GiB)", n,
-                    n * per_slot / 2**30)
+        logger.debug("prefix caching: %d recurrent state snapshots (%.2f GiB) on a rank", n,
+                     n * per_slot / 2**30)
         return n
-
-    def _memory_budget(self) -> int:
-        dev = self.config.device
-        if dev.type == "cuda":
-            from krait.runner.memory import profile_free_memory  # noqa: PLC0415
-
-            return profile_free_memory(self.runner, self.config)
-        return int(self.config.cache.cpu_kv_cache_gib * 2**30)
 
     # -- requests ---------------------------------------------------------------------
     def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
@@ -261,7 +280,7 @@ class LLMEngine:
             "prefix_cache_hits": self.kv.prefix_hits,
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
-            **(self.scheduler.spec_stats.as_dict() if self.runner.num_spec_tokens else {}),
+            **(self.scheduler.spec_stats.as_dict() if self.num_spec_tokens else {}),
         }
 
     # -- the step ---------------------------------------------------------------------
@@ -275,10 +294,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if self._structured_ids:
             self._fill_grammar_bitmask(sched)
-        pending = self.runner.execute_model(sched)
+        pending = self.executor.execute_model(sched)
         if not self.config.scheduler.async_scheduling:
             outputs = self._process(sched, self._read_back(pending))
-            if self.runner.drafter is not None:
+            if self._has_drafter:
                 self._propose_drafts()
             return failed + outputs
         if sched.grammar_bitmask is not None:
@@ -334,7 +353,7 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Drafts for the next step of every running request (speculative decoding)."""
         running = self.scheduler.running
-        drafts = self.runner.propose_drafts([r.request_id for r in running])
+        drafts = self.executor.propose_drafts([r.request_id for r in running])
         for req in running:
             req.spec_token_ids = drafts.get(req.request_id, [])
 
@@ -402,7 +421,7 @@ class LLMEngine:
                     prompt_logprobs=next(iter(parent.reqs.values())).prompt_logprobs,
                     num_cached_tokens=max(
                         max(r.num_cached_tokens for r in parent.reqs.values()), 0),
-                    metrics=_spec_metrics(parent.reqs.values()) if self.runner.num_spec_tokens
+                    metrics=_spec_metrics(parent.reqs.values()) if self.num_spec_tokens
                     else {},
                 )
             )

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from krait.distributed import parallel_state as ps
+from krait.distributed.sharding import ShardSpec, even_pieces, materialize, read_shard, set_spec
 from krait.ops import linear as plan
 from krait.ops._dispatch import num_sms, use_triton
 from krait.ops.activation import silu_and_mul
@@ -82,7 +84,8 @@ def gated_norm_linear(packed: Tensor, weight: Tensor, bias: Tensor | None, norm_
 
 
 class Linear(torch.nn.Linear):
-    """A plain linear layer (tensor-parallel variants come with the parallelism work)."""
+    """A plain (replicated) linear layer; ColumnParallelLinear and RowParallelLinear split it
+    across tensor-parallel ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -93,12 +96,16 @@ class Linear(torch.nn.Linear):
 
 class MergedLinear(torch.nn.Module):
     """One weight [sum(out_sizes), in_features] holding several projections side by side.
-    `load_shard(i, w)` copies projection i's checkpoint tensor (weight or bias) into place."""
+    `load_shard(i, w)` copies projection i's checkpoint tensor (weight or bias) into place.
+    Under tensor parallelism `out_sizes` are this rank's sizes and `specs[i]` says which rows
+    of projection i's checkpoint tensor the rank holds (column-parallel)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 specs: list[ShardSpec | None] | None = None) -> None:
         super().__init__()
         self.out_sizes = list(out_sizes)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.specs = specs
         self.weight = torch.nn.Parameter(torch.empty(sum(out_sizes), in_features))
         self.bias = torch.nn.Parameter(torch.empty(sum(out_sizes))) if bias else None
 
@@ -107,8 +114,94 @@ class MergedLinear(torch.nn.Module):
 
     def load_shard(self, shard: int, tensor: torch.Tensor, is_bias: bool = False) -> None:
         target = self.bias if is_bias else self.weight
-        lo = self.offsets[shard]
-        target.data[lo : lo + self.out_sizes[shard]].copy_(tensor)
+        lo, n = self.offsets[shard], self.out_sizes[shard]
+        if self.specs is None:
+            target.data[lo : lo + n].copy_(materialize(tensor))
+            return
+        local = target.data[lo : lo + n]
+        target.data[lo : lo + n].copy_(read_shard(tensor, self.specs[shard], local.shape))
+
+
+class ColumnParallelLinear(Linear):
+    """Linear whose output rows are split across the TP ranks: each rank holds its part of
+    every segment of `segments` (sizes summing to out_features; default one segment), or the
+    explicit checkpoint row ranges `pieces`. The output stays split (no collective)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 segments: list[int] | None = None,
+                 pieces: tuple[tuple[int, int], ...] | None = None) -> None:
+        tp = ps.get_tp_size()
+        if tp > 1 or pieces is not None:
+            pieces = pieces or even_pieces(segments or [out_features])
+            local = sum(n for _, n in pieces)
+        else:
+            local = out_features
+        super().__init__(in_features, local, bias)
+        if pieces is not None:
+            set_spec(self.weight, ShardSpec(0, out_features, pieces))
+            set_spec(self.bias, ShardSpec(0, out_features, pieces))
+
+
+class RowParallelLinear(Linear):
+    """Linear whose input columns are split across the TP ranks; the partial outputs are summed
+    by one all-reduce (`reduce=False`: the caller sums, e.g. two branches in one reduce). The
+    bias is held by TP rank 0 only (zeros elsewhere), so it is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce: bool = True) -> None:
+        tp = ps.get_tp_size()
+        super().__init__(in_features // tp, out_features, bias)
+        self.reduce = reduce
+        self.tp_size = tp
+        if tp > 1:
+            set_spec(self.weight, ShardSpec(1, in_features, even_pieces([in_features])))
+            rank0 = ((0, out_features),) if ps.get_tp_rank() == 0 else ()
+            set_spec(self.bias, ShardSpec(0, out_features, rank0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(linear(x, self.weight, self.bias))
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The all-reduce of this layer's partial output y (for callers that run the weight
+        through a fused path); y itself without TP or with reduce=False."""
+        if self.tp_size > 1 and self.reduce:
+            return ps.tp_all_reduce(y)
+        return y
+
+
+def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool = False) -> tuple[MergedLinear, int, int]:
+    """The fused q/k/v projection and this rank's (query heads, kv heads): query heads split
+    across the TP ranks; kv heads split too, or (more ranks than kv heads) replicated, each rank
+    holding the kv head its query heads use."""
+    tp, rank = ps.get_tp_size(), ps.get_tp_rank()
+    if tp == 1:
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        return MergedLinear(hidden, [q, kv, kv], bias=bias), num_heads, num_kv_heads
+    heads = num_heads // tp
+    q_pieces = ((rank * heads * head_dim, heads * head_dim),)
+    if num_kv_heads >= tp:
+        kv_heads = num_kv_heads // tp
+        kv_pieces = ((rank * kv_heads * head_dim, kv_heads * head_dim),)
+    else:
+        kv_heads = 1
+        kv_pieces = ((rank // (tp // num_kv_heads) * head_dim, head_dim),)
+    q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
+    specs = [ShardSpec(0, q_full, q_pieces), ShardSpec(0, kv_full, kv_pieces),
+             ShardSpec(0, kv_full, kv_pieces)]
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return MergedLinear(hidden, [q, kv, kv], bias=bias, specs=specs), heads, kv_heads
+
+
+def gate_up_parallel(hidden: int, intermediate: int, bias: bool = False) -> MergedLinear:
+    """The fused gate/up projection of a gated MLP, column-parallel (each rank its part of the
+    intermediate dimension of both)."""
+    tp = ps.get_tp_size()
+    if tp == 1:
+        return MergedLinear(hidden, [intermediate, intermediate], bias=bias)
+    local = intermediate // tp
+    spec = ShardSpec(0, intermediate, even_pieces([intermediate]))
+    return MergedLinear(hidden, [local, local], bias=bias, specs=[spec, spec])
 
 
 def gated_silu_mlp(x: torch.Tensor, gate_up: torch.nn.Module,

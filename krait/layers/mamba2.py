@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from krait.layers.linear import Linear, conv_linear, gated_norm_linear
+from krait.distributed import parallel_state as ps
+from krait.distributed.sharding import ShardSpec, set_spec
+from krait.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    conv_linear,
+    gated_norm_linear,
+)
 from krait.ops import linear as plan
 from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
@@ -93,10 +103,39 @@ def time_step_limit(cfg) -> tuple[float, float]:
     return (lo, hi)
 
 
+def mamba_tp_layout(d: Mamba2Dims, tp: int, rank: int) -> tuple[Mamba2Dims, dict]:
+    """This TP rank's mixer: its dims (heads split; groups split, or with fewer groups than
+    ranks the one group its heads use, replicated) and the checkpoint ranges it holds of
+    in_proj's rows [z | x | B | C | dt], the conv channels [x | B | C], the per-head vectors and
+    the norm weight. The gated norm stays exact where groups split (it normalises per group);
+    with replicated groups a group spans several ranks and the norm sums its squares across
+    them (`Mamba2Mixer._cross_rank_gated_norm`)."""
+    H, P, G, N, inter = d.num_heads, d.head_dim, d.n_groups, d.d_state, d.intermediate
+    heads = H // tp
+    li = heads * P
+    groups = max(1, G // tp)
+    g0 = (rank * heads) // (H // G)  # the first group this rank's heads use
+    gn = G * N
+    local = dataclasses.replace(d, num_heads=heads, n_groups=groups,
+                                norm_group_size=d.norm_group_size or inter // G)
+    pieces = {
+        "in_proj": ((rank * li, li), (inter + rank * li, li), (2 * inter + g0 * N, groups * N),
+                    (2 * inter + gn + g0 * N, groups * N), (2 * inter + 2 * gn + rank * heads,
+                                                            heads)),
+        "conv": ((rank * li, li), (inter + g0 * N, groups * N), (inter + gn + g0 * N, groups * N)),
+        "heads": ((rank * heads, heads),),
+        "channels": ((rank * li, li),),
+        "group": g0,
+    }
+    return local, pieces
+
+
 class Mamba2Mixer(torch.nn.Module):
     """HF Mamba2Mixer semantics: in_proj -> [gate | xBC | dt]; causal conv on xBC; SSD scan;
     gated RMSNorm; out_proj. The runner binds `conv_state` [num_slots, conv_dim, d_conv - 1] and
-    `ssm_state` [num_slots, heads, head_dim, d_state]."""
+    `ssm_state` [num_slots, heads, head_dim, d_state]. Under TP `d` is the whole mixer's dims and
+    `self.d` this rank's (`mamba_tp_layout`); out_proj is row-parallel (`reduce_output=False`
+    leaves its all-reduce to the caller)."""
 
     has_recurrent_state = True
 
@@ -105,10 +144,23 @@ class Mamba2Mixer(torch.nn.Module):
         """The SSD chunk the model state builds the per-step chunk layout for."""
         return self.d.chunk_size
 
-    def __init__(self, d: Mamba2Dims) -> None:
+    def __init__(self, d: Mamba2Dims, reduce_output: bool = True) -> None:
         super().__init__()
+        full = d
+        tp = ps.get_tp_size()
+        pieces = None
+        self.cross_rank_norm = False
+        if tp > 1:
+            d, pieces = mamba_tp_layout(full, tp, ps.get_tp_rank())
+            self.cross_rank_norm = full.n_groups < tp
+            self._tp_group, self._full_groups = pieces["group"], full.n_groups
         self.d = d
-        self.in_proj = Linear(d.hidden_size, d.intermediate + d.conv_dim + d.num_heads, d.use_bias)
+        in_full = full.intermediate + full.conv_dim + full.num_heads
+        if pieces is None:
+            self.in_proj = Linear(d.hidden_size, in_full, d.use_bias)
+        else:
+            self.in_proj = ColumnParallelLinear(d.hidden_size, in_full, d.use_bias,
+                                                pieces=pieces["in_proj"])
         # stored as HF's Conv1d weight [conv_dim, 1, d_conv]
         self.conv1d_weight = torch.nn.Parameter(torch.empty(d.conv_dim, 1, d.d_conv))
         self.conv1d_bias = torch.nn.Parameter(torch.empty(d.conv_dim)) if d.use_conv_bias else None
@@ -116,7 +168,15 @@ class Mamba2Mixer(torch.nn.Module):
         self.A_log = torch.nn.Parameter(torch.empty(d.num_heads))
         self.D = torch.nn.Parameter(torch.empty(d.num_heads))
         self.norm_weight = torch.nn.Parameter(torch.ones(d.intermediate))
-        self.out_proj = Linear(d.intermediate, d.hidden_size, d.use_bias)
+        self.out_proj = RowParallelLinear(full.intermediate, d.hidden_size, d.use_bias,
+                                          reduce=reduce_output)
+        if pieces is not None:
+            conv = ShardSpec(0, full.conv_dim, pieces["conv"])
+            set_spec(self.conv1d_weight, conv)
+            set_spec(self.conv1d_bias, conv)
+            for p in (self.dt_bias, self.A_log, self.D):
+                set_spec(p, ShardSpec(0, full.num_heads, pieces["heads"]))
+            set_spec(self.norm_weight, ShardSpec(0, full.intermediate, pieces["channels"]))
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
         self._A: torch.Tensor | None = None  # -exp(A_log) in float32, computed once
@@ -137,6 +197,9 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         group = self._norm_group()
         conv = None
+        if self.cross_rank_norm:
+            y, gate = self.scan(x, meta)
+            return self.out_proj(self._cross_rank_gated_norm(y, gate))
         if (x.shape[0] == 1 and meta.num_prefills == 0 and meta.num_accepted_tokens is None
                 and use_triton(x)):
             conv = self._conv_epilogue(meta)
@@ -145,11 +208,31 @@ class Mamba2Mixer(torch.nn.Module):
                 gate, xbc, dt = self._project(x, conv)
                 packed = mixer_call(self._decode_gated, (xbc, dt, gate), meta, "mamba", part,
                                     conv is not None)
-                return gated_norm_linear(packed, self.out_proj.weight, self.out_proj.bias,
-                                         self.norm_weight, group, d.eps, part)
+                return self.out_proj.finish(gated_norm_linear(
+                    packed, self.out_proj.weight, self.out_proj.bias, self.norm_weight, group,
+                    d.eps, part))
         gate, xbc, dt = self._project(x, conv)
         y = mixer_call(self._ssm, (xbc, dt), meta, "mamba", conv is not None)
         return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
+
+    def _cross_rank_gated_norm(self, y: torch.Tensor, gate: torch.Tensor | None
+                               ) -> torch.Tensor:
+        """The gated RMSNorm when a norm group spans several TP ranks (fewer groups than
+        ranks): each rank's sum of squares goes into its column of a [T, tp] all-reduce, and a
+        rank normalises by its group's ranks' total (`gated_rms_norm_ref`'s arithmetic)."""
+        d = self.d
+        tp, rank = ps.get_tp_size(), ps.get_tp_rank()
+        h = y.float()
+        if gate is not None:
+            h = h * F.silu(gate.float())
+        sums = h.new_zeros(h.shape[0], tp)
+        sums[:, rank] = h.square().sum(-1)
+        ps.tp_all_reduce(sums)
+        per_group = tp // self._full_groups  # ranks sharing a group
+        lo = self._tp_group * per_group
+        var = sums[:, lo : lo + per_group].sum(-1, keepdim=True) / d.norm_group_size
+        h = h * torch.rsqrt(var + d.eps)
+        return (self.norm_weight.float() * h.to(y.dtype).float()).to(y.dtype)
 
     def _norm_group(self) -> int:
         """Channels a group of the gated RMSNorm spans."""

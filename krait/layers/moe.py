@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from krait.distributed import parallel_state as ps
+from krait.distributed.sharding import ShardSpec, materialize, read_shard, set_spec
 from krait.ops.fused_moe import fused_moe
 
 _GATE_UP = ("w13", "gate_up")
@@ -19,7 +21,11 @@ _DOWN = ("w2", "down")
 class FusedMoE(torch.nn.Module):
     """Experts of one layer: w13 [E, 2I, H] (gate rows then up rows; [E, I, H] for the non-gated
     "relu2") and w2 [E, H, I]. forward(x [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H].
-    Routing lives with the model (see `krait.ops.moe_routes.route_topk`)."""
+    Routing lives with the model (see `krait.ops.moe_routes.route_topk`).
+
+    Under tensor parallelism every rank holds every expert with its part of the intermediate
+    dimension (I / tp rows of gate and of up, I / tp columns of down); the output is then a
+    partial sum the caller all-reduces (once, with a shared expert's partial output)."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"
@@ -27,7 +33,10 @@ class FusedMoE(torch.nn.Module):
         super().__init__()
         if activation not in ("silu", "relu2"):
             raise ValueError(f"FusedMoE: activation {activation!r} is not silu or relu2")
+        tp = ps.get_tp_size()
         self.num_experts = num_experts
+        self.full_intermediate = intermediate_size
+        intermediate_size //= tp
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.gated = activation == "silu"
@@ -35,6 +44,15 @@ class FusedMoE(torch.nn.Module):
         self.w13 = torch.nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.w2 = torch.nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self._loaded: set[tuple[str, int | None, str]] = set()
+        self._specs = None
+        if tp > 1:
+            full, r, n = self.full_intermediate, ps.get_tp_rank(), intermediate_size
+            mine = ((r * n, n),)
+            rows = mine + ((full + r * n, n),) if self.gated else mine
+            self._specs = {"w13": ShardSpec(-2, 2 * full if self.gated else full, rows),
+                           "part": ShardSpec(-2, full, mine), "w2": ShardSpec(-1, full, mine)}
+            set_spec(self.w13, self._specs["w13"])
+            set_spec(self.w2, self._specs["w2"])
 
     def forward(
         self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, add: Tensor | None = None
@@ -61,6 +79,13 @@ class FusedMoE(torch.nn.Module):
         else:
             raise ValueError(f"FusedMoE ({self.activation}): unknown expert weight {name_kind!r}")
         target = param.data[:, lo:hi] if expert is None else param.data[expert, lo:hi]
+        if self._specs is not None:  # this rank's rows (columns of down) only
+            spec = self._specs["w2" if param is self.w2 else ("w13" if part == "all" else "part")]
+            try:
+                tensor = read_shard(tensor, spec, target.shape)
+            except ValueError as e:
+                raise ValueError(f"FusedMoE: {name_kind} tensor {e}") from None
+        tensor = materialize(tensor)
         if target.shape != tensor.shape:
             raise ValueError(
                 f"FusedMoE: {name_kind} tensor has shape {tuple(tensor.shape)}, expected "
@@ -107,6 +132,8 @@ def load_expert_weights(
             continue
         path, kind, expert = hit
         mod = modules.get(path)
+        if mod is None and _held_elsewhere(modules, path):
+            continue  # another pipeline stage's layer
         if not isinstance(mod, FusedMoE):
             raise ValueError(f"checkpoint tensor {name!r}: {path!r} is not a FusedMoE")
         mod.load_expert(kind, expert, tensor)
@@ -115,3 +142,12 @@ def load_expert_weights(
         for pname in ("w13", "w2"):
             if mod.fully_loaded(pname):
                 yield f"{path}.{pname}", getattr(mod, pname).data
+
+
+def _held_elsewhere(modules: dict, path: str) -> bool:
+    """`path` lies under a MissingModule (a layer another pipeline stage holds)."""
+    from krait.layers.embedding import MissingModule
+
+    parts = path.split(".")
+    return any(isinstance(modules.get(".".join(parts[:i])), MissingModule)
+               for i in range(1, len(parts)))

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from krait.distributed.pipeline import make_layers
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.norm import RMSNorm
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import embedding_for, lm_head_for, pre_norm, run_layers
 from krait.models.llama import LlamaAttention, LlamaMLP
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
@@ -73,10 +74,8 @@ class BambaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = cfg
         attn = set(cfg.attn_layer_indices or ())
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(
-            BambaDecoderLayer(cfg, i in attn) for i in range(cfg.num_hidden_layers)
-        )
+        self.embed_tokens = embedding_for(cfg)
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: BambaDecoderLayer(cfg, i in attn))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = lm_head_for(cfg, self.embed_tokens)
 
@@ -99,7 +98,7 @@ class BambaForCausalLM(torch.nn.Module):
     def post_dummy_init(self) -> None:
         """Mixer parameters as HF initializes them, so random-weight runs stay stable."""
         for layer in self.layers:
-            if layer.mamba is not None:
+            if getattr(layer, "mamba", None) is not None:
                 _init_mixer(layer.mamba)
 
 

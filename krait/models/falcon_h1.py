@@ -11,7 +11,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from krait.layers.linear import Linear
+from krait.distributed import parallel_state as ps
+from krait.distributed.pipeline import make_layers
+from krait.layers.linear import RowParallelLinear
 from krait.layers.mamba2 import (
     Mamba2Dims,
     Mamba2Mixer,
@@ -20,7 +22,7 @@ from krait.layers.mamba2 import (
 )
 from krait.layers.norm import RMSNorm
 from krait.models.bamba import bamba_mamba_dims
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import embedding_for, lm_head_for, pre_norm, run_layers
 from krait.models.llama import LlamaAttention, LlamaMLP
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.ops.gated_rms_norm import gated_rms_norm
@@ -49,7 +51,8 @@ class FalconH1Mixer(Mamba2Mixer):
 
     def __init__(self, d: Mamba2Dims, rms_norm: bool, norm_before_gate: bool, out_bias: bool):
         super().__init__(d)
-        self.out_proj = Linear(d.intermediate, d.hidden_size, out_bias)
+        # the layer sums this and attention's partial outputs in one all-reduce (TP)
+        self.out_proj = RowParallelLinear(d.intermediate, d.hidden_size, out_bias, reduce=False)
         self.rms_norm = rms_norm
         self.norm_before_gate = norm_before_gate
         if not rms_norm:
@@ -62,7 +65,10 @@ class FalconH1Mixer(Mamba2Mixer):
         d = self.d
         y, gate = self.scan(x, meta)
         if self.rms_norm:
-            y = gated_rms_norm(y, None, self.norm_weight, d.eps, d.intermediate // d.n_groups)
+            if self.cross_rank_norm:  # TP with fewer groups than ranks
+                y = self._cross_rank_gated_norm(y, None)
+            else:
+                y = gated_rms_norm(y, None, self.norm_weight, d.eps, self._norm_group())
         return self.out_proj(y * F.silu(gate))
 
 
@@ -76,7 +82,8 @@ class FalconH1DecoderLayer(torch.nn.Module):
             out_bias=getattr(cfg, "projectors_bias", False),
         )
         bias = getattr(cfg, "attention_bias", False)
-        self.self_attn = LlamaAttention(cfg, qkv_bias=bias, qk_norm=False, sliding_window=None)
+        self.self_attn = LlamaAttention(cfg, qkv_bias=bias, qk_norm=False, sliding_window=None,
+                                        reduce_output=False)
         act = getattr(cfg, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"FalconH1: hidden_act {act!r} is not supported (silu)")
@@ -88,7 +95,8 @@ class FalconH1DecoderLayer(torch.nn.Module):
 
     def forward(self, positions, x, residual, meta: StepMetadata):
         x, residual = pre_norm(self.input_layernorm, x, residual)
-        x = self.mamba(x, meta.mamba) + self.self_attn(x, positions, meta)
+        # both branches are partial sums under TP: one all-reduce
+        x = ps.tp_all_reduce(self.mamba(x, meta.mamba) + self.self_attn(x, positions, meta))
         x, residual = self.pre_ff_layernorm(x, residual)
         return self.feed_forward(x), residual
 
@@ -140,10 +148,8 @@ class FalconH1ForCausalLM(torch.nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(
-            FalconH1DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)
-        )
+        self.embed_tokens = embedding_for(cfg)
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: FalconH1DecoderLayer(cfg))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = lm_head_for(cfg, self.embed_tokens)
         self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0))
@@ -170,4 +176,5 @@ class FalconH1ForCausalLM(torch.nn.Module):
             rename=lambda n: mixer_weight_name(n, ".mamba."),
         )
         for layer in self.layers:
-            layer.fold_multipliers(self.config)
+            if isinstance(layer, FalconH1DecoderLayer):  # not another pipeline stage's
+                layer.fold_multipliers(self.config)

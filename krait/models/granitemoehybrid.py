@@ -9,14 +9,22 @@ from typing import Any
 
 import torch
 
+from krait.distributed import parallel_state as ps
+from krait.distributed.pipeline import make_layers
 from krait.layers.attention import Attention
-from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp
+from krait.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    RowParallelLinear,
+    gated_silu_mlp,
+    qkv_parallel,
+)
 from krait.layers.mamba2 import Mamba2Mixer, mixer_weight_name
 from krait.layers.moe import FusedMoE
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.bamba import _init_mixer, bamba_mamba_dims, is_mamba_layer
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import embedding_for, lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.ops.moe_routes import route_topk
 from krait.runner.attention_metadata import StepMetadata
@@ -28,14 +36,14 @@ class GraniteAttention(torch.nn.Module):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads = cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         bias = getattr(cfg, "attention_bias", False)
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
+            cfg.hidden_size, heads, cfg.num_key_value_heads or heads, self.head_dim, bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(cfg.hidden_size, self.split, bias=bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.rotary = None
         if getattr(cfg, "position_embedding_type", None) == "rope":
             self.rotary = RotaryEmbedding(
@@ -63,15 +71,19 @@ class GraniteAttention(torch.nn.Module):
 
 
 class GraniteMLP(torch.nn.Module):
-    """The shared MLP: input_linear [2I, H] (gate rows, then up rows), output_linear [H, I]."""
+    """The shared MLP: input_linear [2I, H] (gate rows, then up rows), output_linear [H, I];
+    under TP each rank holds its part of I. `reduce=False`: the partial output, for the caller
+    to sum with the experts' in one all-reduce."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.input_linear = Linear(hidden, 2 * intermediate)
-        self.output_linear = Linear(intermediate, hidden)
+        self.input_linear = ColumnParallelLinear(hidden, 2 * intermediate,
+                                                 segments=[intermediate, intermediate])
+        self.output_linear = RowParallelLinear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_silu_mlp(x, self.input_linear, self.output_linear)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        y = gated_silu_mlp(x, self.input_linear, self.output_linear)
+        return self.output_linear.finish(y) if reduce else y
 
 
 class GraniteMoE(torch.nn.Module):
@@ -118,7 +130,9 @@ class GraniteMoeHybridDecoderLayer(torch.nn.Module):
         x, residual = self.post_attention_layernorm(x, residual, m)
         if self.block_sparse_moe is None:
             return self.shared_mlp(x), residual
-        return self.block_sparse_moe(x, add=self.shared_mlp(x)), residual
+        # under TP both are partial sums: one all-reduce for the two
+        out = self.block_sparse_moe(x, add=self.shared_mlp(x, reduce=False))
+        return ps.tp_all_reduce(out), residual
 
 
 class GraniteMoeHybridForCausalLM(torch.nn.Module):
@@ -136,10 +150,9 @@ class GraniteMoeHybridForCausalLM(torch.nn.Module):
         self.residual_multiplier = float(cfg.residual_multiplier)
         self.logits_scaling = float(cfg.logits_scaling)
         types = list(cfg.layer_types)
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(
-            GraniteMoeHybridDecoderLayer(cfg, types[i]) for i in range(cfg.num_hidden_layers)
-        )
+        self.embed_tokens = embedding_for(cfg)
+        self.layers = make_layers(cfg.num_hidden_layers,
+                                  lambda i: GraniteMoeHybridDecoderLayer(cfg, types[i]))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = lm_head_for(cfg, self.embed_tokens)
 
@@ -165,5 +178,5 @@ class GraniteMoeHybridForCausalLM(torch.nn.Module):
     def post_dummy_init(self) -> None:
         """Mixer parameters as HF initializes them, so random-weight runs stay stable."""
         for layer in self.layers:
-            if layer.mamba is not None:
+            if getattr(layer, "mamba", None) is not None:
                 _init_mixer(layer.mamba)

@@ -7,24 +7,31 @@ from typing import Any
 
 import torch
 
+from krait.distributed.pipeline import make_layers
 from krait.layers.attention import Attention
-from krait.layers.linear import Linear, MergedLinear, gated_silu_mlp
+from krait.layers.linear import RowParallelLinear, gate_up_parallel, gated_silu_mlp, qkv_parallel
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import embedding_for, lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, sliding_window: int | None) -> None:
+    def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, sliding_window: int | None,
+                 reduce_output: bool = True) -> None:
+        """Under TP the heads are split across ranks (`qkv_parallel`); `reduce_output=False`
+        leaves o_proj's all-reduce to the caller (a layer summing two branches first)."""
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
+            cfg.hidden_size, heads, kv_heads, self.head_dim, qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size,
+                                        bias=getattr(cfg, "attention_bias", False),
+                                        reduce=reduce_output)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(
@@ -52,11 +59,11 @@ class LlamaAttention(torch.nn.Module):
 class LlamaMLP(torch.nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = gate_up_parallel(hidden, intermediate, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_silu_mlp(x, self.gate_up_proj, self.down_proj)
+        return self.down_proj.finish(gated_silu_mlp(x, self.gate_up_proj, self.down_proj))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -92,10 +99,9 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = cfg
         qkv_bias = self.qkv_bias or getattr(cfg, "attention_bias", False)
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm) for i in range(cfg.num_hidden_layers)
-        )
+        self.embed_tokens = embedding_for(cfg)
+        self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = lm_head_for(cfg, self.embed_tokens)
 

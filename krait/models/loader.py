@@ -10,12 +10,17 @@ import torch
 from safetensors import safe_open
 
 from krait.config import ModelConfig
+from krait.distributed import parallel_state as ps
+from krait.distributed.sharding import LazyTensor
 from krait.layers.rotary import RotaryEmbedding
 from krait.models.registry import get_model_class
 
 
-def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of every safetensors file (sharded through the index, or not)."""
+def iterate_safetensors(model_dir: str | Path, lazy: bool = False
+                        ) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """(name, tensor) pairs of every safetensors file (sharded through the index, or not).
+    `lazy`: LazyTensor slices instead, read by the parameter that takes them (tensor and
+    pipeline parallel ranks read only their shards); valid until the next pair."""
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.exists():
@@ -27,7 +32,7 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
     for f in files:
         with safe_open(str(d / f), framework="pt") as fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                yield name, (LazyTensor(fh.get_slice(name)) if lazy else fh.get_tensor(name))
 
 
 def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
@@ -59,7 +64,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
         _fill_dummy(model, cfg.seed)
     else:
         with torch.no_grad():
-            model.load_weights(iterate_safetensors(cfg.model))
+            model.load_weights(iterate_safetensors(cfg.model, lazy=ps.state().world_size > 1))
     for m in model.modules():  # every position a request may reach has its rotary entry
         if isinstance(m, RotaryEmbedding):
             m.cover(cfg.max_model_len)

@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from krait.distributed.pipeline import make_layers
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.norm import RMSNorm
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import embedding_for, lm_head_for, pre_norm, run_layers
 from krait.models.weights import load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -48,8 +49,8 @@ class Mamba2ForCausalLM(torch.nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.config = cfg
-        self.embeddings = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embeddings = embedding_for(cfg)
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: Mamba2Block(cfg))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.lm_head = lm_head_for(cfg, self.embeddings)
 

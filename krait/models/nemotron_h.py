@@ -10,13 +10,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from krait.distributed import parallel_state as ps
+from krait.distributed.pipeline import make_layers
 from krait.layers.activation import get_act_fn
 from krait.layers.attention import Attention
-from krait.layers.linear import Linear, MergedLinear
+from krait.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, qkv_parallel
 from krait.layers.mamba2 import Mamba2Dims, Mamba2Mixer, mixer_weight_name, time_step_limit
 from krait.layers.moe import FusedMoE, load_expert_weights
 from krait.layers.norm import RMSNorm
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import embedding_for, lm_head_for, pre_norm, run_layers
 from krait.models.weights import QKV_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
@@ -68,14 +70,15 @@ class NemotronHAttention(torch.nn.Module):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads = cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         bias = getattr(cfg, "attention_bias", False)
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
+            cfg.hidden_size, heads, getattr(cfg, "num_key_value_heads", None) or heads,
+            self.head_dim, bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(cfg.hidden_size, self.split, bias=bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
@@ -83,17 +86,24 @@ class NemotronHAttention(torch.nn.Module):
         return self.o_proj(self.attn(q, k, v, meta.attn))
 
 
+def linear_of(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's GEMM alone (a row-parallel layer's partial output, before its reduce)."""
+    return Linear.forward(layer, x)
+
+
 class NemotronHMLP(torch.nn.Module):
-    """Non-gated MLP: down(act(up(x))), act relu2 in released models."""
+    """Non-gated MLP: down(act(up(x))), act relu2 in released models; column- then
+    row-parallel under TP (`reduce=False`: the partial output)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, act: str) -> None:
         super().__init__()
-        self.up_proj = Linear(hidden, intermediate, bias)
-        self.down_proj = Linear(intermediate, hidden, bias)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias)
         self.act = get_act_fn(act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        y = linear_of(self.down_proj, self.act(self.up_proj(x)))
+        return self.down_proj.finish(y) if reduce else y
 
 
 class NemotronHRouter(torch.nn.Module):
@@ -156,10 +166,11 @@ class NemotronHMoE(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        h = self.experts(h, weights, ids)
+        h = self.experts(h, weights, ids)  # a partial sum under TP
         if self.fc2_latent_proj is not None:
-            h = self.fc2_latent_proj(h)
-        return h + self.shared_experts(x)
+            h = self.fc2_latent_proj(ps.tp_all_reduce(h))
+            return h + self.shared_experts(x)
+        return ps.tp_all_reduce(h + self.shared_experts(x, reduce=False))
 
 
 class NemotronHBlock(torch.nn.Module):
@@ -206,10 +217,9 @@ class NemotronHForCausalLM(torch.nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.config = cfg
-        self.embeddings = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(
-            NemotronHBlock(cfg, kind) for kind in nemotron_h_layer_kinds(cfg)
-        )
+        self.embeddings = embedding_for(cfg)
+        kinds = nemotron_h_layer_kinds(cfg)
+        self.layers = make_layers(len(kinds), lambda i: NemotronHBlock(cfg, kinds[i]))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.lm_head = lm_head_for(cfg, self.embeddings)
 

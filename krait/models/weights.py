@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from krait.distributed.sharding import load_param
+from krait.layers.embedding import MissingModule
 from krait.layers.linear import MergedLinear
 
 # checkpoint name fragment -> (merged parameter fragment, shard index)
@@ -34,9 +36,12 @@ def load_named_weights(
     Names lose `strip_prefix`, then go through `rename` (which may return None to drop a
     tensor); a name holding a key of `stacked` is loaded as one shard of a MergedLinear.
     Raises ValueError for names the model has no parameter for, and for parameters left
-    unloaded (tied lm_head excepted)."""
+    unloaded (tied lm_head excepted). Tensors of modules another pipeline stage holds
+    (MissingModule) are skipped; parameters with a `tp_spec` take their tensor-parallel shard.
+    A tensor may be a `LazyTensor` (read only where and as far as it is needed)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
+    absent = tuple(n + "." for n, m in modules.items() if isinstance(m, MissingModule))
     prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else strip_prefix
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -49,6 +54,8 @@ def load_named_weights(
             if name is None:
                 continue
         if any(s in name for s in skip_missing):
+            continue
+        if absent and name.startswith(absent):
             continue
         for frag, (merged, shard) in (stacked or {}).items():
             if frag in name:
@@ -63,12 +70,13 @@ def load_named_weights(
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
             param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            param.data.copy_(tensor)
+            if isinstance(tensor, torch.Tensor) and tensor.data_ptr() == param.data_ptr():
+                loaded.add(name)  # loaded in place already (FusedMoE experts)
+                continue
+            try:
+                load_param(param, tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r} {e}") from None
             loaded.add(name)
     tied = {n for n, p in params.items() if n not in loaded and _is_tied(model, n, p, loaded, params)}
     missing = set(params) - loaded - tied

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from krait.config import EngineConfig
+from krait.distributed import parallel_state as ps
 from krait.engine.kv_cache_manager import cdiv
 from krait.engine.scheduler import SampledTokens, SchedulerOutput
 from krait.models.loader import load_model
@@ -54,6 +55,10 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
         torch.manual_seed(config.model.seed)
+        # pipeline parallel: only the last stage computes logits and samples; the others take
+        # its sampled tokens (a broadcast), so every stage's tables stay in step (invariant 7)
+        self.pp = ps.get_pp_size() > 1
+        self.is_last_stage = ps.state().is_last_stage
         self.model = load_model(config.model, self.device)
         self.model_state = create_model_state(self.model, config)
         self.sampler = Sampler()
@@ -183,7 +188,8 @@ class ModelRunner:
             )
             hidden = self.forward(batch)
             # float32: the copy the sampler makes of non-greedy rows' logits counts too
-            self.model.compute_logits(hidden[batch.logits_indices]).float()
+            if self.is_last_stage:
+                self.model.compute_logits(hidden[batch.logits_indices]).float()
         finally:
             for rid in ids:
                 st.remove(rid)
@@ -315,6 +321,8 @@ class ModelRunner:
             num_tokens_padded=key[0] if key else None, num_reqs_padded=key[1] if key else None,
         )
         hidden = self.forward(batch)
+        if not self.is_last_stage:  # a pipeline stage before the last: no logits
+            return self._sample_and_update(batch, None)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         prompt_lps = self._prompt_logprobs(batch, hidden)  # before the tables advance
         pending = self._sample_and_update(batch, logits)
@@ -518,7 +526,7 @@ class ModelRunner:
         rows = np.nonzero(samples)[0]
         pending = PendingSample.empty()
         if len(rows):
-            if len(rows) < batch.num_reqs:
+            if len(rows) < batch.num_reqs and logits is not None:
                 sel = host_to_device(rows, logits.device)
                 logits = logits[sel]
                 greedy = greedy[sel] if greedy is not None else None
@@ -572,11 +580,32 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, idx: np.ndarray, greedy: torch.Tensor | None = None
     ) -> SamplerOutput:
+        if self.pp:
+            return self._pipeline_sample(logits, idx, greedy)
+        return self._sample_local(logits, idx, greedy)
+
+    def _sample_local(
+        self, logits: torch.Tensor, idx: np.ndarray, greedy: torch.Tensor | None = None
+    ) -> SamplerOutput:
         st = self.states
         if st.plain_greedy[idx].all():
             tokens = greedy if greedy is not None else argmax(logits)
             return SamplerOutput(sampled_token_ids=tokens, logprobs=None)
         return self.sampler(logits, self._sampling_metadata(logits, idx))
+
+    def _pipeline_sample(self, logits: torch.Tensor | None, idx: np.ndarray,
+                         greedy: torch.Tensor | None = None) -> SamplerOutput:
+        """Pipeline parallel: the last stage samples and broadcasts the tokens (int64) to the
+        other stages, which get a SamplerOutput of the same tokens (no logprobs: only the last
+        stage's rank 0 returns results)."""
+        if self.is_last_stage:
+            out = self._sample_local(logits, idx, greedy)
+            tokens = out.sampled_token_ids.to(torch.int64)
+            ps.pp_broadcast_from_last(tokens.contiguous())
+            return out
+        tokens = torch.empty(len(idx), dtype=torch.int64, device=self.device)
+        ps.pp_broadcast_from_last(tokens)
+        return SamplerOutput(sampled_token_ids=tokens, logprobs=None)
 
     def _sampling_metadata(self, logits: torch.Tensor, idx: np.ndarray) -> SamplingMetadata:
         """The sampling parameters of the rows at req_state indices `idx`."""

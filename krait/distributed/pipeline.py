@@ -1,0 +1,97 @@
+"""Pipeline stages: which layers a stage holds, and the hidden + residual hand-over between
+stages inside the model's layer loop (`run_layers` asks `current()`; with one stage it is None
+and the loop is the single-process one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from krait.distributed import parallel_state as ps
+
+
+def stage_layer_ranges(num_layers: int, pp_size: int, partition: list[int] | None = None
+                       ) -> list[tuple[int, int]]:
+    """[start, end) of every stage: even, the remainder to the first stages, unless `partition`
+    (layers a stage) says otherwise. (No environment override: krait/envs.py keeps the list of
+    variables short; an engine option can carry a partition when one is needed.)"""
+    if partition is not None:
+        sizes = list(partition)
+        if len(sizes) != pp_size or sum(sizes) != num_layers or min(sizes) < 1:
+            raise ValueError(f"layer partition {sizes} must give {pp_size} stages of at least "
+                             f"one layer each, {num_layers} layers in all")
+    else:
+        if pp_size > num_layers:
+            raise ValueError(f"pipeline_parallel_size={pp_size} is more than the model's "
+                             f"{num_layers} layers")
+        base, extra = divmod(num_layers, pp_size)
+        sizes = [base + (1 if s < extra else 0) for s in range(pp_size)]
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def make_layers(num_layers: int, build: Callable[[int], torch.nn.Module]) -> torch.nn.ModuleList:
+    """The model's layer list: every layer with one stage; under PP the other stages' layers are
+    MissingModule placeholders (built on the meta device first, only to learn whether they hold
+    recurrent state, so that every stage sizes request state slots alike)."""
+    from krait.layers.embedding import MissingModule
+
+    if ps.get_pp_size() == 1:
+        return torch.nn.ModuleList(build(i) for i in range(num_layers))
+    start, end = stage_layer_ranges(num_layers, ps.get_pp_size())[ps.get_pp_rank()]
+    layers = []
+    for i in range(num_layers):
+        if start <= i < end:
+            layers.append(build(i))
+            continue
+        with torch.device("meta"):
+            ghost = build(i)
+        recurrent = any(getattr(m, "has_recurrent_state", False) for m in ghost.modules())
+        layers.append(MissingModule(recurrent))
+    return torch.nn.ModuleList(layers)
+
+
+@dataclass
+class StageContext:
+    """This process's stage: its layer range and the hand-over buffers' shape."""
+
+    start: int
+    end: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def run(self, layers, final_norm, x, positions, meta, x_scale: float, pre_norm):
+        """The stage's part of the layer loop: receive (x, residual) from the previous stage
+        (all but the first), run the stage's layers, send them on (all but the last: returns x,
+        which the runner does not use), or apply the final norm (the last)."""
+        st = ps.state()
+        residual = None
+        if not st.is_first_stage:
+            buf = torch.empty(2, positions.shape[0], self.hidden_size, dtype=self.dtype,
+                              device=self.device)
+            ps.pp_recv(buf, st.pp_rank - 1)
+            x, residual = buf[0], buf[1]
+        for i in range(self.start, self.end):
+            x, residual = layers[i](positions, x, residual, meta)
+        if not st.is_last_stage:
+            ps.pp_send(torch.stack([x, residual]), st.pp_rank + 1)
+            return x
+        return pre_norm(final_norm, x, residual, x_scale)[0]
+
+
+_STAGE: StageContext | None = None
+
+
+def current() -> StageContext | None:
+    return _STAGE
+
+
+def set_stage(ctx: StageContext | None) -> None:
+    global _STAGE
+    _STAGE = ctx
