@@ -44,8 +44,8 @@ def l2_rows(x):
 
 @triton.jit
 def _gdn_chunk_prep_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, seq_ptr, w_ptr, u_ptr, gam_ptr,
-    num_tokens, key_dim, value_dim, v_per_k, num_heads,
+    k_ptr, v_ptr, g_ptr, beta_ptr, seq_ptr, slots_ptr, w_ptr, u_ptr, gam_ptr,
+    num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
     stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_b_t,
     QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -64,6 +64,11 @@ def _gdn_chunk_prep_kernel(
     rows = rows.to(tl.int64)
     k_ok = offs_k < key_dim
     seq = tl.load(seq_ptr + rows, mask=t_ok, other=-1)  # [BT]
+    # only tokens of live sequences are read: padding rows (past the last sequence, or of a -1
+    # slot) may hold anything, and a NaN there would reach the others' rows through the
+    # window's products (0 * NaN) though their entries are masked
+    in_seq = t_ok & (seq >= 0) & (seq < num_seqs)
+    t_ok = in_seq & (tl.load(slots_ptr + seq, mask=in_seq, other=-1) >= 0)
     k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
                 mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
     g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)  # [BT]
@@ -213,7 +218,7 @@ def gated_delta_chunk_triton(
     u = torch.empty(T, hv, V, dtype=torch.float32, device=v.device)
     gam = torch.empty(T, hv, dtype=torch.float32, device=v.device)
     _gdn_chunk_prep_kernel[(cdiv(T, bt), hv)](
-        k, v, g, beta, token_seq, w, u, gam, T, K, V, hv // hk, hv,
+        k, v, g, beta, token_seq, state_indices, w, u, gam, T, nseq, K, V, hv // hk, hv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         QK_L2NORM=qk_l2norm, DOT_PRECISION=precision, BT=bt, BK=blk["BK"], BV=blk["BV_PREP"],
         num_warps=4,

@@ -201,21 +201,27 @@ def test_verify_forms_the_gates_from_a_and_b():
 def test_prefill_windows_cut_at_sequence_starts():
     """The Triton prefill's windows are the packed batch's BT-token windows (16 interpreted):
     sequences that start and end inside a window, one spanning three, a skipped one between
-    them, a token_seq passed in (longer than the batch, as a prefill graph's bucket has it)."""
+    them, a token_seq passed in (longer than the batch, as a prefill graph's bucket has it).
+    Padding tokens (past the last sequence, as a graph bucket pads them, and the skipped row's)
+    hold NaN: nothing of them may reach the live rows."""
     from krait.ops.causal_conv1d import token_to_seq
 
     lens = [2, 3, 37, 4, 9]
     slots = torch.tensor([0, 1, 2, -1, 3], dtype=torch.int32)
     init = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int32)
     T = sum(lens)
-    q, k, v, g, beta, states = _inputs(T, seed=10)
+    pad = 7  # padding tokens after the last sequence
+    q, k, v, g, beta, states = _inputs(T + pad, seed=10)
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    live = torch.ones(T + pad, dtype=torch.bool)
+    live[qsl[3]:qsl[4]] = False  # the skipped row's outputs are unspecified
+    live[T:] = False
+    for t in (q, k, v, g, beta):
+        t[~live] = float("nan")
     s_ref, s_tri = states.clone(), states.clone()
     want = gdc.gated_delta_chunk_ref(q, k, v, g, beta, s_ref, qsl, slots, init)
     got = gdc.gated_delta_chunk_triton(q, k, v, g, beta, s_tri, qsl, slots, init,
-                                       token_seq=token_to_seq(qsl, T + 11))
-    live = torch.ones(T, dtype=torch.bool)
-    live[qsl[3]:qsl[4]] = False  # the skipped row's outputs are unspecified
+                                       token_seq=token_to_seq(qsl, T + pad + 4))
     torch.testing.assert_close(got[live], want[live], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s_tri, s_ref, atol=1e-4, rtol=1e-4)
 
