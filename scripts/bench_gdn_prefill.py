@@ -30,7 +30,7 @@ def inputs(lens: list[int], seed: int = 0) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     kw = dict(device="cuda", generator=gen)
     a = torch.randn(T, HV, **kw)
-    A_log = torch.rand(HV, **kw) * 2 - 1
+    A_log = torch.rand(HV, **kw) * 3 - 4  # slow decays (-0.01 to -0.2 a token): long memory
     return dict(
         q=torch.randn(T, HK, K, **kw).bfloat16(), k=torch.randn(T, HK, K, **kw).bfloat16(),
         v=torch.randn(T, HV, V, **kw).bfloat16(),
@@ -107,19 +107,23 @@ def main() -> int:
            "krait_ms": time_ms(krait, args.warmup, args.reps)}
     o_k, s_k = krait()
     o_k, s_k = o_k.clone(), s_k.clone()
+    out.update(fla_ms=None, ratio=None)
     try:
         fla = fla_call(x)
     except ImportError as e:
-        out.update(fla_ms=None, ratio=None, fla=f"not importable: {e}")
+        out["fla"] = f"not importable: {e}"
     else:
-        out["fla_ms"] = time_ms(fla, args.warmup, args.reps)
-        out["ratio"] = out["krait_ms"] / out["fla_ms"]
-        o_f, s_f = fla()
-        out["rel_diff_out"] = rel(o_k, o_f)  # krait against fla
-        out["rel_diff_state"] = rel(s_k, s_f)
-        import fla as fla_mod
+        try:  # krait's row is kept whatever fla does on this machine
+            out["fla_ms"] = time_ms(fla, args.warmup, args.reps)
+            out["ratio"] = out["krait_ms"] / out["fla_ms"]
+            o_f, s_f = fla()
+            out["rel_diff_out"] = rel(o_k, o_f)  # krait against fla
+            out["rel_diff_state"] = rel(s_k, s_f)
+            import fla as fla_mod
 
-        out["fla_version"] = getattr(fla_mod, "__version__", "?")
+            out["fla_version"] = getattr(fla_mod, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            out["fla"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
     print(json.dumps(out, indent=1))
     return 0
 

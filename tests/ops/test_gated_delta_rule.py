@@ -241,7 +241,7 @@ def _real_inputs(T, num_slots, seed=0):
     v = torch.randn(T, R_HV, R_V, **kw).bfloat16()
     a = torch.randn(T, R_HV, **kw).bfloat16()
     b = torch.randn(T, R_HV, **kw).bfloat16()
-    A_log = (torch.rand(R_HV, **kw) * 2 - 1).bfloat16()
+    A_log = (torch.rand(R_HV, **kw) * 3 - 4).bfloat16()  # slow decays: state kept long
     dt_bias = torch.randn(R_HV, **kw).bfloat16()
     states = torch.randn(num_slots, R_HV, R_K, R_V, **kw) * 0.1  # float32
     return q, k, v, a, b, A_log, dt_bias, states
