@@ -72,20 +72,24 @@ case $what in
     # references; the 8-layer config's decode at batch 1 and 64 (roofline ratio) and an 8k
     # prefill; the prefill kernel beside fla's chunk_gated_delta_rule at 8k tokens when wheels/
     # (fla-core, einops: carry=["wheels"]) is there. Fits one 600 s call: each part time-boxed
-    timeout ${GDN_TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/ops/test_gated_delta_rule.py \
+    timeout ${GDN_TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/ops/test_gated_delta_rule.py \
       -p no:cacheprovider 2>&1 | tail -15 | tee "$LOG/kernels_gdn.log"
     pack
-    LAT_TIMEOUT=${LAT_TIMEOUT:-330} bench_latency qwen3-next-80b-a3b-8l "" --prompt-lens 8192
+    LAT_TIMEOUT=${LAT_TIMEOUT:-300} bench_latency qwen3-next-80b-a3b-8l "" --prompt-lens 8192
     if [ -d wheels ]; then  # installed beside, not into, the environment: only this run sees fla
       python3 -m pip install -q --no-deps --no-index --target /tmp/krait_wheels wheels/*.whl \
         2>&1 | tail -3
+      # no pip there: pure-Python wheels unpack as they are
+      python3 -c "import sys; sys.path.insert(0, '/tmp/krait_wheels'); import fla" 2>/dev/null \
+        || for w in wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/krait_wheels; done
     else
       echo "no wheels/ carried: the fla comparison runs krait alone"
     fi
-    PYTHONPATH=/tmp/krait_wheels:$PYTHONPATH timeout ${FLA_TIMEOUT:-120} python3 \
+    PYTHONPATH=/tmp/krait_wheels:$PYTHONPATH timeout ${FLA_TIMEOUT:-110} python3 \
       scripts/bench_gdn_prefill.py --tokens 8192 > "$LOG/gdn_prefill.json" 2> "$LOG/gdn_prefill.err"
     echo "== gdn prefill 8192 (krait vs fla)"; cat "$LOG/gdn_prefill.json"
     grep -v Warn "$LOG/gdn_prefill.err" | tail -5
+    pack
     ;;
 esac
 # the latency rows of this call in one table (the call's output keeps only its tail)
