@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: what the project measures on the GPU as it is now. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [kernels|parity|targets|maxlen|throughput|spec|prefix]
+#   bash scripts/gpu_check.sh [kernels|parity|targets|maxlen|throughput|spec|prefix|gdn]
 # parity needs the oracle: here, PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity,
 # and carry=[".parity"] in the device call. docs/benchmarks.md records the results.
 set -uo pipefail
@@ -10,14 +10,14 @@ LOG=/tmp/krait_logs  # packed into $OUT/logs.tgz (a device call returns few file
 mkdir -p "$OUT" "$LOG"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KRAIT_TEST_GPU=1
 what=${1:-}
-case $what in kernels|parity|targets|maxlen|throughput|spec|prefix) ;; *) sed -n 3,4p "$0"; exit 2 ;; esac
+case $what in kernels|parity|targets|maxlen|throughput|spec|prefix|gdn) ;; *) sed -n 3,4p "$0"; exit 2 ;; esac
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }  # after each part: a timed-out call keeps its logs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$LOG/gpu.txt"
 
 bench_latency() {  # name, tag, extra args: decode steps at batch 1 and 64, context 1024
   local name=$1 tag=$2; shift 2
-  timeout 600 python3 -m krait bench latency --config "$name" --batch-sizes 1,64 --prompt-lens "" \
+  timeout ${LAT_TIMEOUT:-600} python3 -m krait bench latency --config "$name" --batch-sizes 1,64 --prompt-lens "" \
     "$@" > "$LOG/lat_${name}${tag}.json" 2> "$LOG/lat_${name}${tag}.err"
   echo "== $name $tag"; grep -v Warn "$LOG/lat_${name}${tag}.err" | tail -12
   pack
@@ -67,6 +67,29 @@ case $what in
         > "$LOG/prefix_$m.json" 2> "$LOG/prefix_$m.err"
       echo "== $m prefix"; grep -v Warn "$LOG/prefix_$m.err" | tail -4; pack
     done
+    ;;
+  gdn)  # Qwen3-Next's Gated DeltaNet: its kernels at Qwen3-Next-80B's sizes against the torch
+    # references; the 8-layer config's decode at batch 1 and 64 (roofline ratio) and an 8k
+    # prefill; the prefill kernel beside fla's chunk_gated_delta_rule at 8k tokens when wheels/
+    # (fla-core, einops: carry=["wheels"]) is there. Fits one 600 s call: each part time-boxed
+    timeout ${GDN_TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/ops/test_gated_delta_rule.py \
+      -p no:cacheprovider 2>&1 | tail -15 | tee "$LOG/kernels_gdn.log"
+    pack
+    LAT_TIMEOUT=${LAT_TIMEOUT:-300} bench_latency qwen3-next-80b-a3b-8l "" --prompt-lens 8192
+    if [ -d wheels ]; then  # installed beside, not into, the environment: only this run sees fla
+      python3 -m pip install -q --no-deps --no-index --target /tmp/krait_wheels wheels/*.whl \
+        2>&1 | tail -3
+      # no pip there: pure-Python wheels unpack as they are
+      python3 -c "import sys; sys.path.insert(0, '/tmp/krait_wheels'); import fla" 2>/dev/null \
+        || for w in wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/krait_wheels; done
+    else
+      echo "no wheels/ carried: the fla comparison runs krait alone"
+    fi
+    PYTHONPATH=/tmp/krait_wheels:$PYTHONPATH timeout ${FLA_TIMEOUT:-110} python3 \
+      scripts/bench_gdn_prefill.py --tokens 8192 > "$LOG/gdn_prefill.json" 2> "$LOG/gdn_prefill.err"
+    echo "== gdn prefill 8192 (krait vs fla)"; cat "$LOG/gdn_prefill.json"
+    grep -v Warn "$LOG/gdn_prefill.err" | tail -5
+    pack
     ;;
 esac
 # the latency rows of this call in one table (the call's output keeps only its tail)

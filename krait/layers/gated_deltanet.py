@@ -14,7 +14,7 @@ from krait.layers.mamba2 import MambaMetadata
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.causal_conv1d_verify import causal_conv1d_verify
 from krait.ops.gated_delta_chunk import gated_delta_chunk
-from krait.ops.gated_delta_update import gated_delta_update
+from krait.ops.gated_delta_update import gated_delta_update, gdn_gate_ref
 from krait.ops.gated_delta_verify import gated_delta_verify
 from krait.ops.gated_rms_norm import gated_rms_norm
 from krait.runner.piecewise_graphs import mixer_call
@@ -86,31 +86,32 @@ class GatedDeltaNet(torch.nn.Module):
         T = x.shape[0]
         qkv, z, b, a = self.in_proj(x).split(
             [d.conv_dim, d.value_dim, d.num_v_heads, d.num_v_heads], dim=-1)
-        # [T, Hv] float32 log-decay, and beta in the model dtype (as HF rounds it)
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)
-        beta = b.sigmoid()
-        core = mixer_call(self._mix, (qkv, g, beta), meta, "mamba")  # [T, Hv * V]
+        # the gates' raw inputs: the decode update forms g and beta in its kernel
+        core = mixer_call(self._mix, (qkv, a, b), meta, "mamba")  # [T, Hv * V]
         normed = gated_rms_norm(core.reshape(T * d.num_v_heads, d.head_v_dim), None,
                                 self.norm_weight, d.eps, d.head_v_dim)
         gated = normed.float() * F.silu(z.reshape(T * d.num_v_heads, d.head_v_dim).float())
         return self.out_proj(gated.to(x.dtype).reshape(T, d.value_dim))
 
-    def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def _mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              meta: MambaMetadata) -> torch.Tensor:
         """Conv and delta rule of decode rows then prefill rows, reading and writing the state
-        slots: [T, Hv * V] (rows past both, padding, are 0)."""
+        slots: [T, Hv * V] (rows past both, padding, are 0). a, b [T, Hv]: the gates' inputs
+        (g = -exp(A_log) softplus(a + dt_bias) float32, beta = sigmoid(b) in the model dtype,
+        as HF rounds it: formed in the decode and verify kernels, in torch for prefill)."""
         nd = meta.num_decode_tokens
         T = qkv.shape[0]
         out = qkv.new_zeros(T, self.d.value_dim)  # [T, Hv * V]
+        gates = dict(A_log=self.A_log, dt_bias=self.dt_bias)
         if nd and meta.num_accepted_tokens is not None:
-            out[:nd] = self._verify(qkv[:nd], g[:nd], beta[:nd], meta).reshape(nd, -1)
+            out[:nd] = self._verify(qkv[:nd], a[:nd], b[:nd], meta).reshape(nd, -1)
         elif nd:
             idx = meta.decode_state_indices[:nd]
             conv = causal_conv1d_update(qkv[:nd], self.conv_state, self.conv1d_weight.squeeze(1),
                                         None, idx, self.d.activation)
             q, k, v = self._split(conv)
-            out[:nd] = gated_delta_update(q, k, v, g[:nd], beta[:nd], self.ssm_state,
-                                          idx).reshape(nd, -1)
+            out[:nd] = gated_delta_update(q, k, v, a[:nd], b[:nd], self.ssm_state, idx,
+                                          **gates).reshape(nd, -1)
         if meta.num_prefills:
             end = nd + meta.num_prefill_tokens
             conv = causal_conv1d_fn(
@@ -119,13 +120,15 @@ class GatedDeltaNet(torch.nn.Module):
                 meta.prefill_has_initial_state, self.d.activation, meta.prefill_token_seq,
             )
             q, k, v = self._split(conv)
-            o = gated_delta_chunk(q, k, v, g[nd:end], beta[nd:end], self.ssm_state,
+            g, beta = gdn_gate_ref(a[nd:end], b[nd:end], self.A_log, self.dt_bias)
+            o = gated_delta_chunk(q, k, v, g, beta, self.ssm_state,
                                   meta.prefill_query_start_loc, meta.prefill_state_indices,
-                                  meta.prefill_has_initial_state)
+                                  meta.prefill_has_initial_state,
+                                  token_seq=meta.prefill_token_seq)
             out[nd:end] = o.reshape(end - nd, -1)
         return out
 
-    def _verify(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def _verify(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 meta: MambaMetadata) -> torch.Tensor:
         """Speculative decoding's decode rows (1 + k tokens each): conv and delta rule from the
         slot of the last accepted position, the state after every position kept in the row's
@@ -135,7 +138,8 @@ class GatedDeltaNet(torch.nn.Module):
         conv = causal_conv1d_verify(qkv, self.conv_state, self.conv1d_weight.squeeze(1), None,
                                     *rows, self.d.activation)
         q, k, v = self._split(conv)
-        return gated_delta_verify(q, k, v, g, beta, self.ssm_state, *rows)
+        return gated_delta_verify(q, k, v, a, b, self.ssm_state, *rows, A_log=self.A_log,
+                                  dt_bias=self.dt_bias)
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv output [n, conv_dim] as q, k [n, Hk, K] and v [n, Hv, V] views."""

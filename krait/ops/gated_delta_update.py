@@ -5,6 +5,15 @@ S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q, per value head h (key head
 Row b reads and writes states[state_indices[b]]; -1 skips the row (nothing written, its output
 rows unspecified). No host synchronisation and shapes fixed by the batch: safe inside the decode
 CUDA graph. Math is float32; o is in v's dtype; the state keeps its own dtype.
+
+With `A_log` and `dt_bias` given, g and beta are the layer's raw gate inputs a and b and the
+kernel forms g = -exp(A_log) softplus(a + dt_bias) (float32) and beta = sigmoid(b) (rounded to
+b's dtype, as HF rounds it) itself (`gdn_gate_ref` is the same in torch): two elementwise
+launches fewer a layer in the decode step.
+
+One program a (row, value head, BV columns of the [K, V] state): all of K in the program (the
+reductions over K stay in it), V split so that the float32 tile stays near 4096 elements (32
+registers a thread at 4 warps; a whole 128 x 128 tile would be 128 and spill).
 """
 
 import torch
@@ -12,10 +21,31 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, next_pow2, use_triton
+import torch.nn.functional as F
+
+from krait.ops._dispatch import cdiv, next_pow2, num_sms, use_triton
 from krait.ops.gated_delta_chunk import delta_step_ref, prepare_qkv_ref
 
 # ----------------------------------------------------------------------------- triton
+
+
+@triton.jit
+def gdn_gate(a, b, A_log, dt_bias, beta_ty: tl.constexpr):
+    """(g, beta) of one token and head from the raw gate inputs (float32 scalars): g =
+    -exp(A_log) softplus(a + dt_bias) (torch's softplus: x past 20, exp(x) below -15 where
+    log(1 + exp(x)) loses it), beta = sigmoid(b) rounded to `beta_ty`."""
+    x = a + dt_bias
+    sp = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+    g = -tl.exp(A_log) * sp
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    if beta_ty == tl.bfloat16:
+        # round to nearest even by hand: Triton's interpreter truncates in .to(tl.bfloat16)
+        u = beta.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        beta = u.to(tl.float32, bitcast=True)
+    elif beta_ty != tl.float32:
+        beta = beta.to(beta_ty).to(tl.float32)
+    return g, beta
 
 
 @triton.jit
@@ -24,10 +54,11 @@ def _gdn_update_kernel(
     scale, key_dim, value_dim, v_per_k,
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
     stride_g_b, stride_beta_b, stride_o_b, stride_o_h,
-    stride_s_slot, stride_s_h, stride_s_k,
-    QK_L2NORM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    stride_s_slot, stride_s_h, stride_s_k, alog_ptr, dtb_ptr,
+    QK_L2NORM: tl.constexpr, GATE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     # One program: batch row b, value head h, BV columns of its [K, V] state (all of K).
+    # GATE: g_ptr / beta_ptr hold the raw a / b, and g, beta are formed here.
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -49,6 +80,9 @@ def _gdn_update_kernel(
                 other=0.0).to(tl.float32)  # [BV]
     g = tl.load(g_ptr + b64 * stride_g_b + h).to(tl.float32)
     beta = tl.load(beta_ptr + b64 * stride_beta_b + h).to(tl.float32)
+    if GATE:
+        g, beta = gdn_gate(g, beta, tl.load(alog_ptr + h).to(tl.float32),
+                           tl.load(dtb_ptr + h).to(tl.float32), beta_ptr.dtype.element_ty)
     if QK_L2NORM:
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -63,9 +97,22 @@ def _gdn_update_kernel(
              mask=v_ok & (slot >= 0))
 
 
+def state_blocks(K: int, V: int, programs_per_v_block: int, sms: int) -> tuple[int, int]:
+    """(BK, BV) of the decode and verify kernels: all of K, V in blocks of a float32 tile of
+    about 4096 elements (BV 32 at K = 128); halved to 16 while the grid (`programs_per_v_block`
+    programs for each V block) would not fill the SMs twice (batch 1: 32 heads x 4 blocks on
+    132 SMs), so that more programs stream the state."""
+    bk = next_pow2(K)
+    bv = max(1, min(next_pow2(V), 4096 // bk))
+    if bv > 16 and programs_per_v_block * cdiv(V, bv) < 2 * sms:
+        bv = 16
+    return bk, bv
+
+
 def gated_delta_update_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
     state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
+    A_log: Tensor | None = None, dt_bias: Tensor | None = None,
 ) -> Tensor:
     """Triton launcher of `gated_delta_update`."""
     B, hk, K = q.shape
@@ -76,16 +123,18 @@ def gated_delta_update_triton(
     for t in (q, k, v):
         assert t.stride(-1) == 1, "gated_delta_update: the last dim must be contiguous"
     assert states.stride(-1) == 1
-    bk = next_pow2(K)
-    # a [BK, BV] float32 tile per program: keep it near 4096 elements (registers)
-    bv = max(1, min(next_pow2(V), 4096 // bk))
+    bk, bv = state_blocks(K, V, B * hv, num_sms(v.device))
+    gate = A_log is not None
+    if gate:
+        assert dt_bias is not None and A_log.is_contiguous() and dt_bias.is_contiguous()
     _gdn_update_kernel[(B, hv, cdiv(V, bv))](
         q, k, v, g, beta, o, states, state_indices,
         float(scale if scale is not None else K ** -0.5), K, V, hv // hk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
-        QK_L2NORM=qk_l2norm, BK=bk, BV=bv,
+        A_log if gate else g, dt_bias if gate else g,
+        QK_L2NORM=qk_l2norm, GATE=gate, BK=bk, BV=bv,
     )
     return o
 
@@ -93,11 +142,20 @@ def gated_delta_update_triton(
 # ----------------------------------------------------------------------------- torch reference
 
 
+def gdn_gate_ref(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """Gated DeltaNet's gates from the raw projections a, b [n, Hv]: g = -exp(A_log)
+    softplus(a + dt_bias) float32, beta = sigmoid(b) in b's dtype (HF's arithmetic)."""
+    return -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def gated_delta_update_ref(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
     state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
+    A_log: Tensor | None = None, dt_bias: Tensor | None = None,
 ) -> Tensor:
     """Torch reference of `gated_delta_update`."""
+    if A_log is not None:
+        g, beta = gdn_gate_ref(g, beta, A_log, dt_bias)
     o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # [B, Hv, V]
     rows = (state_indices >= 0).nonzero().squeeze(1)
     slots = state_indices[rows].long()
@@ -115,11 +173,14 @@ def gated_delta_update_ref(
 def gated_delta_update(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
     state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
+    A_log: Tensor | None = None, dt_bias: Tensor | None = None,
 ) -> Tensor:
     """One token per row: q, k [B, Hk, K]; v [B, Hv, V]; g [B, Hv] float32 log-decay; beta
     [B, Hv]; states [num_slots, Hv, K, V] updated in place at state_indices int32 [B] (-1: skip).
+    With A_log, dt_bias [Hv]: g and beta are the raw gate inputs a, b [B, Hv] (`gdn_gate_ref`).
     Returns o [B, Hv, V] in v's dtype."""
     if use_triton(v):
         return gated_delta_update_triton(q, k, v, g, beta, states, state_indices, scale,
-                                         qk_l2norm)
-    return gated_delta_update_ref(q, k, v, g, beta, states, state_indices, scale, qk_l2norm)
+                                         qk_l2norm, A_log, dt_bias)
+    return gated_delta_update_ref(q, k, v, g, beta, states, state_indices, scale, qk_l2norm,
+                                  A_log, dt_bias)

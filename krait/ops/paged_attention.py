@@ -402,8 +402,12 @@ def decode_prefetch(warps: int, block_n: int, block_d: int) -> bool:
     return 2 * block_n * block_d <= 64 * 32 * warps
 
 
-def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str, int]:
-    """Tile sizes and launch options. BLOCK_M = query tokens per program x group, >= 16 for tl.dot."""
+def _launch_config(max_query_len: int, group: int, interpret: bool,
+                   head_dim: int = 128) -> dict[str, int]:
+    """Tile sizes and launch options. BLOCK_M = query tokens per program x group, >= 16 for tl.dot.
+    head_dim past 128 (Qwen3-Next's 256): 64-key tiles under full query tiles, or the two stages'
+    K/V buffers overflow shared memory (320 KiB asked at 128 x 128 x 256, of sm_90's 227; 192
+    KiB at 128 x 64: tests/ops/test_sm90_compile.py)."""
     block_m = min(max(16, next_pow2(max_query_len * group)), 128)
     block_m = max(block_m, next_pow2(group))
     if interpret:  # few, large programs: each one costs ~0.5 ms under the interpreter
@@ -411,7 +415,8 @@ def _launch_config(max_query_len: int, group: int, interpret: bool) -> dict[str,
     # Measured on an H200 (bf16, D 128): decode rows like 64-key tiles and 4 warps, full
     # 128-row prefill tiles like 128-key tiles and 8 warps.
     if block_m >= 128:
-        return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=block_m, BLOCK_N=128 if head_dim <= 128 else 64, num_warps=8,
+                    num_stages=2)
     return dict(BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N, num_warps=4, num_stages=2)
 
 
@@ -460,7 +465,7 @@ def paged_attention_triton(
             _decode_split(q, k_cache, v_cache, out, tok_qsl, tok_seq_lens, tok_table, scale,
                           sliding_window, splits, interpret, prefetch)
             return out
-    config = _launch_config(max_query_len, group, interpret)
+    config = _launch_config(max_query_len, group, interpret, head_dim)
     grid = (num_rows, num_kv_heads, cdiv(max_query_len, config["BLOCK_M"] // group))
     pdl = use_pdl(q)
     _paged_attention_kernel[grid](

@@ -17,7 +17,8 @@ import triton
 
 
 def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict,
-                 num_warps: int = 4, odd: tuple[str, ...] = ()) -> dict:
+                 num_warps: int = 4, odd: tuple[str, ...] = (),
+                 num_stages: int | None = None) -> dict:
     """Kernel `module.kernel`; `types`: Triton type strings by argument name ('*bf16', 'fp32'...),
     unnamed non-constexpr arguments are 'i32'. Pointers and integers are taken as multiples of 16
     (as Triton specializes a real launch with such values: what lets it vectorize loads) except
@@ -27,10 +28,11 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
     'scalar_loads', 'shared_byte_loads', 'pdl', 'wgmma', 'bulk_tensor_copies', 'mbarrier_waits',
     'loop_barriers'} (global loads of 16 bytes and of one element, loads of one byte from shared
     memory, grid-dependency waits, Hopper's warpgroup MMA, TMA copies and mbarrier waits, in the
-    PTX; barriers inside innermost loops). Runs in a child process: under TRITON_INTERPRET=1
+    PTX; barriers inside innermost loops). `num_stages`: the launch option (Triton's default
+    when None; its software pipelining multiplies a loop's shared-memory buffers). Runs in a child process: under TRITON_INTERPRET=1
     (the test suite) kernels are not compilable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd)])
+    spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd), num_stages])
     out = subprocess.run([sys.executable, "-m", "tests.ops.sm90", spec], capture_output=True,
                          text=True, env=env, timeout=600)
     if out.returncode:
@@ -39,7 +41,7 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
 
 
 def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dict,
-                  num_warps: int, odd: list[str]) -> dict:
+                  num_warps: int, odd: list[str], num_stages: int | None = None) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
@@ -51,8 +53,11 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
     const = {(kernel.arg_names.index(n),): v for n, v in constexprs.items()}
     aligned = [n for n, t in sig.items() if t.startswith("*") or (t == "i32" and n not in odd)]
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
     compiled = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+                              target=GPUTarget("cuda", 90, 32), options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -81,6 +86,10 @@ def _loop_barriers(ptx: str) -> int:
                            re.S):
         count += body.count("bar.sync")
     return count
+
+
+# an H100/H200 block's shared memory (static + dynamic) at most: 227 KiB
+SM90_MAX_SHARED = 232448
 
 
 def sm90_available() -> bool:

@@ -147,3 +147,171 @@ def test_verify_matches_token_by_token_updates(impl):
             want_states[slots[r, j]] = scratch[0]
     assert S == slots.shape[1]
     torch.testing.assert_close(got_states, want_states, atol=1e-5, rtol=1e-5)
+
+
+def _gate_inputs(n, dtype, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(n, HV, generator=gen) * 8).to(dtype)  # softplus past 20 and below -15
+    b = (torch.randn(n, HV, generator=gen) * 3).to(dtype)
+    A_log = (torch.rand(HV, generator=gen) * 3 - 1).to(dtype)
+    dt_bias = torch.randn(HV, generator=gen).to(dtype)
+    return a, b, A_log, dt_bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_forms_the_gates_from_a_and_b(dtype):
+    """A_log, dt_bias given: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (rounded
+    to b's dtype) in the kernel == the gates formed in torch, then the plain update."""
+    q, k, v, _, _, states = _inputs(5, dtype=dtype, seed=6)
+    a, b, A_log, dt_bias = _gate_inputs(5, dtype)
+    slots = torch.tensor([4, -1, 0, 2, 5], dtype=torch.int32)
+    g, beta = gdu.gdn_gate_ref(a, b, A_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    want_states = states.clone()
+    want = gdu.gated_delta_update_ref(q, k, v, g, beta, want_states, slots)
+    for impl in IMPLS:
+        got_states = states.clone()
+        got = UPDATE[impl](q, k, v, a, b, got_states, slots, A_log=A_log, dt_bias=dt_bias)
+        rows = slots >= 0  # bf16 outputs: a rounding flip (summation order) is 1 ulp
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(got[rows].float(), want[rows].float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(got_states, want_states, atol=1e-5, rtol=1e-5)
+
+
+def test_verify_forms_the_gates_from_a_and_b():
+    lens = [3, 2]
+    q, k, v, _, _, states = _inputs(sum(lens), num_slots=8, seed=8)
+    a, b, A_log, dt_bias = _gate_inputs(sum(lens), torch.float32, seed=9)
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    slots = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    idx = torch.tensor([1, 0], dtype=torch.int32)
+    num_accepted = torch.tensor([2, 3], dtype=torch.int32)
+    g, beta = gdu.gdn_gate_ref(a, b, A_log, dt_bias)
+    want_states = states.clone()
+    want = gdv.gated_delta_verify_ref(q, k, v, g, beta, want_states, qsl, slots, num_accepted,
+                                      idx)
+    for impl in IMPLS:
+        got_states = states.clone()
+        got = VERIFY[impl](q, k, v, a, b, got_states, qsl, slots, num_accepted, idx,
+                           A_log=A_log, dt_bias=dt_bias)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_states, want_states, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_windows_cut_at_sequence_starts():
+    """The Triton prefill's windows are the packed batch's BT-token windows (16 interpreted):
+    sequences that start and end inside a window, one spanning three, a skipped one between
+    them, a token_seq passed in (longer than the batch, as a prefill graph's bucket has it).
+    Padding tokens (past the last sequence, as a graph bucket pads them, and the skipped row's)
+    hold NaN: nothing of them may reach the live rows."""
+    from krait.ops.causal_conv1d import token_to_seq
+
+    lens = [2, 3, 37, 4, 9]
+    slots = torch.tensor([0, 1, 2, -1, 3], dtype=torch.int32)
+    init = torch.tensor([1, 0, 1, 1, 1], dtype=torch.int32)
+    T = sum(lens)
+    pad = 7  # padding tokens after the last sequence
+    q, k, v, g, beta, states = _inputs(T + pad, seed=10)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    live = torch.ones(T + pad, dtype=torch.bool)
+    live[qsl[3]:qsl[4]] = False  # the skipped row's outputs are unspecified
+    live[T:] = False
+    for t in (q, k, v, g, beta):
+        t[~live] = float("nan")
+    s_ref, s_tri = states.clone(), states.clone()
+    want = gdc.gated_delta_chunk_ref(q, k, v, g, beta, s_ref, qsl, slots, init)
+    got = gdc.gated_delta_chunk_triton(q, k, v, g, beta, s_tri, qsl, slots, init,
+                                       token_seq=token_to_seq(qsl, T + pad + 4))
+    torch.testing.assert_close(got[live], want[live], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s_tri, s_ref, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- GPU, real size
+# Qwen3-Next-80B's GDN: 16 key heads, 32 value heads, K = V = 128; bf16 activations, float32
+# state; the Triton kernels against the torch references on the device (gpu_check.sh gdn and
+# kernels).
+R_HK, R_HV, R_K, R_V = 16, 32, 128, 128
+
+
+def _real_inputs(T, num_slots, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kw = dict(device="cuda", generator=gen)
+    q = torch.randn(T, R_HK, R_K, **kw).bfloat16()
+    k = torch.randn(T, R_HK, R_K, **kw).bfloat16()
+    v = torch.randn(T, R_HV, R_V, **kw).bfloat16()
+    a = torch.randn(T, R_HV, **kw).bfloat16()
+    b = torch.randn(T, R_HV, **kw).bfloat16()
+    A_log = (torch.rand(R_HV, **kw) * 3 - 4).bfloat16()  # slow decays: state kept long
+    dt_bias = torch.randn(R_HV, **kw).bfloat16()
+    states = torch.randn(num_slots, R_HV, R_K, R_V, **kw) * 0.1  # float32
+    return q, k, v, a, b, A_log, dt_bias, states
+
+
+def _close_bf16(got, want, states_got, states_want):
+    """bf16 outputs and float32 states: elementwise within loose bounds, and in norm within 1%
+    (a wrong head, block or token shows in both)."""
+    for x, y in ((got.float(), want.float()), (states_got, states_want)):
+        torch.testing.assert_close(x, y, atol=5e-2, rtol=5e-2)
+        assert ((x - y).norm() / y.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 64])
+def test_update_real_size(batch):
+    q, k, v, a, b, A_log, dt_bias, states = _real_inputs(batch, batch + 8)
+    slots = torch.randperm(batch + 8, device="cuda")[:batch].to(torch.int32)
+    if batch > 1:
+        slots[7] = -1
+    rows = slots >= 0
+    s_ref, s_tri, s_gate = states.clone(), states.clone(), states.clone()
+    g, beta = gdu.gdn_gate_ref(a, b, A_log, dt_bias)
+    ref = gdu.gated_delta_update_ref(q, k, v, g, beta, s_ref, slots)
+    tri = gdu.gated_delta_update_triton(q, k, v, g, beta, s_tri, slots)
+    _close_bf16(tri[rows], ref[rows], s_tri, s_ref)
+    fused = gdu.gated_delta_update_triton(q, k, v, a, b, s_gate, slots, A_log=A_log,
+                                          dt_bias=dt_bias)
+    _close_bf16(fused[rows], ref[rows], s_gate, s_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_verify_real_size():
+    rows, cols = 64, 4  # 1 + k = 4 tokens a row, some rows shorter
+    lens = [4 if r % 3 else 2 for r in range(rows)]
+    T = sum(lens)
+    q, k, v, a, b, A_log, dt_bias, states = _real_inputs(T, rows * cols + 4, seed=1)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                       device="cuda")
+    slots = torch.arange(rows * cols, dtype=torch.int32, device="cuda").view(rows, cols)
+    idx = torch.arange(rows, dtype=torch.int32, device="cuda")
+    idx[5] = -1
+    num_accepted = (torch.arange(rows, device="cuda") % cols + 1).to(torch.int32)
+    s_ref, s_tri = states.clone(), states.clone()
+    g, beta = gdu.gdn_gate_ref(a, b, A_log, dt_bias)
+    ref = gdv.gated_delta_verify_ref(q, k, v, g, beta, s_ref, qsl, slots, num_accepted, idx)
+    tri = gdv.gated_delta_verify_triton(q, k, v, a, b, s_tri, qsl, slots, num_accepted, idx,
+                                        A_log=A_log, dt_bias=dt_bias)
+    live = torch.ones(T, dtype=torch.bool, device="cuda")
+    live[int(qsl[5]):int(qsl[6])] = False
+    _close_bf16(tri[live], ref[live], s_tri, s_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lens", [[8192], [1000, 37, 2500, 64, 600]])
+def test_chunk_real_size(lens):
+    """An 8k-token prefill (one sequence: the BV-32 sequential pass) and a varlen batch of
+    five (BV 64), bf16 with tf32 products, against the float32 token-by-token reference (a
+    few seconds on the device for 8k tokens)."""
+    T = sum(lens)
+    q, k, v, a, b, A_log, dt_bias, states = _real_inputs(T, len(lens) + 2, seed=2)
+    g, beta = gdu.gdn_gate_ref(a, b, A_log, dt_bias)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                       device="cuda")
+    slots = torch.arange(1, len(lens) + 1, dtype=torch.int32, device="cuda")
+    init = (torch.arange(len(lens), device="cuda") % 2).to(torch.int32)
+    s_ref, s_tri = states.clone(), states.clone()
+    tri = gdc.gated_delta_chunk_triton(q, k, v, g, beta, s_tri, qsl, slots, init)
+    ref = gdc.gated_delta_chunk_ref(q, k, v, g, beta, s_ref, qsl, slots, init)
+    _close_bf16(tri, ref, s_tri, s_ref)

@@ -256,3 +256,111 @@ def test_mamba_verify_conv_kernel_compiles(channel_last):
         stride_x_d=1, stride_w_k=1, stride_sl_c=1, **unit),
         odd=() if channel_last else ("stride_s_d",))  # [slots, 4352, 3]: stride 3 a channel
     assert r["pdl"] and r["local"] == 0 and r["regs"] <= 128, r
+
+
+# Gated DeltaNet (Qwen3-Next-80B: 16 key heads, 32 value heads, K = V = 128) at the tiles its
+# launchers pick for decode batches 1 and 64 and an 8k-token prefill; the float32 [K, V] state
+# stays in registers without spilling, and each kernel's shared memory fits an SM's 227 KiB.
+GDN_HK, GDN_HV, GDN_K, GDN_V = 16, 32, 128, 128
+GDN_STEP = dict(q_ptr=BF, k_ptr=BF, v_ptr=BF, g_ptr=BF, beta_ptr=BF, o_ptr=BF, state_ptr=F32,
+                slots_ptr=I32, scale="fp32", alog_ptr=BF, dtb_ptr=BF)
+
+
+def _fits(r: dict) -> bool:
+    from tests.ops.sm90 import SM90_MAX_SHARED
+
+    return r["local"] == 0 and r["shared"] + r["dynamic_shared"] <= SM90_MAX_SHARED
+
+
+@pytest.mark.parametrize("batch,gate", [(1, True), (64, True), (64, False)])
+def test_gdn_decode_update_compiles_without_spills(batch, gate):
+    # gate: g and beta formed in the kernel from the raw a, b (the layer's decode path)
+    from krait.ops.gated_delta_update import state_blocks
+
+    bk, bv = state_blocks(GDN_K, GDN_V, batch * GDN_HV, 132)
+    assert (bk, bv) == (128, 16 if batch == 1 else 32)  # batch 1: 256 programs, not 128
+    types = GDN_STEP if gate else dict(GDN_STEP, g_ptr=F32, alog_ptr=F32, dtb_ptr=F32)
+    r = compile_sm90("krait.ops.gated_delta_update", "_gdn_update_kernel", types,
+                     dict(QK_L2NORM=True, GATE=gate, BK=bk, BV=bv))
+    # the state rows stream in 16-byte loads
+    assert _fits(r) and r["regs"] <= 128 and r["vector_loads"] > 0, r
+
+
+def test_gdn_verify_compiles_without_spills():
+    from krait.ops.gated_delta_update import state_blocks
+
+    bk, bv = state_blocks(GDN_K, GDN_V, 64 * GDN_HV, 132)
+    r = compile_sm90("krait.ops.gated_delta_verify", "_gdn_verify_kernel",
+                     dict(GDN_STEP, qsl_ptr=I32, acc_ptr=I32, idx_ptr=I32),
+                     dict(QK_L2NORM=True, GATE=True, BK=bk, BV=bv))
+    assert _fits(r) and r["regs"] <= 128, r
+
+
+@pytest.mark.parametrize("num_seqs", [1, 16])
+def test_gdn_prefill_kernels_compile_within_shared_memory(num_seqs):
+    # one 8192-token sequence (BV 32, two stages) or many (BV 64, one stage): software
+    # pipelining of the sequential pass's loads with BV 64 and 3 stages (Triton's default)
+    # asked for 306 KiB of shared memory
+    from krait.ops import gated_delta_chunk as gdc
+
+    blk = gdc.chunk_blocks(GDN_K, GDN_V, num_seqs, GDN_HV, 132)
+    assert blk["BV"] == (32 if num_seqs == 1 else 64)
+    common = dict(QK_L2NORM=True, DOT_PRECISION="tf32", BT=blk["BT"], BK=blk["BK"])
+    prep = compile_sm90("krait.ops.gated_delta_chunk", "_gdn_chunk_prep_kernel",
+                        dict(k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=BF, seq_ptr=I32,
+                             slots_ptr=I32, w_ptr=F32, u_ptr=F32, gam_ptr=F32),
+                        dict(common, BV=blk["BV_PREP"]))
+    seq = compile_sm90("krait.ops.gated_delta_chunk", "_gdn_chunk_kernel",
+                       dict(q_ptr=BF, k_ptr=BF, w_ptr=F32, u_ptr=F32, gam_ptr=F32, o_ptr=BF,
+                            state_ptr=F32, qsl_ptr=I32, slots_ptr=I32, init_ptr=I32,
+                            scale="fp32"), dict(common, BV=blk["BV"]),
+                       num_warps=gdc.CHUNK_WARPS, num_stages=blk["STAGES"])
+    for r in (prep, seq):  # the chunk products on the tensor cores
+        assert _fits(r) and r["wgmma"], r
+
+
+# Qwen3-Next-80B's other new shapes: gated attention with head_dim 256 (16 query heads over 2
+# KV heads: GROUP 8; partial rotary over 64 of the 256 dims) and the router over 512 experts,
+# top-10, at the tiles and launch options their launchers pick.
+def _qwen3_next_decode_split(warps: int) -> dict:
+    from krait.ops import paged_attention as pa
+
+    types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32,
+                 qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32",
+                 k_new_ptr=BF, v_new_ptr=BF, pos_ptr="*i64", cs_ptr=F32, qw_ptr=BF, kw_ptr=BF,
+                 eps="fp32", slot_ptr="*i64")
+    return compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
+        GROUP=8, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=16, BLOCK_M=16,
+        BLOCK_N=pa.DECODE_BLOCK_N, BLOCK_D=256, PDL=True,
+        PREFETCH=pa.decode_prefetch(warps, pa.DECODE_BLOCK_N, 256), Q_FIRST=warps == 8,
+        ROPE=True, NORM=True, IS_NEOX=True), num_warps=warps, num_stages=pa.SPLIT_STAGES)
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_qwen3_next_decode_attention_compiles(warps):
+    r = _qwen3_next_decode_split(warps)
+    assert _fits(r) and r["pdl"], r
+
+
+@pytest.mark.parametrize("query_len", [8192, 8])  # a prefill chunk, a verify row of 1 + 7
+def test_qwen3_next_prefill_attention_compiles(query_len):
+    from krait.ops import paged_attention as pa
+
+    # 128-row tiles, 8 warps, 2 stages: 64-key tiles at head_dim 256 (128 asked 320 KiB)
+    cfg = pa._launch_config(query_len, 8, interpret=False, head_dim=256)
+    assert cfg["BLOCK_N"] == 64 and pa._launch_config(query_len, 8, False)["BLOCK_N"] == (
+        128 if query_len > 8 else 64)
+    types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, out_ptr=BF, qsl_ptr=I32,
+                 seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
+    r = compile_sm90("krait.ops.paged_attention", "_paged_attention_kernel", types, dict(
+        GROUP=8, USE_WINDOW=False, DOT_PRECISION="tf32", BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_D=256, PDL=True), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], odd=("sliding_window",))
+    assert _fits(r), r
+
+
+def test_qwen3_next_router_compiles():
+    r = compile_sm90("krait.ops.moe_routes", "_route_topk_kernel",
+                     dict(logits_ptr=BF, w_ptr=F32, ids_ptr=I32),
+                     dict(TOPK=10, TOPK_PAD=16, RENORM=True, ROUND_W=True, BLOCK_E=512, PDL=True))
+    assert _fits(r) and r["pdl"], r

@@ -132,7 +132,8 @@ def test_capture_pauses_python_gc(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3+split",
-                                  "granitemoehybrid+routes", "granitemoehybrid+fused"])
+                                  "granitemoehybrid+routes", "granitemoehybrid+fused",
+                                  "qwen3next"])
 def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     """The whole decode-graph dataflow without a GPU: inputs built into the captured buffers,
     greedy tokens written by the graph body, sampled rows overwriting them, padded rows, graphs
@@ -142,10 +143,12 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     decode graph (padded rows too) takes the few-route expert GEMVs; +fused: dense granite
     layers with one norm group, so the graph of one row takes every GEMV fusion (the conv in
     in_proj's epilogue, reading the row's slot from the captured buffers; the gated norm in
-    out_proj's prologue)."""
+    out_proj's prologue); qwen3next: Qwen3-Next's Gated DeltaNet decode (the conv update and
+    the delta-rule update forming its gates in the kernel, over the captured slot indices) and
+    its gated attention."""
     import krait.ops.paged_attention as paged_attention_mod
     from krait.runner.cuda_graphs import CudaGraphRunner
-    from tests.utils import make_tiny_llama
+    from tests.utils import make_tiny_llama, make_tiny_qwen3_next
 
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # device tables and the Triton kernels
     if arch.endswith("+split"):
@@ -172,7 +175,15 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
         real_routes = fused_moe_mod.moe_routes_triton
         monkeypatch.setattr(fused_moe_mod, "moe_routes_triton",
                             lambda *a: routes_rows.append(a[0].shape[0]) or real_routes(*a))
+    gdn_steps = []
+    if arch == "qwen3next":
+        import krait.layers.gated_deltanet as gdn_mod
+
+        real_update = gdn_mod.gated_delta_update
+        monkeypatch.setattr(gdn_mod, "gated_delta_update", lambda *a, **kw: gdn_steps.append(
+            "A_log" in kw) or real_update(*a, **kw))
     d = (make_tiny_llama(tmp_path / arch, arch=arch) if arch == "qwen3"
+         else make_tiny_qwen3_next(tmp_path / arch) if arch == "qwen3next"
          else make_tiny_hybrid(tmp_path / arch, arch, **overrides))
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9] * 11, list(range(3, 20)))]
     mixed = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
@@ -212,6 +223,8 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     assert max(replays) == 3 and min(replays) == 1  # padded to 4, then smaller graphs
     if want_routes:
         assert 4 in routes_rows  # the padded graph of 4 rows ran the route GEMVs
+    if arch == "qwen3next":  # every decode step formed its gates in the update
+        assert gdn_steps and all(gdn_steps)
     if want_fused:  # the batch-1 steps (and the graph of 1 row) took both
         assert {"conv_linear", "gated_norm_linear"} <= set(fused)
 

@@ -16,7 +16,7 @@ import torch
 from krait.config import EngineConfig
 from krait.engine.engine import LLMEngine
 from krait.sampling_params import SamplingParams
-from tests.utils import make_tiny_hybrid, make_tiny_llama
+from tests.utils import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -33,14 +33,13 @@ def _syncs_during(fn) -> list[str]:
     return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["llama", "granitemoehybrid", "qwen3next"])
 def test_steps_do_not_synchronize(arch: str, tmp_path) -> None:
+    # qwen3next: the Gated DeltaNet decode (conv update, delta-rule update with its gates) and
+    # prefill (prep + sequential pass, token_to_seq on the device) as well
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if arch == "llama":
-        model = make_tiny_llama(tmp_path / arch, arch=arch)
-    else:
-        model = make_tiny_hybrid(tmp_path / arch, arch)
+    model = make_tiny_model(tmp_path / arch, arch)
     eng = LLMEngine(EngineConfig.from_kwargs(model=model, device="cuda", max_model_len=256,
                                              max_num_seqs=8, gpu_memory_utilization=0.3))
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

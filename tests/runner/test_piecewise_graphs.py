@@ -14,7 +14,7 @@ import torch
 
 from krait import LLM, SamplingParams
 from krait.runner import piecewise_graphs as pw
-from tests.utils import make_tiny_hybrid, make_tiny_llama
+from tests.utils import make_tiny_llama, make_tiny_model
 
 PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 50))]
 
@@ -58,11 +58,10 @@ def _generate(model_dir: str, piecewise: bool, **engine_args):
 
 
 @pytest.mark.parametrize("arch,chunk", [
-    (arch, chunk) for arch in ("qwen3", "granitemoehybrid", "mamba2", "nemotronh")
+    (arch, chunk) for arch in ("qwen3", "granitemoehybrid", "mamba2", "nemotronh", "qwen3next")
     for chunk in (None, 7)] + [("granitemoehybrid+triton", 7)])
 def test_padded_piecewise_forward_matches_the_plain_one(arch, chunk, tmp_path, monkeypatch):
-    d = (make_tiny_llama(tmp_path / arch.removesuffix("+triton"), arch="qwen3")
-         if arch == "qwen3" else make_tiny_hybrid(tmp_path / arch, arch.removesuffix("+triton")))
+    d = make_tiny_model(tmp_path / arch, arch.removesuffix("+triton"))
     args = {"max_num_batched_tokens": chunk} if chunk else {}
     want, _ = _generate(d, False, **args)  # the plain forward through the torch references
     if arch.endswith("+triton"):  # the GPU's kernels, interpreted: NaN rows through them too
@@ -89,8 +88,7 @@ def test_start_up_capture_through_dummy_prefills(arch, tmp_path, monkeypatch):
     recorded from the dummy requests' steps, and the real requests after them (their state
     slots and KV blocks written by the dummies before) get the plain forward's tokens through
     those recorded mixers."""
-    d = (make_tiny_llama(tmp_path / arch, arch="qwen3") if arch == "qwen3"
-         else make_tiny_hybrid(tmp_path / arch, arch))
+    d = make_tiny_model(tmp_path / arch, arch)
     want, _ = _generate(d, False)
     llm = LLM(d, device="cpu", dtype="float32", max_num_batched_tokens=64)
     runner = llm.llm_engine.runner
@@ -136,12 +134,11 @@ def test_mixer_activations_must_be_padded_rows():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "qwen3next"])
 def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path, monkeypatch):
     """On the GPU, float32: bucket 16 (steps of at most 7 tokens) is captured at start-up
     through two dummy prefills; every chunk of the prompts then replays it."""
-    d = (make_tiny_llama(tmp_path / arch, arch="qwen3") if arch == "qwen3"
-         else make_tiny_hybrid(tmp_path / arch, arch))
+    d = make_tiny_model(tmp_path / arch, arch)
 
     def generate(piecewise: bool):
         monkeypatch.setenv("KRAIT_PIECEWISE_GRAPHS", "1" if piecewise else "0")

@@ -18,14 +18,13 @@ from krait.runner.prefill_graphs import (
     prefill_graph_rows_knob,
     prefill_graphs_enabled,
 )
-from tests.utils import make_tiny_hybrid, make_tiny_llama
+from tests.utils import make_tiny_model
 
 PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 50))]
 
 
 def _model(tmp_path, arch: str) -> str:
-    return (make_tiny_llama(tmp_path / arch, arch="qwen3") if arch == "qwen3"
-            else make_tiny_hybrid(tmp_path / arch, arch))
+    return make_tiny_model(tmp_path / arch, arch)
 
 
 def _one_by_one(llm: LLM, prompts=PROMPTS, max_tokens: int = 5
@@ -48,8 +47,8 @@ def _close(got, want) -> None:
 
 
 @pytest.mark.parametrize("arch,chunk", [
-    (arch, chunk) for arch in ("qwen3", "granitemoehybrid", "mamba2", "nemotronh")
-    for chunk in (None, 7)] + [("granitemoehybrid+triton", 7)])
+    (arch, chunk) for arch in ("qwen3", "granitemoehybrid", "mamba2", "nemotronh", "qwen3next")
+    for chunk in (None, 7)] + [("granitemoehybrid+triton", 7), ("qwen3next+triton", 7)])
 def test_padded_prefill_graph_forward_matches_the_plain_one(arch, chunk, tmp_path, monkeypatch):
     prompts, new = PROMPTS, 5
     if arch.endswith("+triton"):  # the GPU's kernels (interpreted) over the padded tokens
@@ -131,7 +130,7 @@ def _gpu_llm(model_dir: str, on: bool, **engine_args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "mamba2"])
+@pytest.mark.parametrize("arch", ["qwen3", "granitemoehybrid", "mamba2", "qwen3next"])
 def test_gpu_capture_and_replay_match_the_plain_forward(arch, tmp_path):
     """On the GPU, float32: buckets 16-128 captured at start-up; every lone prefill (and each
     chunk of 24 tokens at most) replays one, with the state slots and KV written as eagerly."""

@@ -16,7 +16,7 @@ import pytest
 
 from krait import LLM, SamplingParams
 from krait.runner.cuda_graphs import CudaGraphRunner
-from tests.utils import make_tiny_hybrid, make_tiny_llama
+from tests.utils import make_tiny_hybrid, make_tiny_llama, make_tiny_qwen3_next
 
 K = 3
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
@@ -51,12 +51,16 @@ def _run(model_dir: str, graphs: bool, params: list[SamplingParams]):
     return got, replays, llm.llm_engine.get_stats()
 
 
-@pytest.mark.parametrize("arch", ["llama", "granitemoehybrid", "mamba2+triton", "llama+triton"])
+@pytest.mark.parametrize("arch", ["llama", "granitemoehybrid", "mamba2+triton", "llama+triton",
+                                  "qwen3next", "qwen3next+triton"])
 def test_verify_graphs_match_eager(arch: str, tmp_path, monkeypatch) -> None:
+    # qwen3next: Gated DeltaNet's verify rows (causal_conv1d_verify, gated_delta_verify forming
+    # the gates in the kernel) inside the verify graphs
     if arch.endswith("+triton"):
         arch = arch.removesuffix("+triton")
         monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     d = (make_tiny_llama(tmp_path / arch) if arch == "llama"
+         else make_tiny_qwen3_next(tmp_path / arch) if arch == "qwen3next"
          else make_tiny_hybrid(tmp_path / arch, arch))
     n = 6 if os.environ.get("KRAIT_TRITON_CPU") else 12  # the interpreter is slow
     # greedy: graph steps verify drafts filled up to k, eager ones the proposals alone, so a

@@ -1,0 +1,132 @@
+"""krait's Gated DeltaNet prefill (`gated_delta_chunk_triton`) beside flash-linear-attention's
+`chunk_gated_delta_rule` on the same inputs: Qwen3-Next-80B's GDN shapes (16 key heads, 32 value
+heads, K = V = 128), bf16 q/k/v/beta, float32 g (log-decay) and state, q/k l2-normed in the
+kernels, varlen (cu_seqlens) with one sequence of --tokens (8192) from a random initial state.
+Warm-up, then CUDA-event timing of each call over --reps reps (median). JSON on stdout:
+{"krait_ms", "fla_ms", "ratio" (krait / fla), the outputs' and final states' relative
+difference}; fla_ms null (and "fla": the reason) when `fla` is not importable.
+
+Usage (device machine, repo root): python3 scripts/bench_gdn_prefill.py [--tokens 8192]
+fla-core on a machine without an index: pip install --no-deps --no-index wheels/*.whl
+(fla-core and einops; `scripts/gpu_check.sh gdn` does it when wheels/ exists)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HK, HV, K, V = 16, 32, 128, 128
+
+
+def inputs(lens: list[int], seed: int = 0) -> dict:
+    T = sum(lens)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kw = dict(device="cuda", generator=gen)
+    a = torch.randn(T, HV, **kw)
+    A_log = torch.rand(HV, **kw) * 3 - 4  # slow decays (-0.01 to -0.2 a token): long memory
+    return dict(
+        q=torch.randn(T, HK, K, **kw).bfloat16(), k=torch.randn(T, HK, K, **kw).bfloat16(),
+        v=torch.randn(T, HV, V, **kw).bfloat16(),
+        g=-torch.exp(A_log) * torch.nn.functional.softplus(a),  # [T, Hv] float32, <= 0
+        beta=torch.rand(T, HV, **kw).bfloat16(),
+        h0=torch.randn(len(lens), HV, K, V, **kw) * 0.1,  # float32 [N, Hv, K, V]
+        qsl=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                         device="cuda"),
+    )
+
+
+def time_ms(fn, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def krait_call(x: dict):
+    from krait.ops.gated_delta_chunk import gated_delta_chunk_triton
+
+    n = x["h0"].shape[0]
+    states = x["h0"].clone()  # slots 0..n-1, each starting from its initial state
+    slots = torch.arange(n, dtype=torch.int32, device="cuda")
+    init = torch.ones(n, dtype=torch.int32, device="cuda")
+
+    def run():
+        states.copy_(x["h0"])
+        return gated_delta_chunk_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], states,
+                                        x["qsl"], slots, init), states
+
+    return run
+
+
+def fla_call(x: dict):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu = x["qsl"].long()
+    args = [t[None] for t in (x["q"], x["k"], x["v"], x["g"], x["beta"])]  # [1, T, ...]
+
+    def run():
+        o, ht = chunk_gated_delta_rule(*args, scale=K ** -0.5, initial_state=x["h0"],
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                       cu_seqlens=cu)
+        return o[0], ht
+
+    return run
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--lens", default=None, help="comma-separated sequence lengths (varlen)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    lens = [int(n) for n in args.lens.split(",")] if args.lens else [args.tokens]
+    x = inputs(lens)
+    krait = krait_call(x)
+    out = {"kind": "gdn_prefill", "device": torch.cuda.get_device_name(), "lens": lens,
+           "heads": [HK, HV], "head_dims": [K, V], "dtype": "bfloat16",
+           "krait_ms": time_ms(krait, args.warmup, args.reps)}
+    o_k, s_k = krait()
+    o_k, s_k = o_k.clone(), s_k.clone()
+    out.update(fla_ms=None, ratio=None)
+    try:
+        fla = fla_call(x)
+    except ImportError as e:
+        out["fla"] = f"not importable: {e}"
+    else:
+        try:  # krait's row is kept whatever fla does on this machine
+            out["fla_ms"] = time_ms(fla, args.warmup, args.reps)
+            out["ratio"] = out["krait_ms"] / out["fla_ms"]
+            o_f, s_f = fla()
+            out["rel_diff_out"] = rel(o_k, o_f)  # krait against fla
+            out["rel_diff_state"] = rel(s_k, s_f)
+            import fla as fla_mod
+
+            out["fla_version"] = getattr(fla_mod, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            out["fla"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
