@@ -17,11 +17,10 @@ registers a thread at 4 warps; a whole 128 x 128 tile would be 128 and spill).
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-
-import torch.nn.functional as F
 
 from krait.ops._dispatch import cdiv, next_pow2, num_sms, use_triton
 from krait.ops.gated_delta_chunk import delta_step_ref, prepare_qkv_ref

@@ -17,7 +17,12 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, num_sms, use_triton
-from krait.ops.gated_delta_update import gated_delta_update_ref, gdn_gate, gdn_gate_ref, state_blocks
+from krait.ops.gated_delta_update import (
+    gated_delta_update_ref,
+    gdn_gate,
+    gdn_gate_ref,
+    state_blocks,
+)
 
 # ----------------------------------------------------------------------------- triton
 
