@@ -18,6 +18,7 @@ from torch import Tensor
 from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 from krait.ops.causal_conv1d import _check_activation, causal_conv1d_update_ref
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
+from krait.ops.verify_ref import verify_start_states
 
 # ----------------------------------------------------------------------------- triton
 
@@ -129,15 +130,8 @@ def causal_conv1d_verify_ref(
     if rows == 0 or x.shape[0] == 0:
         return out
     qsl = query_start_loc.long()
-    slots = state_slots.long()
-    req = idx_mapping.long()
-    live = (req >= 0) & (slots[:, 0] >= 0)  # [R]
-    col = (num_accepted[req.clamp(min=0)].long() - 1).clamp(0, num_cols - 1)  # [R]
-    src = slots.gather(1, col[:, None]).squeeze(1)  # [R]
-    # every initial state read before any write
-    scratch = torch.zeros((rows, *conv_state.shape[1:]), dtype=torch.float32,
-                          device=conv_state.device)  # [R, dim, width - 1]
-    scratch[live] = conv_state[src[live]].float()
+    # scratch [R, dim, width - 1]
+    slots, live, scratch = verify_start_states(conv_state, state_slots, num_accepted, idx_mapping)
     lens = (qsl[1:] - qsl[:-1]).clamp(max=num_cols)  # [R]
     row_ids = torch.arange(rows, device=x.device)
     for j in range(int(lens.max())):

@@ -23,6 +23,7 @@ from krait.ops.gated_delta_update import (
     gdn_gate_ref,
     state_blocks,
 )
+from krait.ops.verify_ref import verify_start_states
 
 # ----------------------------------------------------------------------------- triton
 
@@ -136,14 +137,8 @@ def gated_delta_verify_ref(
     if rows == 0 or v.shape[0] == 0:
         return o
     qsl = query_start_loc.long()
-    slots = state_slots.long()
-    req = idx_mapping.long()
-    live = (req >= 0) & (slots[:, 0] >= 0)  # [R]
-    col = (num_accepted[req.clamp(min=0)].long() - 1).clamp(0, num_cols - 1)  # [R]
-    src = slots.gather(1, col[:, None]).squeeze(1)  # [R]
-    scratch = torch.zeros((rows, *states.shape[1:]), dtype=torch.float32,
-                          device=states.device)  # [R, Hv, K, V]
-    scratch[live] = states[src[live]].float()  # every initial state read before any write
+    # scratch [R, Hv, K, V]
+    slots, live, scratch = verify_start_states(states, state_slots, num_accepted, idx_mapping)
     lens = (qsl[1:] - qsl[:-1]).clamp(max=num_cols)  # [R]
     row_ids = torch.arange(rows, device=v.device)
     for j in range(int(lens.max())):

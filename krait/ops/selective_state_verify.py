@@ -22,6 +22,7 @@ from krait.ops.selective_state_update import (
     ssu_advance,
     ssu_warps,
 )
+from krait.ops.verify_ref import verify_start_states
 
 # ----------------------------------------------------------------------------- triton
 
@@ -134,15 +135,8 @@ def selective_state_verify_ref(
     if rows == 0 or x.shape[0] == 0:
         return y
     qsl = query_start_loc.long()
-    slots = state_slots.long()
-    req = idx_mapping.long()
-    live = (req >= 0) & (slots[:, 0] >= 0)  # [R]
-    col = (num_accepted[req.clamp(min=0)].long() - 1).clamp(0, num_cols - 1)  # [R]
-    src = slots.gather(1, col[:, None]).squeeze(1)  # [R]
-    # every initial state read before any write
-    scratch = torch.zeros((rows, *ssm_state.shape[1:]), dtype=torch.float32,
-                          device=ssm_state.device)  # [R, H, P, N]
-    scratch[live] = ssm_state[src[live]].float()
+    # scratch [R, H, P, N]
+    slots, live, scratch = verify_start_states(ssm_state, state_slots, num_accepted, idx_mapping)
     lens = (qsl[1:] - qsl[:-1]).clamp(max=num_cols)  # [R]
     row_ids = torch.arange(rows, device=x.device)
     for j in range(int(lens.max())):
