@@ -292,6 +292,9 @@ class LLMEngine:
         N's outputs."""
         failed = self._poll_grammars() if self._structured is not None else []
         sched = self.scheduler.schedule()
+        if (self._structured_ids and self.runner is not None
+                and self.config.scheduler.async_scheduling and self._structured_rows(sched)):
+            return failed + self._step_deferred(sched)
         if self._structured_ids:
             self._fill_grammar_bitmask(sched)
         pending = self.executor.execute_model(sched)
@@ -341,11 +344,34 @@ class LLMEngine:
                 touched[pid] = None
         return self._outputs(touched) if touched else []
 
+    def _step_deferred(self, sched) -> list[RequestOutput]:
+        """An async step with structured rows (one runner in this process): the step's forward
+        is queued first; while the device runs it, the step before is read back, which
+        advances the matchers, and then the masks are filled and the sampling queued. So the
+        GPU computes the forward while the host waits and fills (before, the host filled the
+        masks and prepared the step with the GPU idle)."""
+        sched.grammar_deferred = True
+        deferred = self.executor.execute_model(sched)
+        previous, self._inflight = self._inflight, None
+        outputs = [] if previous is None else self._process(
+            previous[0], self._read_back(previous[1]))
+        self._fill_grammar_bitmask(sched)
+        if hasattr(deferred, "finish"):  # a DeferredSample (the runner queued the forward only)
+            deferred = deferred.finish(sched.structured_req_ids, sched.grammar_bitmask)
+        self._inflight = (sched, deferred)
+        return outputs
+
+    def _structured_rows(self, sched) -> list[Request]:
+        """The structured requests that sample in the step just scheduled."""
+        reqs, scheduled = self.scheduler.requests, sched.num_scheduled_tokens
+        rows = (reqs.get(rid) for rid in self._structured_ids if rid in scheduled)
+        # (one that finished while the step before was processed is gone: its row's token is
+        # dropped, it needs no mask)
+        return [r for r in rows if r is not None and r.grammar is not None and r.num_inflight]
+
     def _fill_grammar_bitmask(self, sched) -> None:
         """The masks of the structured rows that sample in the step just scheduled."""
-        reqs, scheduled = self.scheduler.requests, sched.num_scheduled_tokens
-        rows = [reqs[rid] for rid in self._structured_ids
-                if rid in scheduled and reqs[rid].grammar is not None and reqs[rid].num_inflight]
+        rows = self._structured_rows(sched)
         if rows:
             sched.structured_req_ids = [r.request_id for r in rows]
             sched.grammar_bitmask = self._structured.fill_bitmask(rows)

@@ -68,6 +68,9 @@ class SchedulerOutput:
     # None in a step without structured rows: the runner then does no mask work at all.
     structured_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # async scheduling with structured rows: the runner queues the forward and returns a
+    # DeferredSample; the engine fills the masks once the step before is read back
+    grammar_deferred: bool = False
     # prefix caching with recurrent layers: (request state slot, snapshot slot) pairs whose
     # state the runner copies after the step's forward
     snapshot_saves: list[tuple[int, int]] = field(default_factory=list)

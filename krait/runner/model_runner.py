@@ -75,6 +75,7 @@ class ModelRunner:
         self.piecewise = None  # PiecewiseGraphs for eager steps (krait/envs.py turns them off)
         self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps
         self._grammar = None  # this step's (structured req ids, bitmask), see execute_model
+        self._defer_sampling = False  # this step's sampling waits for its masks (DeferredSample)
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -292,6 +293,7 @@ class ModelRunner:
         # structured rows' masks for this step (None: no structured row samples, no mask work)
         self._grammar = (None if sched.grammar_bitmask is None
                          else (sched.structured_req_ids, sched.grammar_bitmask))
+        self._defer_sampling = sched.grammar_deferred and not sched.scheduled_spec_decode_tokens
         req_ids, num_scheduled, rows, num_prefills = self._ordered_rows(sched)
         if self.tables is not None:
             self.tables.flush()
@@ -516,7 +518,11 @@ class ModelRunner:
     ) -> PendingSample:
         """Samples the rows that reached their last known token and advances the host counters.
         `greedy`: each row's argmax, computed already (decode graphs); `greedy_written`: and
-        stored in the device token table."""
+        stored in the device token table. A step whose masks come later returns a
+        DeferredSample instead: the forward is queued, this runs at its `finish`."""
+        if self._defer_sampling:
+            self._defer_sampling = False
+            return DeferredSample(self, (batch, logits, greedy, greedy_written))
         st = self.states
         idx = batch.idx_mapping_np[: batch.num_reqs]
         end = batch.num_computed_tokens_np[: batch.num_reqs] + batch.num_scheduled_tokens_np[
@@ -624,6 +630,27 @@ class ModelRunner:
         ]
         counts, mask = self.penalties.gather(idx)
         return build_sampling_metadata(rows, logits.shape[-1], logits.device, counts, mask)
+
+
+class DeferredSample:
+    """A step whose forward is queued and whose sampling waits for its structured rows' masks:
+    under async scheduling the masks need the previous step's tokens on the host, which the
+    engine reads back while the device runs this step's forward. `finish` queues the masking
+    and sampling and returns the step's PendingSample."""
+
+    def __init__(self, runner: ModelRunner, args: tuple) -> None:
+        self.runner = runner
+        self.args = args  # _sample_and_update's (batch, logits, greedy, greedy_written)
+        self.prompt_logprobs: dict = {}
+
+    @torch.inference_mode()
+    def finish(self, req_ids: list[str], bitmask) -> PendingSample:
+        runner = self.runner
+        runner._grammar = None if bitmask is None else (req_ids, bitmask)
+        pending = runner._sample_and_update(*self.args)
+        pending.prompt_logprobs = self.prompt_logprobs
+        self.args = None
+        return pending
 
 
 class PendingSample:

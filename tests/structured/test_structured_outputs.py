@@ -311,3 +311,25 @@ def test_min_tokens_does_not_hold_back_the_grammars_end(llm):
                             structured_outputs=StructuredOutputsParams(choice=["ab"]))
     (out,) = llm.generate(["m"], params, use_tqdm=False)
     assert out.outputs[0].text == "ab" and out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_steps_fill_masks_while_the_forward_runs(tmp_path, monkeypatch, async_scheduling):
+    """Under async scheduling a step with structured rows queues its forward first and gets
+    its masks after the step before is read back (`grammar_deferred`); synchronous steps fill
+    them before the launch. Either way every output matches its grammar."""
+    model_dir = make_tiny_llama(tmp_path / "m", vocab_size=VOCAB)
+    llm = LLM(model_dir, max_model_len=128, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    deferred = []
+    real = engine.executor.execute_model
+    monkeypatch.setattr(engine.executor, "execute_model",
+                        lambda s: deferred.append(s.grammar_deferred) or real(s))
+    rx = r"[a-c]{3,6}-\d\d"
+    params = [SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(regex=rx),
+                             **_variants(i)) for i in range(6)]
+    outs = llm.generate([f"p{i}" for i in range(6)] + ["plain"],
+                        params + [SamplingParams(max_tokens=8)], use_tqdm=False)
+    for o in outs[:6]:
+        assert o.outputs[0].finish_reason == "stop" and re.fullmatch(rx, o.outputs[0].text)
+    assert any(deferred) == async_scheduling
