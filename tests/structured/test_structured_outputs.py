@@ -99,10 +99,10 @@ def test_invalid_schema_refused_by_generate(llm):
 
 
 def test_json_schemas_validate(llm):
-    """120 requests over 10 schemas and 5 sampling settings, in one generate call."""
+    """200 requests over 10 schemas and 5 sampling settings, in one generate call."""
     schemas = _schemas()
     params, wanted = [], []
-    for i in range(120):
+    for i in range(200):
         schema = schemas[i % len(schemas)]
         so = StructuredOutputsParams(json=schema, disable_any_whitespace=i % 3 == 0)
         params.append(SamplingParams(max_tokens=96, structured_outputs=so, **_variants(i)))
