@@ -175,10 +175,12 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     d = (make_tiny_llama(tmp_path / arch, arch=arch) if arch == "qwen3"
          else make_tiny_hybrid(tmp_path / arch, arch, **overrides))
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9] * 11, list(range(3, 20)))]
-    mixed = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-             SamplingParams(temperature=0.9, seed=3, max_tokens=5, ignore_eos=True, logprobs=1),
-             SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
-    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 2, 4)]
+    # after the one prefill step, decode steps of 3, 2 and 1 rows (graphs 4, 2 and 1): the
+    # fewest that replay three graph sizes (each interpreted step is slow)
+    mixed = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+             SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True, logprobs=1),
+             SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 2, 3)]
     # all-greedy batches (the graph's own token write stands) once; the interpreter is slow
     param_sets = (mixed, greedy) if arch == "qwen3" else (mixed,)
 
