@@ -144,10 +144,10 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     in_proj's epilogue, reading the row's slot from the captured buffers; the gated norm in
     out_proj's prologue)."""
     import krait.ops.paged_attention as paged_attention_mod
+    import krait.ops.seeded_noise as seeded_noise
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama
 
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # device tables and the Triton kernels
     if arch.endswith("+split"):
         arch = arch.removesuffix("+split")
         monkeypatch.setattr(paged_attention_mod, "SPLIT_MIN_KEYS", 16)  # the batches split
@@ -183,8 +183,15 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 2, 3)]
     # all-greedy batches (the graph's own token write stands) once; the interpreter is slow
     param_sets = (mixed, greedy) if arch == "qwen3" else (mixed,)
+    real_use_triton = seeded_noise.use_triton
 
     def run(graphs: bool) -> tuple[list, int]:
+        # the graphs: device tables and the Triton kernels (interpreted); the eager reference:
+        # the torch references (the interpreter is slow), but the Triton kernel's seeded noise
+        # stream, so that the seeded row draws as the graphs' does
+        monkeypatch.setenv("KRAIT_TRITON_CPU", "1" if graphs else "0")
+        monkeypatch.setattr(seeded_noise, "use_triton",
+                            real_use_triton if graphs else (lambda t: True))
         llm = LLM(d, device="cpu", dtype="float32", max_num_seqs=4)
         runner = llm.llm_engine.runner
         replays = []
@@ -203,8 +210,9 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
 
     want, _ = run(graphs=False)
     got, replays = run(graphs=True)
-    # the same tokens; logprobs within float32 rounding (graphs split keys by max_model_len, the
-    # eager steps by the batch's longest row: rounding to 4 decimals could split a value)
+    # the same tokens; logprobs within float32 rounding (the graphs run the kernels and split
+    # keys by max_model_len, the eager reference the torch ops: rounding to 4 decimals could
+    # split a value)
     assert [[t for t, _ in rows] for rows in got] == [[t for t, _ in rows] for rows in want]
     for got_rows, want_rows in zip(got, want):
         for (_, got_lp), (_, want_lp) in zip(got_rows, want_rows):
