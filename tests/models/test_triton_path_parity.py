@@ -11,9 +11,10 @@ from krait import LLM, SamplingParams
 from tests.utils import hf_greedy, make_tiny_hybrid, make_tiny_llama
 
 PROMPTS = [[5, 6, 7], [9] * 20, list(range(3, 38))]  # the last over two SSD chunks of 16
-# the first token comes from the prefill, then 3 decode steps (each costs about a third of the
-# whole chunked prefill in the interpreter): decode from carried state, and again from its own
-NUM_TOKENS = 4
+# the first token comes from the prefill, then 2 decode steps (each costs about a third of the
+# whole chunked prefill in the interpreter): a decode from the prefill's carried state, and one
+# from a decode's
+NUM_TOKENS = 3
 PREEMPT_TOKENS = 8  # 58 prompt tokens + 3 * 7 in 4-token blocks overfill the pool of 20
 
 
