@@ -172,8 +172,9 @@ def test_no_mask_work_without_structured_rows(llm, monkeypatch):
     monkeypatch.setattr(mr, "apply_token_bitmask", boom)
     engine = llm.llm_engine
     seen = []
-    real = engine.runner.execute_model
-    monkeypatch.setattr(engine.runner, "execute_model",
+    # the engine steps through its executor (which binds the runner's method at start-up)
+    real = engine.executor.execute_model
+    monkeypatch.setattr(engine.executor, "execute_model",
                         lambda s: seen.append(s.grammar_bitmask) or real(s))
     llm.generate(["a", "b"], SamplingParams(temperature=1.0, max_tokens=8, seed=1),
                  use_tqdm=False)
