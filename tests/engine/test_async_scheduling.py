@@ -165,12 +165,22 @@ def test_async_engine_matches_sync_engine(llama_dir: str) -> None:
 def test_async_engine_matches_sync_on_the_triton_path(tmp_path, monkeypatch) -> None:
     """KRAIT_TRITON_CPU runs the device-side input preparation: the decode rows of step N+1
     read step N's tokens from the device token table before the host has seen them."""
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    import krait.ops.seeded_noise as seeded_noise
+
     model = make_tiny_hybrid(tmp_path / "h", "granitemoehybrid")
     prompts = [{"prompt_token_ids": [3, 4, 5, 6, 7]}, {"prompt_token_ids": [9, 8, 7]}]
-    params = [SamplingParams(temperature=0.0, max_tokens=6),
-              SamplingParams(temperature=0.7, seed=1, max_tokens=5)]
+    # interpreted steps are slow: 3 and 2 decode steps after the prefill, each reading the
+    # previous step's in-flight token
+    params = [SamplingParams(temperature=0.0, max_tokens=4),
+              SamplingParams(temperature=0.7, seed=1, max_tokens=3)]
+    # the sync reference through the torch ops (the interpreter is slow), with the Triton
+    # kernel's seeded noise stream so that the seeded row draws alike; then async on the
+    # Triton path
+    real_use_triton = seeded_noise.use_triton
+    monkeypatch.setattr(seeded_noise, "use_triton", lambda t: True)
     sync = _generate(model, False, prompts, params)
+    monkeypatch.setattr(seeded_noise, "use_triton", real_use_triton)
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     assert _generate(model, True, prompts, params) == sync
 
 

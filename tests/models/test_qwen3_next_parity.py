@@ -113,7 +113,7 @@ def test_gdn_triton_kernels_match_hf(ref: Reference, monkeypatch) -> None:
         run = getattr(gdn_layer, name)
         monkeypatch.setattr(gdn_layer, name,
                             lambda *a, run=run, name=name, **kw: ran.append(name) or run(*a, **kw))
-    prompts, n = PROMPTS[4:5], 6
+    prompts, n = PROMPTS[4:5], 4  # 3 interpreted decode steps (each is slow)
     llm = LLM(ref.model_dir, device="cpu", dtype="float32", max_num_batched_tokens=7)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

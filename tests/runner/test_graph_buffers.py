@@ -147,10 +147,10 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
     the delta-rule update forming its gates in the kernel, over the captured slot indices) and
     its gated attention."""
     import krait.ops.paged_attention as paged_attention_mod
+    import krait.ops.seeded_noise as seeded_noise
     from krait.runner.cuda_graphs import CudaGraphRunner
     from tests.utils import make_tiny_llama, make_tiny_qwen3_next
 
-    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # device tables and the Triton kernels
     if arch.endswith("+split"):
         arch = arch.removesuffix("+split")
         monkeypatch.setattr(paged_attention_mod, "SPLIT_MIN_KEYS", 16)  # the batches split
@@ -186,14 +186,23 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
          else make_tiny_qwen3_next(tmp_path / arch) if arch == "qwen3next"
          else make_tiny_hybrid(tmp_path / arch, arch, **overrides))
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9] * 11, list(range(3, 20)))]
-    mixed = [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-             SamplingParams(temperature=0.9, seed=3, max_tokens=5, ignore_eos=True, logprobs=1),
-             SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
-    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 2, 4)]
+    # after the one prefill step, decode steps of 3, 2 and 1 rows (graphs 4, 2 and 1): the
+    # fewest that replay three graph sizes (each interpreted step is slow)
+    mixed = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+             SamplingParams(temperature=0.9, seed=3, max_tokens=3, ignore_eos=True, logprobs=1),
+             SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 2, 3)]
     # all-greedy batches (the graph's own token write stands) once; the interpreter is slow
     param_sets = (mixed, greedy) if arch == "qwen3" else (mixed,)
+    real_use_triton = seeded_noise.use_triton
 
     def run(graphs: bool) -> tuple[list, int]:
+        # the graphs: device tables and the Triton kernels (interpreted); the eager reference:
+        # the torch references (the interpreter is slow), but the Triton kernel's seeded noise
+        # stream, so that the seeded row draws as the graphs' does
+        monkeypatch.setenv("KRAIT_TRITON_CPU", "1" if graphs else "0")
+        monkeypatch.setattr(seeded_noise, "use_triton",
+                            real_use_triton if graphs else (lambda t: True))
         llm = LLM(d, device="cpu", dtype="float32", max_num_seqs=4)
         runner = llm.llm_engine.runner
         replays = []
@@ -212,8 +221,9 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
 
     want, _ = run(graphs=False)
     got, replays = run(graphs=True)
-    # the same tokens; logprobs within float32 rounding (graphs split keys by max_model_len, the
-    # eager steps by the batch's longest row: rounding to 4 decimals could split a value)
+    # the same tokens; logprobs within float32 rounding (the graphs run the kernels and split
+    # keys by max_model_len, the eager reference the torch ops: rounding to 4 decimals could
+    # split a value)
     assert [[t for t, _ in rows] for rows in got] == [[t for t, _ in rows] for rows in want]
     for got_rows, want_rows in zip(got, want):
         for (_, got_lp), (_, want_lp) in zip(got_rows, want_rows):

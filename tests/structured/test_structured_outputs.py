@@ -172,6 +172,7 @@ def test_no_mask_work_without_structured_rows(llm, monkeypatch):
     monkeypatch.setattr(mr, "apply_token_bitmask", boom)
     engine = llm.llm_engine
     seen = []
+    # the engine steps through its executor (which binds the runner's method at start-up)
     real = engine.executor.execute_model
     monkeypatch.setattr(engine.executor, "execute_model",
                         lambda s: seen.append(s.grammar_bitmask) or real(s))
