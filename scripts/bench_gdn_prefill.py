@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from krait.bench.roofline import median_time  # noqa: E402
 
 HK, HV, K, V = 16, 32, 128, 128
 
@@ -43,18 +44,8 @@ def inputs(lens: list[int], seed: int = 0) -> dict:
 
 
 def time_ms(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return median_time(fn, reps=reps, warmup=warmup) * 1e3
 
 
 def krait_call(x: dict):

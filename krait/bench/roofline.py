@@ -20,15 +20,16 @@ def measure_ceilings(device: torch.device) -> Ceilings:
         return Ceilings(copy_bytes_per_s=20e9, matmul_flops_per_s=1e12)
     src = torch.empty(1 << 29, dtype=torch.float16, device=device).normal_()
     dst = torch.empty_like(src)
-    copy_s = _median_time(lambda: dst.copy_(src))
+    copy_s = median_time(lambda: dst.copy_(src))
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    mm_s = _median_time(lambda: a @ b)
+    mm_s = median_time(lambda: a @ b)
     return Ceilings(2 * (1 << 30) / copy_s, 2 * 8192**3 / mm_s)
 
 
-def _median_time(fn, reps: int = 10) -> float:
-    for _ in range(3):
+def median_time(fn, reps: int = 10, warmup: int = 3) -> float:
+    """Median seconds of `fn` on the current CUDA stream (CUDA events), after `warmup` calls."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):

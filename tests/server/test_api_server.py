@@ -34,6 +34,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """Terminates a `krait serve` process, killing it if it does not exit within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(proc: subprocess.Popen, base: str, log: Path, limit: float = 180) -> None:
     """Waits for a started server's /health; fails with its log if it exits or stays unhealthy
     (imports alone take ~10 s)."""
@@ -68,12 +78,7 @@ def server(tmp_path_factory):
         wait_healthy(proc, base, log)
         yield base, model_dir
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

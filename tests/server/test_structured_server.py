@@ -23,7 +23,13 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 from pydantic import BaseModel, Field  # noqa: E402
 
-from tests.server.test_api_server import ROOT, _free_port, post, wait_healthy  # noqa: E402
+from tests.server.test_api_server import (  # noqa: E402
+    ROOT,
+    _free_port,
+    post,
+    stop_server,
+    wait_healthy,
+)
 from tests.utils import make_tiny_llama  # noqa: E402
 
 # the demo template, with the tools rendered in a system turn when a request has them
@@ -72,12 +78,7 @@ def server(tmp_path_factory):
         wait_healthy(proc, base, log)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
