@@ -330,8 +330,9 @@ class EngineConfig:
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                # speculative steps read their accepted counts back before the next schedule
-                async_scheduling=bool(async_scheduling) and speculative_config is None,
+                # (speculative steps run asynchronously only where the runner drafts on the
+                # device: LLMEngine.async_scheduling)
+                async_scheduling=bool(async_scheduling),
             ),
             parallel=ParallelConfig(tensor_parallel_size, pipeline_parallel_size, backend),
             device=dev,

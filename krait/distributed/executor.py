@@ -70,6 +70,11 @@ class Executor:
     def has_drafter(self) -> bool:
         return self.profiles[0].has_drafter
 
+    @property
+    def async_spec(self) -> bool:
+        """Speculative steps run asynchronously (drafts made on the device; one rank only)."""
+        return self.runner is not None and self.runner.async_spec
+
 
 class UniExecutor(Executor):
     """The runner in this process."""

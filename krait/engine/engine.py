@@ -63,7 +63,12 @@ class LLMEngine:
             config.scheduler.max_num_batched_tokens,
             mc.max_model_len,
             num_spec_tokens=self.num_spec_tokens,
+            device_drafts=self.executor.async_spec,
         )
+        # speculative steps are asynchronous where the runner drafts on the device; elsewhere
+        # (host drafters, several ranks, CPU) each step is read back before the next is planned
+        self.async_scheduling = config.scheduler.async_scheduling and (
+            not self.num_spec_tokens or self.executor.async_spec)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -292,13 +297,13 @@ class LLMEngine:
         N's outputs."""
         failed = self._poll_grammars() if self._structured is not None else []
         sched = self.scheduler.schedule()
-        if (self._structured_ids and self.runner is not None
-                and self.config.scheduler.async_scheduling and self._structured_rows(sched)):
+        if (self._structured_ids and self.runner is not None and self.async_scheduling
+                and not self.num_spec_tokens and self._structured_rows(sched)):
             return failed + self._step_deferred(sched)
         if self._structured_ids:
             self._fill_grammar_bitmask(sched)
         pending = self.executor.execute_model(sched)
-        if not self.config.scheduler.async_scheduling:
+        if not self.async_scheduling:
             outputs = self._process(sched, self._read_back(pending))
             if self._has_drafter:
                 self._propose_drafts()

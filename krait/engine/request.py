@@ -50,8 +50,12 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_preemptions: int = 0
     # tokens the device is sampling for this request whose values the host has not seen yet
-    # (async scheduling: the next step is scheduled before the last one's results are read)
+    # (async scheduling: the next step is scheduled before the last one's results are read);
+    # an asynchronous verify step counts all it could produce, 1 + its drafts
     num_inflight: int = 0
+    # tokens the runner prefills at its latest admission (the prompt; after a preemption the
+    # outputs too): a step past them is a decode step
+    num_prefill_tokens: int = 0
     first_token_time: float | None = None
     # prefix caching: prompt tokens found cached at the first admission (-1: not admitted yet);
     # with recurrent layers, the snapshot slot its state starts from (-1: none) and the shared

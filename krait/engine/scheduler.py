@@ -26,6 +26,7 @@ from typing import Any
 
 from krait.engine.kv_cache_manager import KVCacheManager
 from krait.engine.request import Request, RequestStatus
+from krait.runner.spec_decode.drafter import drafts_allowed
 from krait.sampling_params import SamplingParams
 
 
@@ -96,9 +97,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_spec_tokens: int = 0,
+        device_drafts: bool = False,
     ) -> None:
+        """`device_drafts`: asynchronous speculative steps — the runner writes each request's
+        drafts on the device, and every decode step of a request that may draft verifies as
+        many of them as room allows (without it, a request verifies the drafts in its
+        `spec_token_ids`, proposed on the host after the step before was read back)."""
         self.kv = kv
         self.num_spec_tokens = num_spec_tokens
+        self.device_drafts = device_drafts and num_spec_tokens > 0
         self.spec_stats = SpecDecodeStats(num_spec_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -163,13 +170,14 @@ class Scheduler:
         return len(req.prompt_token_ids) + n_out >= self.max_model_len
 
     @staticmethod
-    def _advance(req: Request, n: int) -> None:
-        """The step just scheduled computes n tokens; one reaching the end samples a token."""
+    def _advance(req: Request, n: int, num_drafts: int = 0) -> None:
+        """The step just scheduled computes n tokens; one reaching the end samples a token (a
+        verify step of n = 1 + num_drafts up to n tokens)."""
         req.num_computed_tokens += n
         if req.num_computed_tokens >= (
             len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_inflight
         ):
-            req.num_inflight += 1
+            req.num_inflight += 1 + num_drafts
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a decode step of `req` verifies: as many of its proposed ones as the
@@ -182,6 +190,23 @@ class Scheduler:
         if req.params.max_tokens is not None:
             room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
         return req.spec_token_ids[: max(room, 0)]
+
+    def _num_device_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Asynchronous speculation: how many of the drafts the device wrote after `req`'s
+        tokens its next step verifies. Its counts include the tokens in flight at their most
+        (every draft accepted), so the room left for drafts is never overestimated; the
+        drafts are placeholders (-1) here: their values live on the device."""
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_inflight
+        if (n != 1 or req.num_computed_tokens != num_tokens - 1
+                or req.num_computed_tokens < req.num_prefill_tokens):
+            return 0  # not a decode step
+        if not drafts_allowed(req.params, len(req.output_token_ids)):
+            return 0
+        room = min(self.num_spec_tokens, budget - 1, self.max_model_len - num_tokens - 1)
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - len(req.output_token_ids)
+                       - req.num_inflight - 1)
+        return max(room, 0)
 
     def _reserve_snapshot(self, req: Request, n: int, saves: list[tuple[int, int]]) -> None:
         """A step of `n` tokens ending on a state boundary leaves a snapshot there."""
@@ -220,7 +245,10 @@ class Scheduler:
                 continue
             if snapshots:
                 n = self.kv.prefill_cut(req, req.num_computed_tokens, n)
-            drafts = self._drafts_to_verify(req, n, budget) if req.spec_token_ids else []
+            if self.device_drafts:
+                drafts = [-1] * self._num_device_drafts(req, n, budget)
+            else:
+                drafts = self._drafts_to_verify(req, n, budget) if req.spec_token_ids else []
             req.spec_token_ids = []
             n += len(drafts)
             while True:
@@ -241,7 +269,7 @@ class Scheduler:
                 self._reserve_snapshot(req, n, saves)
             budget -= n
             cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
-            self._advance(req, n)
+            self._advance(req, n, len(drafts))
             i += 1
 
         skipped: list[Request] = []  # waiting for their grammar: they keep their place
@@ -273,6 +301,7 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
             self._seen_by_runner.add(req.request_id)
+            req.num_prefill_tokens = req.num_tokens
             new.append(
                 NewRequestData(
                     req_id=req.request_id,
@@ -330,8 +359,8 @@ class Scheduler:
                 _store_prompt_logprobs(req, got.prompt_logprobs)
             if not got.token_ids:
                 continue
-            req.num_inflight = max(req.num_inflight - 1, 0)
             drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            req.num_inflight = max(req.num_inflight - 1 - len(drafts or ()), 0)
             if drafts is not None:
                 # the step computed 1 + len(drafts) positions; those after the last accepted
                 # draft are recomputed from the token sampled in their place

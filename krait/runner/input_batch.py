@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from krait.ops.spec_commit import apply_rejections
+
 
 @dataclass
 class InputBatch:
@@ -36,6 +38,9 @@ class InputBatch:
     # int32, flat: idx_mapping, query_start_loc, seq_lens and the rows' computed counts are views
     # of it (device-side preparation only); a decode graph's replay refills it in one copy
     device_i32: torch.Tensor | None = None
+    # asynchronous speculative steps: int32 [num_reqs_padded] on the device, the positions each
+    # row's host counters are ahead of the true ones (krait/ops/spec_commit.py); else None
+    spec_delta: torch.Tensor | None = None
 
 
 def build_input_batch(
@@ -51,6 +56,7 @@ def build_input_batch(
     tables=None,
     into: InputBatch | None = None,
     pad_tokens_per_row: int = 1,
+    rejections: tuple[torch.Tensor, np.ndarray] | None = None,
 ) -> InputBatch:
     """Gathers the step's rows from RequestStates (`states`) into flat tensors.
 
@@ -63,7 +69,10 @@ def build_input_batch(
     `into` (with `tables`): a CUDA graph's captured batch of the same padded size, every token
     in a row: the device tensors are written into its buffers, so the replay copies nothing.
     `pad_tokens_per_row`: tokens of each `pad_decode` padding row (1 + k in a speculative
-    verify graph)."""
+    verify graph).
+    `rejections` (with `tables`; asynchronous speculative steps): (the device's rejected
+    positions per request row, the host's known part of them): the rows' counters are corrected
+    on the device before the inputs are gathered (krait/ops/spec_commit.py)."""
     num_reqs = len(req_ids)
     num_reqs_padded = num_reqs_padded or num_reqs
     idx = np.full(num_reqs_padded, -1, dtype=np.int32)
@@ -86,7 +95,7 @@ def build_input_batch(
 
     full = states.block_table.shape[1]
     width = full if full_block_table else min(-(-int(seq_lens.max(initial=1)) // block_size), full)
-    device_i32 = None
+    device_i32 = spec_delta = None
     if tables is not None:
         from krait.ops.prepare_inputs import prepare_inputs
 
@@ -101,6 +110,12 @@ def build_input_batch(
             [idx, qsl, seq_lens, computed], np.int32, device, flat=True,
             out=into.device_i32 if into is not None else None,
         )
+        if rejections is not None:
+            rejected, known = rejections
+            known_b = np.where(idx >= 0, known[np.maximum(idx, 0)], 0).astype(np.int32)
+            spec_delta = torch.empty(num_reqs_padded, dtype=torch.int32, device=device)
+            apply_rejections(idx_t, host_to_device(known_b, device), rejected, computed_t,
+                             seq_lens_t, spec_delta)
         if into is not None:  # decode graphs: the logits of every row (verify graphs: unused)
             logits_indices_t = _row_indices(num_reqs_padded, device)[:num_reqs]
         else:
@@ -140,6 +155,7 @@ def build_input_batch(
         block_table=block_table_t,
         logits_indices=logits_indices_t,
         device_i32=device_i32,
+        spec_delta=spec_delta,
     )
 
 

@@ -15,9 +15,11 @@ from krait.engine.scheduler import SampledTokens, SchedulerOutput
 from krait.models.loader import load_model
 from krait.ops._dispatch import use_triton
 from krait.ops.argmax import argmax
+from krait.ops.ngram_propose import ngram_propose
+from krait.ops.spec_commit import commit_sampled
 from krait.ops.token_bitmask import apply_token_bitmask
 from krait.runner.device_tables import DeviceTables
-from krait.runner.input_batch import InputBatch, build_input_batch, host_to_device
+from krait.runner.input_batch import InputBatch, build_input_batch, host_to_device, to_device
 from krait.runner.model_states import create_model_state
 from krait.runner.penalties import PenaltyState
 from krait.runner.piecewise_graphs import (
@@ -76,6 +78,11 @@ class ModelRunner:
         self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps
         self._grammar = None  # this step's (structured req ids, bitmask), see execute_model
         self._defer_sampling = False  # this step's sampling waits for its masks (DeferredSample)
+        # asynchronous speculative steps (ngram drafts on the device, see `async_spec`): the
+        # device's rejected positions per request row and the host's known part of them
+        self.async_spec = False
+        self.spec_rejected: torch.Tensor | None = None
+        self.spec_known: np.ndarray | None = None
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -96,6 +103,17 @@ class ModelRunner:
             self.tables = DeviceTables(
                 self.states.max_num_reqs, self.max_model_len, max_blocks, self.device
             )
+        spec = self.config.speculative
+        # speculative steps run asynchronously where the drafts can be made on the device: the
+        # ngram drafter over the device token table, one rank (the host counters run ahead and
+        # are corrected one step late, krait/ops/spec_commit.py)
+        self.async_spec = bool(
+            self.num_spec_tokens and self.tables is not None and spec.method == "ngram"
+            and ps.get_tp_size() == 1 and not self.pp)
+        if self.async_spec:
+            n = self.states.max_num_reqs
+            self.spec_rejected = torch.zeros(n, dtype=torch.int32, device=self.device)
+            self.spec_known = np.zeros(n, dtype=np.int32)
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs for every capture size (GPU, unless enforce_eager)."""
@@ -226,7 +244,13 @@ class ModelRunner:
             self.penalties.add(i, new.params, new.token_ids[:n_prompt], new.token_ids[n_prompt:])
         if added:
             self.model_state.add_requests(added, restores)
-        if sched.scheduled_spec_decode_tokens:
+            if self.async_spec:  # a new request row starts with no rejections
+                rows = [i for i, _ in added]
+                self.spec_known[rows] = 0
+                self.spec_rejected.index_fill_(
+                    0, host_to_device(np.array(rows, dtype=np.int64), self.device), 0)
+        if sched.scheduled_spec_decode_tokens and not self.async_spec:
+            # (asynchronous steps verify the drafts the device wrote after each row's tokens)
             self._write_drafts(sched.scheduled_spec_decode_tokens)
         cached = sched.cached_reqs
         if not cached:
@@ -298,7 +322,10 @@ class ModelRunner:
         if self.tables is not None:
             self.tables.flush()
         if sched.scheduled_spec_decode_tokens:
+            if self.async_spec:
+                return self._execute_verify_async(sched, req_ids, num_scheduled)
             return self._execute_verify(sched, req_ids, num_scheduled)
+        rejections = self._rejections()
         graph_size = None
         # never replay a prefill chunk in a decode graph, even a one-token one
         if (self.cuda_graphs is not None and num_prefills == 0
@@ -309,7 +336,7 @@ class ModelRunner:
             batch = build_input_batch(
                 self.states, req_ids, num_scheduled, self.block_size, self.device,
                 num_reqs_padded=graph_size, num_tokens_padded=graph_size, pad_decode=True,
-                tables=self.tables, into=into,
+                tables=self.tables, into=into, rejections=rejections,
             )
             logits, greedy = self.cuda_graphs.run(batch)
             n = batch.num_reqs
@@ -321,6 +348,7 @@ class ModelRunner:
         batch = build_input_batch(
             self.states, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables,
             num_tokens_padded=key[0] if key else None, num_reqs_padded=key[1] if key else None,
+            rejections=rejections,
         )
         hidden = self.forward(batch)
         if not self.is_last_stage:  # a pipeline stage before the last: no logits
@@ -427,6 +455,101 @@ class ModelRunner:
         for rid, entries in prompt_lps.items():
             sampled.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
         return PendingSample.resolved(sampled)
+
+    def _rejections(self) -> tuple[torch.Tensor, np.ndarray] | None:
+        """What build_input_batch corrects the rows' counters by (asynchronous speculation)."""
+        return (self.spec_rejected, self.spec_known) if self.async_spec else None
+
+    def _commit_and_draft(self, rows: np.ndarray, start: np.ndarray, delta: torch.Tensor,
+                          tokens: torch.Tensor, num_sampled: torch.Tensor | None,
+                          num_positions: np.ndarray) -> None:
+        """Asynchronous speculation, after sampling: the sampling rows' tokens go to their true
+        positions of the device token table, their rejected positions are counted, and the
+        ngram drafts of their next step are written after them — all on the device."""
+        rows_t, start_t, npos_t = to_device(
+            [rows.astype(np.int32), start.astype(np.int32), num_positions.astype(np.int32)],
+            np.int32, self.device, tag="spec")
+        next_len = torch.empty(len(rows), dtype=torch.int32, device=self.device)  # [S]
+        table = self.tables.token_ids
+        commit_sampled(table, self.spec_rejected, rows_t, start_t, delta, tokens, num_sampled,
+                       npos_t, next_len)
+        spec = self.config.speculative
+        ngram_propose(table, rows_t, next_len, self.num_spec_tokens, spec.prompt_lookup_min,
+                      spec.prompt_lookup_max)
+
+    def _execute_verify_async(self, sched: SchedulerOutput, req_ids: list[str],
+                              num_scheduled: list[int]) -> PendingVerify:
+        """A verify step that leaves the accepted counts on the device (invariant 7): the
+        host's counters advance as if every draft were accepted, the drafts of the next step
+        are made on the device right after the rejection sampler, and the host learns the
+        accepted counts when it reads the step back (`PendingVerify.result`), one step late.
+        The drafts verified here are the ones the device wrote after each row's last token."""
+        st = self.states
+        spec = sched.scheduled_spec_decode_tokens
+        per_row = 1 + self.num_spec_tokens
+        rejections = self._rejections()
+        size = None
+        if self.verify_graphs is not None and all(t == per_row for t in num_scheduled):
+            size = self.verify_graphs.size_for(len(req_ids))
+        if size is not None:
+            into = self.verify_graphs.captured_batch(size)
+            batch = build_input_batch(
+                st, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables,
+                num_reqs_padded=size, num_tokens_padded=size * per_row, pad_decode=True,
+                pad_tokens_per_row=per_row, into=into, rejections=rejections)
+            batch.num_draft_tokens_per_req = np.full(size, self.num_spec_tokens, np.int32)
+            graph_logits, _ = self.verify_graphs.run(batch)
+            hidden = None
+        else:
+            batch = build_input_batch(st, req_ids, num_scheduled, self.block_size, self.device,
+                                      tables=self.tables, rejections=rejections)
+            batch.num_draft_tokens_per_req = np.array(
+                [len(spec.get(r, ())) for r in req_ids], dtype=np.int32)
+            hidden = self.forward(batch)
+        n = batch.num_reqs
+        idx = batch.idx_mapping_np[:n]
+        prompt_lps = self._prompt_logprobs(batch, hidden) if hidden is not None else {}
+        end = batch.num_computed_tokens_np[:n] + batch.num_scheduled_tokens_np[:n]
+        rows = np.nonzero(end >= st.num_tokens[idx])[0]  # every decode row; prefills at their end
+        qsl = batch.query_start_loc_np
+        first = np.where(batch.is_prefilling[rows], qsl[rows + 1] - 1, qsl[rows])
+        counts = (qsl[rows + 1] - first).astype(np.int32)  # 1 + drafts
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        if hidden is None:
+            logits = graph_logits[: n * per_row]
+        else:
+            positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
+            logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
+        # the drafts: each decode row's input tokens after its first
+        nd = counts - 1
+        drafts_before = cu[:-1] - np.arange(len(rows))  # drafts of the rows before each row
+        draft_at = np.repeat(first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
+        rows_t = host_to_device(rows.astype(np.int64), self.device)
+        draft_ids = batch.input_ids[host_to_device(draft_at.astype(np.int64), self.device)]
+        if self._grammar is not None:
+            self._apply_grammar(logits, [req_ids[r] for r in rows], cu[:-1])
+        rows_i = idx[rows]
+        if st.plain_greedy[rows_i].all():
+            meta = greedy_sampling_metadata(len(rows), logits.device)
+        else:
+            meta = self._sampling_metadata(logits, rows_i)
+        out = self.rejection_sampler(logits, host_to_device(cu, self.device), draft_ids, None,
+                                     meta, num_draft_tokens=nd)
+        self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts with penalties
+        start = st.num_tokens[rows_i].astype(np.int32)
+        self._commit_and_draft(rows_i, start, batch.spec_delta[rows_t], out.output_token_ids,
+                               out.num_sampled.to(torch.int32), counts)
+        st.num_tokens[rows_i] = start + counts  # as if every draft were accepted
+        st.num_computed_tokens[idx] = end
+        if self.model_state.num_accepted_tokens is not None:
+            per_row = torch.zeros(n, dtype=torch.int32, device=self.device)  # 0: sampled nothing
+            per_row.index_copy_(0, rows_t, out.num_sampled.to(torch.int32))
+            self.model_state.postprocess_state(batch.idx_mapping[:n], per_row, batch.seq_lens[:n])
+        pending = PendingVerify(self, [req_ids[r] for r in rows], rows_i, counts, out,
+                                st.wants_logprobs[rows_i])
+        pending.prompt_logprobs = prompt_lps
+        return pending
 
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
         """Drafts for the next step of each running request that decodes next (up to k each,
@@ -543,7 +666,14 @@ class ModelRunner:
             result = self._sample(logits, idx[rows], greedy)
             self.penalties.record(idx[rows], result.sampled_token_ids)
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
-            if self.tables is not None and not (greedy_written and result.sampled_token_ids is greedy):
+            if self.async_spec:  # the true positions are known on the device only
+                delta = batch.spec_delta[: batch.num_reqs]
+                if len(rows) < batch.num_reqs:
+                    delta = delta[host_to_device(rows, self.device)]
+                self._commit_and_draft(idx[rows], pos, delta, result.sampled_token_ids, None,
+                                       np.ones(len(rows), dtype=np.int32))
+            elif self.tables is not None and not (
+                    greedy_written and result.sampled_token_ids is greedy):
                 fits = pos < self.max_model_len
                 tokens = result.sampled_token_ids
                 if not fits.all():  # rows that just reached max_model_len keep no next token
@@ -732,4 +862,62 @@ class PendingSample:
                 out[rid] = sampled
         for rid, entries in self.prompt_logprobs.items():
             out.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
+        return out
+
+
+class PendingVerify:
+    """An asynchronous verify step's tokens, copied to the host without blocking it. Its
+    `result()` also corrects the runner's host counters by the rejected drafts (the device
+    corrected its own when the step ran)."""
+
+    def __init__(self, runner: ModelRunner, req_ids: list[str], rows: np.ndarray,
+                 counts: np.ndarray, out, want_logprobs: np.ndarray) -> None:
+        self.runner = runner
+        self.req_ids = req_ids
+        self.rows = rows  # req_state_idx of each sampling row
+        self.counts = counts  # positions each row could accept: 1 + its drafts
+        self.want_logprobs = want_logprobs
+        self.prompt_logprobs: dict = {}
+        self.waited_s = 0.0
+        self._value: dict[str, SampledTokens] | None = None
+        lp = out.logprobs
+        tensors = [out.output_token_ids, out.num_sampled]
+        if lp is not None:
+            tensors += [lp.token_ids, lp.logprobs, lp.ranks]
+        self._event = None
+        if tensors[0].is_cuda:
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = tensors
+
+    def result(self) -> dict[str, SampledTokens]:
+        if self._value is not None:
+            return self._value
+        if self._event is not None:
+            t0 = time.perf_counter()
+            self._event.synchronize()
+            self.waited_s = time.perf_counter() - t0
+        tokens = self._host[0].tolist()
+        num_sampled = self._host[1].tolist()
+        lp = [t.tolist() for t in self._host[2:]] if len(self._host) > 2 else None
+        runner = self.runner
+        st = runner.states
+        out: dict[str, SampledTokens] = {}
+        for j, rid in enumerate(self.req_ids):
+            m = num_sampled[j]
+            i = int(self.rows[j])
+            rejected = int(self.counts[j]) - m
+            if rejected and st.req_ids[i] == rid:  # (the row may have a new request by now)
+                st.num_tokens[i] -= rejected
+                runner.spec_known[i] += rejected
+            got = SampledTokens(tokens[j][:m])
+            if lp is not None and self.want_logprobs[j]:
+                got.logprobs = [dict(zip(lp[0][j][q], lp[1][j][q])) for q in range(m)]
+                got.ranks = [lp[2][j][q] for q in range(m)]
+            out[rid] = got
+        for rid, entries in self.prompt_logprobs.items():
+            out.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
+        self._value = out
+        self._host = None
         return out

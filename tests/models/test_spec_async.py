@@ -1,0 +1,136 @@
+"""Asynchronous speculative steps (DESIGN.md runner invariant 7): with device-side input
+preparation (the GPU's path, here through the Triton interpreter on CPU) an ngram-speculative
+engine keeps async scheduling — step N+1 is planned and launched before step N's accepted counts
+are read back — and stays lossless: greedy tokens equal HF transformers' token for token.
+
+The drafter is the device one (krait/ops/ngram_propose.py) or, to force both accepted and
+rejected drafts on tiny random models, a scripted stand-in with its interface that writes HF's
+continuation into the device token table with its first j drafts right, j cycling 0..k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import krait.runner.model_runner as model_runner_mod
+from krait import LLM, SamplingParams
+from tests.utils import hf_greedy, make_tiny_hybrid, make_tiny_llama
+
+K = 3
+SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}
+# (no token 2 in a prompt: the HF oracle takes it for padding)
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 4, 11, 30, 3], [12, 13] * 4 + [40]]
+MAX_NEW = 9
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = tmp_path_factory.mktemp(arch)
+            d = (make_tiny_llama(path, arch="llama") if arch == "llama"
+                 else make_tiny_hybrid(path, arch))
+            cache[arch] = (d, hf_greedy(d, PROMPTS, MAX_NEW)[0])
+        return cache[arch]
+
+    return get
+
+
+def _scripted_drafter(want: list[list[int]], log: list):
+    """ngram_propose's interface: drafts HF's continuation, the first j of them right."""
+    calls = {}
+
+    def propose(table, rows, num_tokens, k, min_n, max_n):
+        for i, n in zip(rows.tolist(), num_tokens.tolist()):
+            p = next(p for p, prompt in enumerate(PROMPTS)
+                     if table[i, : len(prompt)].tolist() == prompt)
+            out = n - len(PROMPTS[p])
+            cont = (want[p] + [0] * (k + 1))[out : out + k]
+            right = calls.get(p, 0) % (k + 1)
+            calls[p] = calls.get(p, 0) + 1
+            drafts = cont[:right] + [(t + 1) % 500 for t in cont[right:]]
+            for q, d in enumerate(drafts):
+                if n + q < table.shape[1]:
+                    table[i, n + q] = d
+            log.append(right)
+
+    return propose
+
+
+def _llm(model_dir: str, **kw) -> LLM:
+    llm = LLM(model_dir, device="cpu", dtype="float32", speculative_config=SPEC, **kw)
+    engine = llm.llm_engine
+    assert engine.runner.async_spec and engine.async_scheduling
+    return llm
+
+
+def _generate(llm: LLM, params: SamplingParams | None = None):
+    params = params or SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _count_overlapped_steps(llm: LLM) -> list[int]:
+    """Counts the verify steps launched while another step was still unread (the engine's
+    in-flight step), i.e. planned without that step's accepted counts."""
+    engine, seen = llm.llm_engine, [0]
+    run = engine.executor.execute_model
+
+    def execute(sched):
+        if sched.scheduled_spec_decode_tokens and engine._inflight is not None:
+            seen[0] += 1
+        return run(sched)
+
+    engine.executor.execute_model = execute
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba2"])
+def test_async_verify_steps_are_lossless_and_overlapped(arch, models, monkeypatch):
+    model_dir, want = models(arch)
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    log: list[int] = []
+    monkeypatch.setattr(model_runner_mod, "ngram_propose", _scripted_drafter(want, log))
+    llm = _llm(model_dir, max_num_seqs=2, max_num_batched_tokens=9)  # chunked, staggered
+    overlapped = _count_overlapped_steps(llm)
+    assert _generate(llm) == want
+    stats = llm.llm_engine.get_stats()
+    accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert overlapped[0] > 0  # the host planned verify steps without the counts (invariant 7)
+    kv = llm.llm_engine.kv
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_async_device_ngram_with_preemption_and_stops(models, monkeypatch):
+    """The device ngram drafter end to end, with preemption (the resumed requests recompute
+    from host tokens that arrived one step late) and max_tokens cutting inside accepted runs."""
+    model_dir, want = models("llama")
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    llm = _llm(model_dir, block_size=4, num_kv_blocks=9, max_model_len=32)
+    seen = []
+    add = llm.llm_engine.scheduler.add_request
+    llm.llm_engine.scheduler.add_request = lambda req: (seen.append(req), add(req))[1]
+    assert _generate(llm) == want
+    assert sum(r.num_preemptions for r in seen) > 0
+    lens = [4, 7, 2]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                         for n in lens], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [w[:n] for w, n in zip(want, lens)]
+
+
+def test_async_spec_keeps_the_counters_consistent(models, monkeypatch):
+    """After the run, the device's rejected counts and the host's known ones agree for every
+    row (nothing left unread), so the next request in a row starts from true counters."""
+    model_dir, want = models("llama")
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    llm = _llm(model_dir)
+    assert _generate(llm) == want
+    runner = llm.llm_engine.runner
+    rejected = runner.spec_rejected.cpu().numpy()
+    assert (rejected >= 0).all() and rejected.sum() > 0
+    assert torch.equal(torch.from_numpy(runner.spec_known), runner.spec_rejected.cpu())

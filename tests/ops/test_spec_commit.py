@@ -1,0 +1,100 @@
+"""The device ops of asynchronous speculative steps: rejection bookkeeping, committing sampled
+tokens at their true positions, and prompt-lookup drafts on the device."""
+
+import numpy as np
+import pytest
+import torch
+
+from krait.ops.ngram_propose import ngram_propose_ref, ngram_propose_triton
+from krait.ops.spec_commit import (
+    apply_rejections_ref,
+    apply_rejections_triton,
+    commit_sampled_ref,
+    commit_sampled_triton,
+)
+from krait.runner.spec_decode.ngram import NgramProposer
+
+I32 = torch.int32
+
+
+@pytest.mark.parametrize("impl", [apply_rejections_ref, apply_rejections_triton],
+                         ids=["ref", "triton"])
+def test_apply_rejections_corrects_live_rows_and_skips_padding(impl):
+    rejected = torch.tensor([5, 0, 9, 2], dtype=I32)
+    idx = torch.tensor([2, -1, 0, 3], dtype=I32)
+    known = torch.tensor([6, 4, 5, 2], dtype=I32)  # row 1 is padding: its known is ignored
+    computed = torch.tensor([10, 0, 20, 30], dtype=I32)
+    seq_lens = torch.tensor([14, 1, 21, 31], dtype=I32)
+    delta = torch.full((4,), -7, dtype=I32)
+    impl(idx, known, rejected, computed, seq_lens, delta)
+    assert delta.tolist() == [3, 0, 0, 0]
+    assert computed.tolist() == [7, 0, 20, 30]
+    assert seq_lens.tolist() == [11, 1, 21, 31]
+
+
+@pytest.mark.parametrize("impl", [commit_sampled_ref, commit_sampled_triton], ids=["ref", "triton"])
+def test_commit_sampled_writes_true_positions_and_counts_rejections(impl):
+    table = torch.zeros(3, 10, dtype=I32)
+    rejected = torch.tensor([1, 0, 0], dtype=I32)
+    rows = torch.tensor([0, 2, 1], dtype=I32)
+    start = torch.tensor([5, 8, 2], dtype=I32)  # the host's (optimistic) positions
+    delta = torch.tensor([1, 0, 0], dtype=I32)  # row 0 had one rejection the host missed
+    tokens = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]])
+    num_sampled = torch.tensor([2, 4, 1], dtype=I32)
+    num_positions = torch.tensor([4, 4, 1], dtype=I32)  # row 1: a prefill row's one token
+    next_len = torch.zeros(3, dtype=I32)
+    impl(table, rejected, rows, start, delta, tokens, num_sampled, num_positions, next_len)
+    assert table[0].tolist() == [0, 0, 0, 0, 11, 12, 0, 0, 0, 0]
+    assert table[2].tolist() == [0] * 8 + [21, 22]  # past max_model_len: dropped
+    assert table[1].tolist() == [0, 0, 31] + [0] * 7
+    assert rejected.tolist() == [1 + 2, 0, 0]
+    assert next_len.tolist() == [6, 12, 3]
+
+
+@pytest.mark.parametrize("impl", [commit_sampled_ref, commit_sampled_triton], ids=["ref", "triton"])
+def test_commit_sampled_one_token_rows(impl):
+    table = torch.zeros(2, 6, dtype=I32)
+    rejected = torch.zeros(2, dtype=I32)
+    rows = torch.tensor([1, 0], dtype=I32)
+    next_len = torch.zeros(2, dtype=I32)
+    impl(table, rejected, rows, torch.tensor([3, 0], dtype=I32), torch.tensor([1, 0], dtype=I32),
+         torch.tensor([7, 8]), None, torch.ones(2, dtype=I32), next_len)
+    assert table.tolist() == [[8, 0, 0, 0, 0, 0], [0, 0, 7, 0, 0, 0]]
+    assert rejected.tolist() == [0, 0] and next_len.tolist() == [3, 1]
+
+
+def _random_rows(seed: int, num_rows: int, width: int, vocab: int):
+    g = np.random.default_rng(seed)
+    table = g.integers(0, vocab, size=(num_rows, width)).astype(np.int32)
+    for r in range(0, num_rows, 3):  # some rows repeat a phrase, as the bench workload does
+        period = int(g.integers(1, 6))
+        table[r, 4:] = np.resize(table[r, :period], width - 4)
+    n = g.integers(1, width - 4, size=num_rows).astype(np.int32)
+    return table, n
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_device_ngram_matches_the_host_drafter(seed):
+    k, lo, hi = 3, 1, 4
+    table, n = _random_rows(seed, 12, 48, vocab=4)
+    host_drafts, host_counts = NgramProposer(k, lo, hi).propose(table, n, np.full(12, k))
+    rows = torch.arange(12, dtype=I32)
+    for impl in (ngram_propose_ref, ngram_propose_triton):
+        t = torch.from_numpy(table.copy())
+        impl(t, rows, torch.from_numpy(n), k, lo, hi)
+        for r in range(12):
+            got = t[r, n[r] : n[r] + k].tolist()
+            if host_counts[r]:
+                assert got == host_drafts[r, :k].tolist(), (impl.__name__, r)
+            else:  # no match: the last token again (the host proposes nothing)
+                assert got == [int(table[r, n[r] - 1])] * k, (impl.__name__, r)
+            assert t[r, : n[r]].tolist() == table[r, : n[r]].tolist()  # tokens untouched
+
+
+def test_device_ngram_skips_padding_and_clips_at_the_table_end():
+    t = torch.tensor([[1, 2, 1, 2, 1, 0], [5, 5, 5, 5, 5, 5]], dtype=I32)
+    want = t.clone()
+    want[0, 5] = 2  # "1 2 1" matched at 0..2: the next token 2; the rest is past the end
+    ngram_propose_triton(t, torch.tensor([0, -1], dtype=I32), torch.tensor([5, 3], dtype=I32),
+                         3, 1, 3)
+    assert t.tolist() == want.tolist()
