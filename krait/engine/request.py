@@ -66,6 +66,9 @@ class Request:
     # speculative decoding: drafts proposed for the next step, and this request's tallies
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
+    # asynchronous speculation: drafts the device's drafter found after the latest step the host
+    # has read back (-1: none read back yet, so the next decode step tries drafting)
+    num_found_drafts: int = -1
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0
     # structured outputs: the request's matcher (krait/structured/grammar.py RequestGrammar),

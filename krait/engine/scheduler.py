@@ -87,6 +87,9 @@ class SampledTokens:
     # prompt logprobs computed in this chunk: (prompt position, [(id, logprob): the prompt's own
     # token, then the top-k in order], rank of the own token)
     prompt_logprobs: list[tuple[int, list[tuple[int, float]], int]] | None = None
+    # asynchronous speculation: drafts the device's drafter found for the request's next step
+    # (0: no match, its filler drafts are not worth verifying); None: not reported
+    num_drafts: int | None = None
 
 
 class Scheduler:
@@ -200,8 +203,8 @@ class Scheduler:
         if (n != 1 or req.num_computed_tokens != num_tokens - 1
                 or req.num_computed_tokens < req.num_prefill_tokens):
             return 0  # not a decode step
-        if not drafts_allowed(req.params, len(req.output_token_ids)):
-            return 0
+        if not drafts_allowed(req.params, len(req.output_token_ids)) or not req.num_found_drafts:
+            return 0  # (or the drafter found nothing the last time the host heard)
         room = min(self.num_spec_tokens, budget - 1, self.max_model_len - num_tokens - 1)
         if req.params.max_tokens is not None:
             room = min(room, req.params.max_tokens - len(req.output_token_ids)
@@ -359,6 +362,8 @@ class Scheduler:
                 _store_prompt_logprobs(req, got.prompt_logprobs)
             if not got.token_ids:
                 continue
+            if got.num_drafts is not None:
+                req.num_found_drafts = got.num_drafts
             drafts = sched.scheduled_spec_decode_tokens.get(req_id)
             req.num_inflight = max(req.num_inflight - 1 - len(drafts or ()), 0)
             if drafts is not None:

@@ -7,7 +7,8 @@ candidates with l >= min_n the longest wins, then the most recent (largest e) â€
 drafter's rule (krait/runner/spec_decode/ngram.py). Its k drafts are the tokens after it,
 continued periodically past the row's end: table[i, e + 1 + q % (n - e - 1)]. A row without a
 match (or with fewer than min_n + 1 tokens) drafts its last token k times: any draft is
-lossless, and a verify graph needs k of them. Drafts go to table[i, n + q] (those < L).
+lossless, and a verify graph needs k of them. Drafts go to table[i, n + q] (those < L);
+counts[s] says whether they came from a match (k) or not (0).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from krait.ops._dispatch import next_pow2, use_triton
 
 
 @triton.jit
-def _ngram_propose_kernel(table_ptr, rows_ptr, ntok_ptr, width, stride_row, k, min_n,
+def _ngram_propose_kernel(table_ptr, rows_ptr, ntok_ptr, counts_ptr, width, stride_row, k, min_n,
                           MAX_N: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     s = tl.program_id(0)
     i = tl.load(rows_ptr + s)
     n = tl.load(ntok_ptr + s)
+    found = 0
     if i >= 0 and n >= 1:
         base = table_ptr + i.to(tl.int64) * stride_row
         best = tl.full([BLOCK], -1, tl.int64)
@@ -43,28 +45,32 @@ def _ngram_propose_kernel(table_ptr, rows_ptr, ntok_ptr, width, stride_row, k, m
         top = tl.max(best, axis=0)
         q = tl.arange(0, BLOCK_K)
         if top >= 0:
+            found = k
             start = (top % (1 << 40)).to(tl.int32) + 1
             src = start + q % (n - start)
         else:
             src = q * 0 + n - 1
         d = tl.load(base + src, mask=q < k, other=0)
         tl.store(base + n + q, d, mask=(q < k) & (n + q < width))
+    tl.store(counts_ptr + s, found)
 
 
-def ngram_propose_triton(table: Tensor, rows: Tensor, num_tokens: Tensor, k: int, min_n: int,
-                         max_n: int) -> None:
+def ngram_propose_triton(table: Tensor, rows: Tensor, num_tokens: Tensor, counts: Tensor, k: int,
+                         min_n: int, max_n: int) -> None:
     if rows.shape[0] == 0 or k == 0:
+        counts.zero_()
         return
     _ngram_propose_kernel[(rows.shape[0],)](
-        table, rows, num_tokens, table.shape[1], table.stride(0), k, min_n,
+        table, rows, num_tokens, counts, table.shape[1], table.stride(0), k, min_n,
         MAX_N=max_n, BLOCK=256, BLOCK_K=next_pow2(k),
     )
 
 
-def ngram_propose_ref(table: Tensor, rows: Tensor, num_tokens: Tensor, k: int, min_n: int,
-                      max_n: int) -> None:
+def ngram_propose_ref(table: Tensor, rows: Tensor, num_tokens: Tensor, counts: Tensor, k: int,
+                      min_n: int, max_n: int) -> None:
     width = table.shape[1]
-    for i, n in zip(rows.tolist(), num_tokens.tolist()):
+    counts.zero_()
+    for s, (i, n) in enumerate(zip(rows.tolist(), num_tokens.tolist())):
         if i < 0 or n < 1 or k == 0:
             continue
         row = table[i, :n].tolist()
@@ -78,6 +84,7 @@ def ngram_propose_ref(table: Tensor, rows: Tensor, num_tokens: Tensor, k: int, m
         if best is None:
             drafts = [row[n - 1]] * k
         else:
+            counts[s] = k
             start = best[1] + 1
             drafts = [row[start + q % (n - start)] for q in range(k)]
         for q, d in enumerate(drafts):
@@ -85,11 +92,11 @@ def ngram_propose_ref(table: Tensor, rows: Tensor, num_tokens: Tensor, k: int, m
                 table[i, n + q] = d
 
 
-def ngram_propose(table: Tensor, rows: Tensor, num_tokens: Tensor, k: int, min_n: int,
-                  max_n: int) -> None:
-    """table int32 [R, L]; rows int32 [S] (-1 = skip); num_tokens int32 [S]: writes each row's
-    k drafts after its tokens, in place (see the module docstring)."""
+def ngram_propose(table: Tensor, rows: Tensor, num_tokens: Tensor, counts: Tensor, k: int,
+                  min_n: int, max_n: int) -> None:
+    """table int32 [R, L]; rows int32 [S] (-1 = skip); num_tokens int32 [S]; counts int32 [S]
+    out: writes each row's k drafts after its tokens, in place (see the module docstring)."""
     if use_triton(table):
-        ngram_propose_triton(table, rows, num_tokens, k, min_n, max_n)
+        ngram_propose_triton(table, rows, num_tokens, counts, k, min_n, max_n)
     else:
-        ngram_propose_ref(table, rows, num_tokens, k, min_n, max_n)
+        ngram_propose_ref(table, rows, num_tokens, counts, k, min_n, max_n)

@@ -462,10 +462,12 @@ class ModelRunner:
 
     def _commit_and_draft(self, rows: np.ndarray, start: np.ndarray, delta: torch.Tensor,
                           tokens: torch.Tensor, num_sampled: torch.Tensor | None,
-                          num_positions: np.ndarray) -> None:
+                          num_positions: np.ndarray) -> torch.Tensor:
         """Asynchronous speculation, after sampling: the sampling rows' tokens go to their true
         positions of the device token table, their rejected positions are counted, and the
-        ngram drafts of their next step are written after them — all on the device."""
+        ngram drafts of their next step are written after them — all on the device. Returns
+        int32 [S]: k where the drafts came from a match, else 0 (the scheduler, one step
+        later, verifies no drafts for a row whose drafter found nothing)."""
         rows_t, start_t, npos_t = to_device(
             [rows.astype(np.int32), start.astype(np.int32), num_positions.astype(np.int32)],
             np.int32, self.device, tag="spec")
@@ -474,8 +476,10 @@ class ModelRunner:
         commit_sampled(table, self.spec_rejected, rows_t, start_t, delta, tokens, num_sampled,
                        npos_t, next_len)
         spec = self.config.speculative
-        ngram_propose(table, rows_t, next_len, self.num_spec_tokens, spec.prompt_lookup_min,
-                      spec.prompt_lookup_max)
+        found = torch.empty(len(rows), dtype=torch.int32, device=self.device)  # [S]
+        ngram_propose(table, rows_t, next_len, found, self.num_spec_tokens,
+                      spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return found
 
     def _execute_verify_async(self, sched: SchedulerOutput, req_ids: list[str],
                               num_scheduled: list[int]) -> PendingVerify:
@@ -538,8 +542,9 @@ class ModelRunner:
                                      meta, num_draft_tokens=nd)
         self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts with penalties
         start = st.num_tokens[rows_i].astype(np.int32)
-        self._commit_and_draft(rows_i, start, batch.spec_delta[rows_t], out.output_token_ids,
-                               out.num_sampled.to(torch.int32), counts)
+        found = self._commit_and_draft(rows_i, start, batch.spec_delta[rows_t],
+                                       out.output_token_ids, out.num_sampled.to(torch.int32),
+                                       counts)
         st.num_tokens[rows_i] = start + counts  # as if every draft were accepted
         st.num_computed_tokens[idx] = end
         if self.model_state.num_accepted_tokens is not None:
@@ -547,7 +552,7 @@ class ModelRunner:
             per_row.index_copy_(0, rows_t, out.num_sampled.to(torch.int32))
             self.model_state.postprocess_state(batch.idx_mapping[:n], per_row, batch.seq_lens[:n])
         pending = PendingVerify(self, [req_ids[r] for r in rows], rows_i, counts, out,
-                                st.wants_logprobs[rows_i])
+                                st.wants_logprobs[rows_i], found)
         pending.prompt_logprobs = prompt_lps
         return pending
 
@@ -666,12 +671,14 @@ class ModelRunner:
             result = self._sample(logits, idx[rows], greedy)
             self.penalties.record(idx[rows], result.sampled_token_ids)
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
+            num_drafts = None
             if self.async_spec:  # the true positions are known on the device only
                 delta = batch.spec_delta[: batch.num_reqs]
                 if len(rows) < batch.num_reqs:
                     delta = delta[host_to_device(rows, self.device)]
-                self._commit_and_draft(idx[rows], pos, delta, result.sampled_token_ids, None,
-                                       np.ones(len(rows), dtype=np.int32))
+                num_drafts = self._commit_and_draft(idx[rows], pos, delta,
+                                                    result.sampled_token_ids, None,
+                                                    np.ones(len(rows), dtype=np.int32))
             elif self.tables is not None and not (
                     greedy_written and result.sampled_token_ids is greedy):
                 fits = pos < self.max_model_len
@@ -684,6 +691,7 @@ class ModelRunner:
                            else [batch.req_ids[r] for r in rows])
             pending = PendingSample(
                 sampled_ids, idx[rows], pos, result, st, want_logprobs=st.wants_logprobs[idx[rows]],
+                num_drafts=num_drafts,
             )
             if self.tables is None:  # the host gathers the next step's inputs: it needs them now
                 pending.write_host_tokens()
@@ -787,7 +795,7 @@ class PendingSample:
     """The sampled tokens of a launched step, copied to the host without blocking it."""
 
     def __init__(self, req_ids, rows, positions, result: SamplerOutput | None, states,
-                 want_logprobs=None) -> None:
+                 want_logprobs=None, num_drafts: torch.Tensor | None = None) -> None:
         self.req_ids: list[str] = req_ids
         self.rows = rows  # req_state_idx of each sampling row
         self.positions = positions  # the token position each row samples
@@ -800,12 +808,17 @@ class PendingSample:
         self._written = False  # token values already in the host table
         self.waited_s = 0.0  # how long reading the tokens back blocked the host
         self._resolved: dict[str, SampledTokens] | None = None
+        # asynchronous speculation: whether each row's drafter found a match (see
+        # ModelRunner._commit_and_draft); the last entry of the host tensors
+        self._has_drafts = num_drafts is not None
         if result is None:
             return
         lp = result.logprobs
         tensors = [result.sampled_token_ids]
         if lp is not None:
             tensors += [lp.token_ids, lp.logprobs, lp.ranks]
+        if num_drafts is not None:
+            tensors.append(num_drafts)
         if tensors[0].is_cuda:
             self._host = [t.to("cpu", non_blocking=True) for t in tensors]
             self._event = torch.cuda.Event()
@@ -853,9 +866,12 @@ class PendingSample:
         out: dict[str, SampledTokens] = {}
         if tokens:
             self.write_host_tokens()
-            lp = [t.tolist() for t in self._host[1:]] if len(self._host) > 1 else None
+            host = self._host[:-1] if self._has_drafts else self._host
+            drafts = self._host[-1].tolist() if self._has_drafts else None
+            lp = [t.tolist() for t in host[1:]] if len(host) > 1 else None
             for j, rid in enumerate(self.req_ids):
-                sampled = SampledTokens([tokens[j]])
+                sampled = SampledTokens([tokens[j]],
+                                        num_drafts=drafts[j] if drafts is not None else None)
                 if lp is not None and self.want_logprobs[j]:
                     sampled.logprobs = [dict(zip(lp[0][j], lp[1][j]))]
                     sampled.ranks = [lp[2][j]]
@@ -871,7 +887,8 @@ class PendingVerify:
     corrected its own when the step ran)."""
 
     def __init__(self, runner: ModelRunner, req_ids: list[str], rows: np.ndarray,
-                 counts: np.ndarray, out, want_logprobs: np.ndarray) -> None:
+                 counts: np.ndarray, out, want_logprobs: np.ndarray,
+                 num_drafts: torch.Tensor) -> None:
         self.runner = runner
         self.req_ids = req_ids
         self.rows = rows  # req_state_idx of each sampling row
@@ -881,7 +898,7 @@ class PendingVerify:
         self.waited_s = 0.0
         self._value: dict[str, SampledTokens] | None = None
         lp = out.logprobs
-        tensors = [out.output_token_ids, out.num_sampled]
+        tensors = [out.output_token_ids, out.num_sampled, num_drafts]
         if lp is not None:
             tensors += [lp.token_ids, lp.logprobs, lp.ranks]
         self._event = None
@@ -900,7 +917,8 @@ class PendingVerify:
             self.waited_s = time.perf_counter() - t0
         tokens = self._host[0].tolist()
         num_sampled = self._host[1].tolist()
-        lp = [t.tolist() for t in self._host[2:]] if len(self._host) > 2 else None
+        num_drafts = self._host[2].tolist()
+        lp = [t.tolist() for t in self._host[3:]] if len(self._host) > 3 else None
         runner = self.runner
         st = runner.states
         out: dict[str, SampledTokens] = {}
@@ -911,7 +929,7 @@ class PendingVerify:
             if rejected and st.req_ids[i] == rid:  # (the row may have a new request by now)
                 st.num_tokens[i] -= rejected
                 runner.spec_known[i] += rejected
-            got = SampledTokens(tokens[j][:m])
+            got = SampledTokens(tokens[j][:m], num_drafts=num_drafts[j])
             if lp is not None and self.want_logprobs[j]:
                 got.logprobs = [dict(zip(lp[0][j][q], lp[1][j][q])) for q in range(m)]
                 got.ranks = [lp[2][j][q] for q in range(m)]

@@ -94,3 +94,50 @@ def test_spec_stats_count_per_position() -> None:
     assert s["spec_decode_num_accepted_tokens"] == 3
     assert s["spec_decode_num_accepted_tokens_per_pos"] == [1, 1, 1]
     assert b.num_computed_tokens == 7  # both drafts rejected: only its last token computed
+
+
+def _device_sched(**kw) -> Scheduler:
+    sched = make_sched(**kw)
+    sched.num_spec_tokens, sched.device_drafts = 3, True
+    return sched
+
+
+def test_async_verify_steps_plan_ahead_with_optimistic_counts() -> None:
+    """Device drafts (asynchronous speculation): step N+1 is scheduled before step N's tokens
+    are known; its counters assume every draft of N accepted, and N's rejections roll them back
+    when N is read back (the runner's device counters agree: krait/ops/spec_commit.py)."""
+    sched = _device_sched(block_size=4, max_model_len=64)
+    req = make_req("a", 7, max_tokens=20)
+    sched.add_request(req)
+    prefill = sched.schedule()
+    assert req.num_inflight == 1
+    n1 = sched.schedule()  # the prefill's token still in flight: a verify step of 1 + 3
+    assert n1.num_scheduled_tokens == {"a": 4} and n1.scheduled_spec_decode_tokens == {"a": [-1] * 3}
+    assert req.num_computed_tokens == 11 and req.num_inflight == 1 + 4
+    sched.update_from_output(prefill, {"a": SampledTokens([9], num_drafts=3)})
+    n2 = sched.schedule()  # n1 in flight: planned as if its 3 drafts were accepted
+    assert n2.cached_reqs[0].num_computed_tokens == 11 and n2.num_scheduled_tokens == {"a": 4}
+    # n1: one draft accepted, then 8; its 2 rejected positions come off the counters
+    sched.update_from_output(n1, {"a": SampledTokens([4, 8], num_drafts=0)})
+    assert req.output_token_ids == [9, 4, 8]
+    assert req.num_computed_tokens == 15 - 2 and req.num_inflight == 4
+    sched.update_from_output(n2, {"a": SampledTokens([5], num_drafts=0)})
+    assert req.num_computed_tokens == 10 and req.num_inflight == 0 and req.num_tokens == 11
+    # the drafter found nothing the last time: a plain decode step, no filler drafts verified
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_spec_decode_tokens == {}
+
+
+def test_async_drafts_capped_by_the_tokens_in_flight() -> None:
+    """max_tokens counts the in-flight verify's tokens at their most: no draft past it, and a
+    request that the in-flight tokens may end is not scheduled again until they are known."""
+    sched = _device_sched(block_size=4, max_model_len=64)
+    req = make_req("a", 7, max_tokens=6)
+    sched.add_request(req)
+    prefill = sched.schedule()
+    n1 = sched.schedule()
+    assert n1.scheduled_spec_decode_tokens == {"a": [-1] * 3}  # 1 + 1..4 <= 6 outputs
+    sched.update_from_output(prefill, {"a": SampledTokens([9], num_drafts=3)})
+    n2 = sched.schedule()  # 5 outputs at most so far: one more, no drafts
+    assert n2.num_scheduled_tokens == {"a": 1} and n2.scheduled_spec_decode_tokens == {}
+    assert sched.schedule().num_scheduled_tokens == {}  # n1 and n2 may already end it

@@ -81,7 +81,9 @@ def test_device_ngram_matches_the_host_drafter(seed):
     rows = torch.arange(12, dtype=I32)
     for impl in (ngram_propose_ref, ngram_propose_triton):
         t = torch.from_numpy(table.copy())
-        impl(t, rows, torch.from_numpy(n), k, lo, hi)
+        counts = torch.full((12,), -1, dtype=I32)
+        impl(t, rows, torch.from_numpy(n), counts, k, lo, hi)
+        assert counts.tolist() == [k if c else 0 for c in host_counts.tolist()]
         for r in range(12):
             got = t[r, n[r] : n[r] + k].tolist()
             if host_counts[r]:
@@ -95,6 +97,8 @@ def test_device_ngram_skips_padding_and_clips_at_the_table_end():
     t = torch.tensor([[1, 2, 1, 2, 1, 0], [5, 5, 5, 5, 5, 5]], dtype=I32)
     want = t.clone()
     want[0, 5] = 2  # "1 2 1" matched at 0..2: the next token 2; the rest is past the end
+    counts = torch.full((2,), -1, dtype=I32)
     ngram_propose_triton(t, torch.tensor([0, -1], dtype=I32), torch.tensor([5, 3], dtype=I32),
-                         3, 1, 3)
+                         counts, 3, 1, 3)
     assert t.tolist() == want.tolist()
+    assert counts.tolist() == [3, 0]
