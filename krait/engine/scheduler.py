@@ -11,7 +11,9 @@ request's tokens counts one token in flight (`num_inflight`) until its value arr
 `update_from_output`. With async scheduling the engine schedules step N+1 before step N's tokens
 are read back, so a decode row of N+1 takes its input token from the device; a request whose
 in-flight tokens will end it by length is not scheduled again, and one that turns out to have
-stopped (EOS, a stop token or string) has its extra step's result dropped.
+stopped (EOS, a stop token or string) has its extra step's result dropped. An asynchronous
+verify step (speculation with device drafts) counts 1 + its drafts in flight and advances
+`num_computed_tokens` by all of them; the rejected positions come off when it is read back.
 
 Structured requests (a grammar constrains their tokens) wait in the queue, without holding up
 the requests behind them, until their grammar is compiled (`Request.waiting_for_grammar`); their
