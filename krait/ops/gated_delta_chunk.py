@@ -56,6 +56,20 @@ def l2_rows(x):
 
 
 @triton.jit
+def _gram(k, QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(k_t . k_j of the normed rows [n, n], the rows' norm factors [n]) of k [n, K] in its
+    own dtype: the product of the raw rows (bf16 ones exactly, on the tensor cores), then
+    scaled by rsqrt(|k_t|^2 + 1e-6) rsqrt(|k_j|^2 + 1e-6) (1 without QK_L2NORM)."""
+    kk = _dot(k, tl.trans(k), DOT_PRECISION)
+    if QK_L2NORM:
+        kf = k.to(tl.float32)
+        rn = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+    else:
+        rn = tl.full([k.shape[0]], 1.0, tl.float32)
+    return kk * rn[:, None] * rn[None, :], rn
+
+
+@triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
     """tl.dot at PRECISION ('tf32' or 'ieee' for float32 operands; bf16 / fp16 operands on
     the tensor cores at their precision), or 'upcast': both operands to float32, products in
@@ -79,16 +93,59 @@ def _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs):
 
 
 @triton.jit
+def _gdn_diag_inv_kernel(
+    k_ptr, g_ptr, beta_ptr, seq_ptr, slots_ptr, dinv_ptr,
+    num_tokens, num_seqs, key_dim, v_per_k, num_heads,
+    stride_k_t, stride_k_h, stride_g_t, stride_b_t,
+    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # One program (one warp: every reduction stays in it): BC packed tokens, value head h,
+    # (I + D)^-1 of the block's D[t, j] = beta_t (k_t . k_j) exp(gamma_t - gamma_j), j < t in
+    # the same sequence (gamma differences: a cumsum local to the block does), by BC - 1 steps
+    # of forward elimination: step j subtracts D[r, j] times row j of the result from every
+    # row r (the multipliers are D's own entries: each pivot row of the reduced I + D is a
+    # unit row). Stored [T, Hv, BC] float32: row t, column t's block-local index.
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // v_per_k
+    offs_t = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    rows = c * BC + offs_t
+    seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs)
+    rows = rows.to(tl.int64)
+    k_ok = offs_k < key_dim
+    k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
+                mask=t_ok[:, None] & k_ok[None, :], other=0.0)  # [BC, BK]
+    g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_b_t + h, mask=t_ok, other=0.0).to(tl.float32)
+    kk, _ = _gram(k, QK_L2NORM, DOT_PRECISION)
+    same = seq[:, None] == seq[None, :]
+    strict = (offs_t[:, None] > offs_t[None, :]) & same
+    gam = tl.sum(tl.where((offs_t[:, None] >= offs_t[None, :]) & same, g[None, :], 0.0), 1)
+    decay = tl.exp(tl.where(strict, gam[:, None] - gam[None, :], 0.0))
+    D = tl.where(strict, kk * decay * beta[:, None], 0.0)
+    X = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0)
+    for j in range(BC - 1):
+        x_piv = tl.sum(tl.where(offs_t[:, None] == j, X, 0.0), axis=0)  # row j
+        d_piv = tl.sum(tl.where(offs_t[None, :] == j, D, 0.0), axis=1)  # column j of D
+        X = X - d_piv[:, None] * x_piv[None, :]
+    tl.store(dinv_ptr + (rows * num_heads + h)[:, None] * BC + offs_t[None, :], X,
+             mask=t_ok[:, None])
+
+
+@triton.jit
 def _gdn_prep_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, seq_ptr, slots_ptr, w_ptr, u_ptr, gam_ptr,
-    num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
+    k_ptr, v_ptr, g_ptr, beta_ptr, seq_ptr, slots_ptr, dinv_ptr, kn_ptr, w_ptr, u_ptr,
+    gam_ptr, num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
     stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_b_t,
-    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     # One program: window c of BT packed tokens, value head h: gamma [BT] (float32),
     # w = Tinv (beta exp(gamma) K) [BT, K] and u = Tinv (beta V) [BT, V] (scratch dtype), for
-    # Tinv = (I + A)^-1.
+    # Tinv = (I + A)^-1 from the diagonal blocks' inverses Dinv (`_gdn_diag_inv_kernel`); the
+    # first value head of each key head also stores the normed k (kn [T, Hk, K], scratch).
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // v_per_k
@@ -98,47 +155,44 @@ def _gdn_prep_kernel(
     seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs)
     rows = rows.to(tl.int64)
     k_ok = offs_k < key_dim
-    k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
-                mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+    tk_ok = t_ok[:, None] & k_ok[None, :]
+    k_ptrs = k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :]
+    k = tl.load(k_ptrs, mask=tk_ok, other=0.0)  # [BT, BK]
     g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)  # [BT]
     beta = tl.load(beta_ptr + rows * stride_b_t + h, mask=t_ok, other=0.0).to(tl.float32)
-    if QK_L2NORM:
-        k = l2_rows(k)
+    kk, rn = _gram(k, QK_L2NORM, DOT_PRECISION)
+    if h % v_per_k == 0:
+        tl.store(kn_ptr + (rows * (num_heads // v_per_k) + hk)[:, None] * key_dim
+                 + offs_k[None, :], (k.to(tl.float32) * rn[:, None]).to(kn_ptr.dtype.element_ty),
+                 mask=tk_ok)
     same = seq[:, None] == seq[None, :]
     lower = (offs_t[:, None] >= offs_t[None, :]) & same
-    strict = (offs_t[:, None] > offs_t[None, :]) & same
     gam = tl.sum(tl.where(lower, g[None, :], 0.0), axis=1)  # [BT] per-piece cumsum
-    decay = tl.exp(tl.where(strict, gam[:, None] - gam[None, :], 0.0))
-    kk = _dot(k, tl.trans(k), DOT_PRECISION)
-    A = tl.where(strict, kk * decay * beta[:, None], 0.0)  # strictly lower [BT, BT]
-    # Dinv = (I + D)^-1 of A's BC x BC diagonal blocks D, all blocks at once: step j
-    # eliminates column j of every block (the rows' multipliers are D's own entries, since
-    # each pivot row of the reduced I + D is a unit row), applied to I
     blk = offs_t // BC
     diag = blk[:, None] == blk[None, :]
-    D = tl.where(diag, A, 0.0)
-    eye = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0)
-    Dinv = eye
-    for j in range(BC - 1):
-        piv = (offs_t % BC) == j
-        x_piv = tl.sum(tl.where(piv[:, None], Dinv, 0.0), axis=0)  # [BT] pivot row a column
-        d_piv = tl.sum(tl.where(piv[None, :], D, 0.0), axis=1)  # [BT] D[r, pivot of r]
-        Dinv = Dinv - tl.where(diag, d_piv[:, None] * x_piv[None, :], 0.0)
-    # I + A = (I + D)(I + M), M = Dinv L strictly block-lower: (I + M)^-1 = sum (-M)^n
-    M = _dot(Dinv, A - D, DOT_PRECISION)
-    P = eye - M
+    # L: A's strictly block-lower part (A = D + L)
+    off = (blk[:, None] > blk[None, :]) & same
+    decay = tl.exp(tl.where(off, gam[:, None] - gam[None, :], 0.0))
+    L = tl.where(off, kk * decay * beta[:, None], 0.0)
+    out_rows = rows * num_heads + h  # [T, Hv, ...] scratch rows
+    Dinv = tl.load(dinv_ptr + out_rows[:, None] * BC + (offs_t % BC)[None, :],
+                   mask=t_ok[:, None] & diag, other=0.0)  # [BT, BT] block-diagonal
+    # I + A = (I + D)(I + M), M = Dinv L strictly block-lower: (I + M)^-1 = sum (-M)^n,
+    # n < BT / BC (the terms of block forward substitution)
+    M = _dot(Dinv, L, SOLVE_PRECISION)
+    P = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0) - M
     Mn = M
     for n in tl.static_range(2, BT // BC):
-        Mn = _dot(Mn, M, DOT_PRECISION)
+        Mn = _dot(Mn, M, SOLVE_PRECISION)
         if n % 2 == 0:
             P = P + Mn
         else:
             P = P - Mn
-    Tinv = _dot(P, Dinv, DOT_PRECISION)  # [BT, BT]
-    w = _dot(Tinv, k * (beta * tl.exp(gam))[:, None], DOT_PRECISION)
-    out_rows = rows * num_heads + h  # w [T, Hv, K], u [T, Hv, V], gamma [T, Hv], contiguous
+    Tinv = _dot(P, Dinv, SOLVE_PRECISION)  # [BT, BT]
+    k = tl.load(k_ptrs, mask=tk_ok, other=0.0).to(tl.float32)  # again: fewer live registers
+    w = _dot(Tinv, k * (rn * beta * tl.exp(gam))[:, None], DOT_PRECISION)
     tl.store(w_ptr + out_rows[:, None] * key_dim + offs_k[None, :],
-             w.to(w_ptr.dtype.element_ty), mask=t_ok[:, None] & k_ok[None, :])
+             w.to(w_ptr.dtype.element_ty), mask=tk_ok)
     tl.store(gam_ptr + out_rows, gam, mask=t_ok)
     for v0 in range(0, value_dim, BV):
         offs_v = v0 + tl.arange(0, BV)
@@ -152,15 +206,15 @@ def _gdn_prep_kernel(
 
 @triton.jit
 def _gdn_state_kernel(
-    k_ptr, w_ptr, u_ptr, gam_ptr, h_ptr, state_ptr, qsl_ptr, slots_ptr, init_ptr,
+    kn_ptr, w_ptr, u_ptr, gam_ptr, h_ptr, state_ptr, qsl_ptr, slots_ptr, init_ptr,
     key_dim, value_dim, v_per_k, num_heads,
-    stride_k_t, stride_k_h, stride_s_slot, stride_s_h, stride_s_k,
-    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    stride_s_slot, stride_s_h, stride_s_k,
+    DOT_PRECISION: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     # One program: sequence s, value head h, BV columns of its [K, V] state; the sequence's
     # pieces of the packed BT-token windows in order (the first and last may be partial). Per
-    # chunk: h[piece] = S; U = u - w S (over u); S = exp(g_L) S + K^T (exp(g_L - gamma) U).
+    # chunk: h[piece] = S; U = u - w S (over u); S = exp(g_L) S + K^T (exp(g_L - gamma) U),
+    # K the normed keys (kn).
     s = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + s)
@@ -179,11 +233,9 @@ def _gdn_state_kernel(
     init = tl.load(init_ptr + s) != 0
     S = tl.load(s_ptrs, mask=s_ok & init, other=0.0).to(tl.float32)  # [BK, BV]
     h_off = offs_k[:, None] * value_dim + offs_v[None, :]  # h [pieces, Hv, K, V]
+    num_k_heads = num_heads // v_per_k
     first = bos // BT
     for c0 in range(first * BT, eos, BT):
-        piece = (c0 // BT + s).to(tl.int64) * num_heads + h
-        tl.store(h_ptr + piece * key_dim * value_dim + h_off, S.to(h_ptr.dtype.element_ty),
-                 mask=kv_ok)
         rows = c0 + offs_t
         t_ok = (rows >= bos) & (rows < eos)
         rows = rows.to(tl.int64)
@@ -193,26 +245,25 @@ def _gdn_state_kernel(
         w = tl.load(w_ptr + hrows[:, None] * key_dim + offs_k[None, :], mask=tk_ok, other=0.0)
         u_ptrs = u_ptr + hrows[:, None] * value_dim + offs_v[None, :]
         u = tl.load(u_ptrs, mask=tv_ok, other=0.0)  # [BT, BV]
-        k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
-                    mask=tk_ok, other=0.0).to(tl.float32)  # [BT, BK]
+        kn = tl.load(kn_ptr + (rows * num_k_heads + hk)[:, None] * key_dim + offs_k[None, :],
+                     mask=tk_ok, other=0.0)  # [BT, BK]
         gam = tl.load(gam_ptr + hrows, mask=t_ok, other=0.0)  # [BT]
-        if QK_L2NORM:
-            k = l2_rows(k)
-        U = u.to(tl.float32) - _dot(w, S.to(w.dtype), DOT_PRECISION)
+        g_last = tl.load(gam_ptr + (tl.minimum(eos, c0 + BT) - 1).to(tl.int64) * num_heads + h)
+        Sc = S.to(h_ptr.dtype.element_ty)
+        piece = (c0 // BT + s).to(tl.int64) * num_heads + h
+        tl.store(h_ptr + piece * key_dim * value_dim + h_off, Sc, mask=kv_ok)
+        U = u.to(tl.float32) - _dot(w, Sc, DOT_PRECISION)
         tl.store(u_ptrs, U.to(u_ptr.dtype.element_ty), mask=tv_ok)
-        last = tl.minimum(eos, c0 + BT) - 1 - c0
-        g_last = tl.sum(tl.where(offs_t == last, gam, 0.0), 0)
         U = U * tl.where(t_ok, tl.exp(g_last - gam), 0.0)[:, None]
-        S = S * tl.exp(g_last) + _dot(tl.trans(k.to(w.dtype)), U.to(w.dtype),
-                                        DOT_PRECISION)
+        S = S * tl.exp(g_last) + _dot(tl.trans(kn), U.to(kn.dtype), DOT_PRECISION)
     tl.store(s_ptrs, S.to(s_ptrs.dtype.element_ty), mask=s_ok & (eos > bos))
 
 
 @triton.jit
 def _gdn_out_kernel(
-    q_ptr, k_ptr, u_ptr, gam_ptr, h_ptr, o_ptr, seq_ptr, slots_ptr,
+    q_ptr, kn_ptr, u_ptr, gam_ptr, h_ptr, o_ptr, seq_ptr, slots_ptr,
     scale, num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_o_t, stride_o_h,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -230,20 +281,18 @@ def _gdn_out_kernel(
     tk_ok = t_ok[:, None] & k_ok[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_q_t + hk * stride_q_h + offs_k[None, :],
                 mask=tk_ok, other=0.0).to(tl.float32)  # [BT, BK]
-    k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
-                mask=tk_ok, other=0.0).to(tl.float32)
+    kn = tl.load(kn_ptr + (rows * (num_heads // v_per_k) + hk)[:, None] * key_dim
+                 + offs_k[None, :], mask=tk_ok, other=0.0)
     hrows = rows * num_heads + h
     gam = tl.load(gam_ptr + hrows, mask=t_ok, other=0.0)  # [BT]
     if QK_L2NORM:
         q = l2_rows(q)
-        k = l2_rows(k)
     q = q * scale
     live = ((offs_t[:, None] >= offs_t[None, :]) & (seq[:, None] == seq[None, :])
             & t_ok[:, None] & t_ok[None, :])
     decay = tl.where(live, tl.exp(tl.where(live, gam[:, None] - gam[None, :], 0.0)), 0.0)
     lowp = h_ptr.dtype.element_ty
-    qk = _dot(q.to(lowp), tl.trans(k.to(lowp)), DOT_PRECISION) * decay
-    qk = qk.to(lowp)  # [BT, BT]
+    qk = (_dot(q.to(lowp), tl.trans(kn), DOT_PRECISION) * decay).to(lowp)  # [BT, BT]
     qg = q * tl.exp(gam)[:, None]  # [BT, BK]
     # the window's live sequences: most windows hold one
     s_lo = tl.min(tl.where(t_ok, seq, num_seqs), 0)
@@ -253,15 +302,14 @@ def _gdn_out_kernel(
         v_ok = offs_v < value_dim
         tv_ok = t_ok[:, None] & v_ok[None, :]
         U = tl.load(u_ptr + hrows[:, None] * value_dim + offs_v[None, :], mask=tv_ok, other=0.0)
-        o = _dot(qk, U.to(lowp), DOT_PRECISION)  # [BT, BV]
+        o = _dot(qk, U, DOT_PRECISION)  # [BT, BV]
         for b in range(s_lo, s_hi + 1):
             mine = t_ok & (seq == b)
-            if tl.sum(mine.to(tl.int32), 0) > 0:  # a piece h wrote (not a -1 or empty one)
+            if tl.sum(mine.to(tl.int32), 0) > 0:  # a piece h holds (not a -1 or empty one)
                 piece = (c + b).to(tl.int64) * num_heads + h
                 hs = tl.load(h_ptr + piece * key_dim * value_dim + offs_k[:, None] * value_dim
                              + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-                o += _dot(tl.where(mine[:, None], qg, 0.0).to(lowp), hs,
-                            DOT_PRECISION)
+                o += _dot(tl.where(mine[:, None], qg, 0.0).to(lowp), hs, DOT_PRECISION)
         tl.store(o_ptr + rows[:, None] * stride_o_t + h * stride_o_h + offs_v[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=tv_ok)
 
@@ -273,18 +321,24 @@ def _tile(n: int) -> int:
 
 def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> dict:
     """The kernels' tiles and launch options. Windows of BT = 64 tokens, the diagonal blocks of
-    the triangular solve BC = 16 (interpreted: 32 and 16, so that the blocked solve runs on
-    CPU); the sequential pass over BV = 64 state columns (one long sequence: 32 heads x 2
-    blocks = 64 programs), its next chunk's loads issued early (STATE_STAGES); the prep and
-    output kernels over V in blocks of 64. LOWP: scratch in the activations' dtype (bf16 /
-    fp16 inputs, compiled), float32 otherwise."""
+    the triangular solve BC = 16 (interpreted: windows of 32, so the blocked solve runs on CPU
+    fast enough); the sequential pass over BV = 64 state columns (one long sequence: 32 heads
+    x 2 blocks = 64 programs), its next chunks' loads issued early (STATE_STAGES: 137 KiB of
+    shared memory at K = V = 128); the prep and output kernels over V in blocks of 64, their
+    registers capped (*_MAXNREG: ptxas takes all 255 uncapped, and spills nothing at 128, so
+    that two prep and four output programs share an SM). LOWP: scratch in the activations' dtype (bf16 / fp16
+    inputs, compiled), float32 otherwise. PRECISION: float32 products (tf32 for bf16 / fp16
+    inputs, ieee for float32 ones; 'upcast' interpreted: `_dot`); SOLVE_PRECISION: the
+    triangular solve's merge products (tf32x3: near float32)."""
     lowp = dtype in (torch.bfloat16, torch.float16) and not interp
+    half = dtype != torch.float32
     cfg = dict(BT=64, BC=16, BK=_tile(K), BV=min(_tile(V), 64), BV_PREP=min(_tile(V), 64),
-               BV_OUT=min(_tile(V), 64), STATE_WARPS=4, STATE_STAGES=2, PREP_WARPS=8,
-               OUT_WARPS=4, OUT_STAGES=2, LOWP=lowp,
-               PRECISION="tf32" if dtype != torch.float32 else "ieee")
+               BV_OUT=min(_tile(V), 64), DIAG_WARPS=1, PREP_WARPS=8, PREP_MAXNREG=128,
+               STATE_WARPS=4, STATE_STAGES=3, OUT_WARPS=4, OUT_STAGES=2, OUT_MAXNREG=128,
+               LOWP=lowp,
+               PRECISION="tf32" if half else "ieee", SOLVE_PRECISION="tf32x3" if half else "ieee")
     if interp:
-        cfg.update(BT=32, BC=16, PRECISION="upcast")
+        cfg.update(BT=32, PRECISION="upcast", SOLVE_PRECISION="upcast")
     return cfg
 
 
@@ -294,11 +348,11 @@ def gated_delta_chunk_triton(
     scale: float | None = None, qk_l2norm: bool = True, chunk_size: int = 64,
     token_seq: Tensor | None = None, config: dict | None = None,
 ) -> Tensor:
-    """Triton launcher of `gated_delta_chunk`: the prep kernel over every BT-token window of
-    the packed batch, the sequential state pass a (sequence, head, V block), the output kernel
-    over every window. `token_seq`: `token_to_seq(query_start_loc, n)` for n >= T when the
-    caller has it. chunk_size is fixed by the kernels (`chunk_config`; `config` overrides its
-    entries: tests, benchmarks); the argument is kept for the API."""
+    """Triton launcher of `gated_delta_chunk`: the diagonal-block inverses and the prep kernel
+    over every window of the packed batch, the sequential state pass a (sequence, head, V
+    block), the output kernel over every window. `token_seq`: `token_to_seq(query_start_loc,
+    n)` for n >= T when the caller has it. chunk_size is fixed by the kernels (`chunk_config`;
+    `config` overrides its entries: tests, benchmarks); the argument is kept for the API."""
     from krait.ops.causal_conv1d import token_to_seq
 
     T, hk, K = q.shape
@@ -310,7 +364,7 @@ def gated_delta_chunk_triton(
     cfg = chunk_config(K, V, v.dtype, interpreting())
     if config:
         cfg.update(config)
-    bt = cfg["BT"]
+    bt, bc = cfg["BT"], cfg["BC"]
     for t in (q, k, v):
         assert t.stride(-1) == 1, "gated_delta_chunk: the last dim must be contiguous"
     assert states.stride(-1) == 1
@@ -318,30 +372,42 @@ def gated_delta_chunk_triton(
         token_seq = token_to_seq(query_start_loc, T)
     sd = v.dtype if cfg["LOWP"] else torch.float32  # scratch
     nw = cdiv(T, bt)
-    w = torch.empty(T, hv, K, dtype=sd, device=v.device)
-    u = torch.empty(T, hv, V, dtype=sd, device=v.device)  # then U, the corrected values
-    gam = torch.empty(T, hv, dtype=torch.float32, device=v.device)
-    hs = torch.empty(nw + nseq, hv, K, V, dtype=sd, device=v.device)  # chunks' start states
-    common = dict(QK_L2NORM=qk_l2norm, DOT_PRECISION=cfg["PRECISION"], BT=bt, BK=cfg["BK"])
+    dev = v.device
+    dinv = torch.empty(T, hv, bc, dtype=torch.float32, device=dev)
+    kn = torch.empty(T, hk, K, dtype=sd, device=dev)  # normed keys
+    w = torch.empty(T, hv, K, dtype=sd, device=dev)
+    u = torch.empty(T, hv, V, dtype=sd, device=dev)  # then U, the corrected values
+    gam = torch.empty(T, hv, dtype=torch.float32, device=dev)
+    hs = torch.empty(nw + nseq, hv, K, V, dtype=sd, device=dev)  # chunks' starting states
+    prec, bk, rep = cfg["PRECISION"], cfg["BK"], hv // hk
     ev = _event()
+    _gdn_diag_inv_kernel[(cdiv(T, bc), hv)](
+        k, g, beta, token_seq, state_indices, dinv, T, nseq, K, rep, hv,
+        k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BC=bc, BK=bk, num_warps=cfg["DIAG_WARPS"],
+    )
+    ev = _record("diag_inv", ev)
     _gdn_prep_kernel[(nw, hv)](
-        k, v, g, beta, token_seq, state_indices, w, u, gam, T, nseq, K, V, hv // hk, hv,
+        k, v, g, beta, token_seq, state_indices, dinv, kn, w, u, gam, T, nseq, K, V, rep, hv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        BC=cfg["BC"], BV=cfg["BV_PREP"], num_warps=cfg["PREP_WARPS"], **common,
+        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, SOLVE_PRECISION=cfg["SOLVE_PRECISION"],
+        BT=bt, BC=bc, BK=bk, BV=cfg["BV_PREP"], num_warps=cfg["PREP_WARPS"],
+        maxnreg=cfg["PREP_MAXNREG"],
     )
     ev = _record("prep", ev)
     _gdn_state_kernel[(nseq, hv, cdiv(V, cfg["BV"]))](
-        k, w, u, gam, hs, states, query_start_loc, state_indices, has_initial_state,
-        K, V, hv // hk, hv, k.stride(0), k.stride(1),
-        states.stride(0), states.stride(1), states.stride(2),
-        BV=cfg["BV"], num_warps=cfg["STATE_WARPS"], num_stages=cfg["STATE_STAGES"], **common,
+        kn, w, u, gam, hs, states, query_start_loc, state_indices, has_initial_state,
+        K, V, rep, hv, states.stride(0), states.stride(1), states.stride(2),
+        DOT_PRECISION=prec, BT=bt, BK=bk, BV=cfg["BV"], num_warps=cfg["STATE_WARPS"],
+        num_stages=cfg["STATE_STAGES"],
     )
     ev = _record("state", ev)
     _gdn_out_kernel[(nw, hv)](
-        q, k, u, gam, hs, o, token_seq, state_indices,
-        float(scale if scale is not None else K ** -0.5), T, nseq, K, V, hv // hk, hv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-        BV=cfg["BV_OUT"], num_warps=cfg["OUT_WARPS"], num_stages=cfg["OUT_STAGES"], **common,
+        q, kn, u, gam, hs, o, token_seq, state_indices,
+        float(scale if scale is not None else K ** -0.5), T, nseq, K, V, rep, hv,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BT=bt, BK=bk, BV=cfg["BV_OUT"],
+        num_warps=cfg["OUT_WARPS"], num_stages=cfg["OUT_STAGES"], maxnreg=cfg["OUT_MAXNREG"],
     )
     _record("out", ev)
     return o
