@@ -19,17 +19,19 @@ gamma) U): no division by a decay, so a decay that underflows stays exact. The c
 BT-token windows of the packed batch cut at sequence starts (a window's pieces of different
 sequences are independent: A is block-diagonal by sequence and gamma restarts), so that grids
 and scratch are sized by the token and sequence counts alone (no host sync: graph-safe).
-Three kernels:
-- `_gdn_prep_kernel` (every window and head at once): gamma, A, (I + A)^-1 blocked — the
-  BC x BC diagonal blocks inverted together by BC - 1 steps of forward elimination, then the
+Four kernels:
+- `_gdn_diag_inv_kernel` (every BC = 16 tokens and head at once, one warp each): the inverses
+  Dinv of (I + A)'s diagonal BC x BC blocks by BC - 1 steps of forward elimination;
+- `_gdn_prep_kernel` (every window and head at once): gamma, (I + A)^-1 blocked — the
   strictly block-lower rest M = Dinv L (nilpotent: M^(BT/BC) = 0) folded in by products,
-  (I + A)^-1 = (I - M + M^2 - M^3) Dinv — then w and u into scratch;
+  (I + A)^-1 = (I - M + M^2 - M^3) Dinv, not BT - 1 dependent row steps — then w, u and the
+  normed keys into scratch;
 - `_gdn_state_kernel` (the one sequential kernel, a program per sequence, head and BV value
-  columns): per chunk only the recurrence, two products: U = u - w S (written over u: the
-  outputs' corrected values) and S = exp(gamma_L) S + K^T (exp(gamma_L - gamma) U), each
-  chunk's starting state S stored (h, a [pieces, Hv, K, V] scratch; piece c + b for window c of
-  sequence b);
-- `_gdn_out_kernel` (every window and head at once): o = exp(gamma) Q h + (Q K^T * decay) U.
+  columns): per chunk only the recurrence, two products: U = u - w S and S = exp(gamma_L) S +
+  K^T (exp(gamma_L - gamma) U), each chunk's starting state S stored (h, a [pieces, Hv, K, V]
+  scratch; piece c + b for window c of sequence b);
+- `_gdn_out_kernel` (every window and head at once): U = u - w h again (from the same h: no
+  store of U in the sequential loop), o = exp(gamma) Q h + (Q K^T * decay) U.
 Scratch (w, u, h) is in the activations' dtype for bf16 / fp16 inputs (their products on the
 tensor cores at that precision, as fla does), float32 otherwise.
 """
@@ -213,8 +215,8 @@ def _gdn_state_kernel(
 ):
     # One program: sequence s, value head h, BV columns of its [K, V] state; the sequence's
     # pieces of the packed BT-token windows in order (the first and last may be partial). Per
-    # chunk: h[piece] = S; U = u - w S (over u); S = exp(g_L) S + K^T (exp(g_L - gamma) U),
-    # K the normed keys (kn).
+    # chunk only the recurrence: h[piece] = S; U = u - w S; S = exp(g_L) S + K^T (exp(g_L -
+    # gamma) U), K the normed keys (kn). The output kernel forms U again from h[piece].
     s = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + s)
@@ -243,8 +245,8 @@ def _gdn_state_kernel(
         tk_ok = t_ok[:, None] & k_ok[None, :]
         tv_ok = t_ok[:, None] & v_ok[None, :]
         w = tl.load(w_ptr + hrows[:, None] * key_dim + offs_k[None, :], mask=tk_ok, other=0.0)
-        u_ptrs = u_ptr + hrows[:, None] * value_dim + offs_v[None, :]
-        u = tl.load(u_ptrs, mask=tv_ok, other=0.0)  # [BT, BV]
+        u = tl.load(u_ptr + hrows[:, None] * value_dim + offs_v[None, :], mask=tv_ok,
+                    other=0.0)  # [BT, BV]
         kn = tl.load(kn_ptr + (rows * num_k_heads + hk)[:, None] * key_dim + offs_k[None, :],
                      mask=tk_ok, other=0.0)  # [BT, BK]
         gam = tl.load(gam_ptr + hrows, mask=t_ok, other=0.0)  # [BT]
@@ -253,7 +255,6 @@ def _gdn_state_kernel(
         piece = (c0 // BT + s).to(tl.int64) * num_heads + h
         tl.store(h_ptr + piece * key_dim * value_dim + h_off, Sc, mask=kv_ok)
         U = u.to(tl.float32) - _dot(w, Sc, DOT_PRECISION)
-        tl.store(u_ptrs, U.to(u_ptr.dtype.element_ty), mask=tv_ok)
         U = U * tl.where(t_ok, tl.exp(g_last - gam), 0.0)[:, None]
         S = S * tl.exp(g_last) + _dot(tl.trans(kn), U.to(kn.dtype), DOT_PRECISION)
     tl.store(s_ptrs, S.to(s_ptrs.dtype.element_ty), mask=s_ok & (eos > bos))
@@ -261,14 +262,15 @@ def _gdn_state_kernel(
 
 @triton.jit
 def _gdn_out_kernel(
-    q_ptr, kn_ptr, u_ptr, gam_ptr, h_ptr, o_ptr, seq_ptr, slots_ptr,
+    q_ptr, kn_ptr, w_ptr, u_ptr, gam_ptr, h_ptr, o_ptr, seq_ptr, slots_ptr,
     scale, num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     # One program: window c, value head h, all of V in blocks of BV: o = exp(gamma) Q h[piece]
-    # (each piece of the window its own starting state) + (Q K^T * decay) U.
+    # + (Q K^T * decay) U, U = u - w h[piece] (each piece of the window its own starting state
+    # h, the bf16 one the state pass took its U from).
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // v_per_k
@@ -285,6 +287,7 @@ def _gdn_out_kernel(
                  + offs_k[None, :], mask=tk_ok, other=0.0)
     hrows = rows * num_heads + h
     gam = tl.load(gam_ptr + hrows, mask=t_ok, other=0.0)  # [BT]
+    w = tl.load(w_ptr + hrows[:, None] * key_dim + offs_k[None, :], mask=tk_ok, other=0.0)
     if QK_L2NORM:
         q = l2_rows(q)
     q = q * scale
@@ -301,15 +304,18 @@ def _gdn_out_kernel(
         offs_v = v0 + tl.arange(0, BV)
         v_ok = offs_v < value_dim
         tv_ok = t_ok[:, None] & v_ok[None, :]
-        U = tl.load(u_ptr + hrows[:, None] * value_dim + offs_v[None, :], mask=tv_ok, other=0.0)
-        o = _dot(qk, U, DOT_PRECISION)  # [BT, BV]
+        U = tl.load(u_ptr + hrows[:, None] * value_dim + offs_v[None, :], mask=tv_ok,
+                    other=0.0).to(tl.float32)  # [BT, BV]
+        o = tl.zeros([BT, BV], dtype=tl.float32)
         for b in range(s_lo, s_hi + 1):
             mine = t_ok & (seq == b)
             if tl.sum(mine.to(tl.int32), 0) > 0:  # a piece h holds (not a -1 or empty one)
                 piece = (c + b).to(tl.int64) * num_heads + h
                 hs = tl.load(h_ptr + piece * key_dim * value_dim + offs_k[:, None] * value_dim
                              + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+                U -= tl.where(mine[:, None], _dot(w, hs, DOT_PRECISION), 0.0)
                 o += _dot(tl.where(mine[:, None], qg, 0.0).to(lowp), hs, DOT_PRECISION)
+        o += _dot(qk, U.to(lowp), DOT_PRECISION)  # [BT, BV]
         tl.store(o_ptr + rows[:, None] * stride_o_t + h * stride_o_h + offs_v[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=tv_ok)
 
@@ -376,7 +382,7 @@ def gated_delta_chunk_triton(
     dinv = torch.empty(T, hv, bc, dtype=torch.float32, device=dev)
     kn = torch.empty(T, hk, K, dtype=sd, device=dev)  # normed keys
     w = torch.empty(T, hv, K, dtype=sd, device=dev)
-    u = torch.empty(T, hv, V, dtype=sd, device=dev)  # then U, the corrected values
+    u = torch.empty(T, hv, V, dtype=sd, device=dev)
     gam = torch.empty(T, hv, dtype=torch.float32, device=dev)
     hs = torch.empty(nw + nseq, hv, K, V, dtype=sd, device=dev)  # chunks' starting states
     prec, bk, rep = cfg["PRECISION"], cfg["BK"], hv // hk
@@ -403,7 +409,7 @@ def gated_delta_chunk_triton(
     )
     ev = _record("state", ev)
     _gdn_out_kernel[(nw, hv)](
-        q, kn, u, gam, hs, o, token_seq, state_indices,
+        q, kn, w, u, gam, hs, o, token_seq, state_indices,
         float(scale if scale is not None else K ** -0.5), T, nseq, K, V, rep, hv,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BT=bt, BK=bk, BV=cfg["BV_OUT"],

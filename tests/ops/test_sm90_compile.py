@@ -328,7 +328,7 @@ def test_gdn_prefill_kernels_compile_within_shared_memory(kernel):
             num_warps=cfg["STATE_WARPS"], num_stages=cfg["STATE_STAGES"])
     else:
         r = compile_sm90(mod, "_gdn_out_kernel", dict(
-            q_ptr=BF, kn_ptr=BF, u_ptr=BF, gam_ptr=F32, h_ptr=BF, o_ptr=BF, seq_ptr=I32,
+            q_ptr=BF, kn_ptr=BF, w_ptr=BF, u_ptr=BF, gam_ptr=F32, h_ptr=BF, o_ptr=BF, seq_ptr=I32,
             slots_ptr=I32, scale="fp32"), dict(tiles, DOT_PRECISION=cfg["PRECISION"],
                                                 BT=cfg["BT"], BV=cfg["BV_OUT"]),
             num_warps=cfg["OUT_WARPS"], num_stages=cfg["OUT_STAGES"],
