@@ -121,6 +121,10 @@ def test_pdl_mamba_decode_kernels_compile():
     r = compile_sm90("krait.ops.gated_rms_norm", "_gated_rms_norm_kernel", types, dict(
         HAS_Z=True, BLOCK_M=1, BLOCK_G=4096, PDL=True))
     assert r["pdl"] and r["local"] == 0, r
+    # Qwen3-Next's GDN output norm: the gate after the norm, one head's weight for all heads
+    r = compile_sm90("krait.ops.gated_rms_norm", "_gated_rms_norm_kernel", types, dict(
+        HAS_Z=True, BLOCK_M=32, BLOCK_G=128, PDL=True, GATE_AFTER=True, GROUP_WEIGHT=True))
+    assert r["pdl"] and r["local"] == 0, r
 
 
 @pytest.mark.parametrize("tok", ["*i64", I32])
