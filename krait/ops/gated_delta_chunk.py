@@ -330,19 +330,20 @@ def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> di
     the triangular solve BC = 16 (interpreted: windows of 32, so the blocked solve runs on CPU
     fast enough); the sequential pass over BV = 64 state columns (one long sequence: 32 heads
     x 2 blocks = 64 programs), its next chunks' loads issued early (STATE_STAGES: 137 KiB of
-    shared memory at K = V = 128); the prep and output kernels over V in blocks of 64, their
-    registers capped (*_MAXNREG: ptxas takes all 255 uncapped, and spills nothing at 128, so
-    that two prep and four output programs share an SM). LOWP: scratch in the activations' dtype (bf16 / fp16
-    inputs, compiled), float32 otherwise. PRECISION: float32 products (tf32 for bf16 / fp16
-    inputs, ieee for float32 ones; 'upcast' interpreted: `_dot`); SOLVE_PRECISION: the
-    triangular solve's merge products (tf32x3: near float32)."""
+    shared memory at K = V = 128 in bf16; float32 scratch, 2 stages: 112 KiB); the prep and
+    output kernels over V in blocks of 64, their registers capped (*_MAXNREG: ptxas takes all
+    255 uncapped and spills nothing at 128, so that two prep and four output programs share an
+    SM). LOWP: scratch in the activations' dtype (bf16 / fp16 inputs, compiled), float32
+    otherwise. PRECISION: float32 products (tf32 for bf16 / fp16 inputs, ieee for float32
+    ones; 'upcast' interpreted: `_dot`); SOLVE_PRECISION: the triangular solve's merge
+    products (tf32x3: near float32)."""
     lowp = dtype in (torch.bfloat16, torch.float16) and not interp
     half = dtype != torch.float32
     cfg = dict(BT=64, BC=16, BK=_tile(K), BV=min(_tile(V), 64), BV_PREP=min(_tile(V), 64),
                BV_OUT=min(_tile(V), 64), DIAG_WARPS=1, PREP_WARPS=8, PREP_MAXNREG=128,
-               STATE_WARPS=4, STATE_STAGES=3, OUT_WARPS=4, OUT_STAGES=2, OUT_MAXNREG=128,
-               LOWP=lowp,
-               PRECISION="tf32" if half else "ieee", SOLVE_PRECISION="tf32x3" if half else "ieee")
+               STATE_WARPS=4, STATE_STAGES=3 if lowp else 2, OUT_WARPS=4, OUT_STAGES=2,
+               OUT_MAXNREG=128, LOWP=lowp, PRECISION="tf32" if half else "ieee",
+               SOLVE_PRECISION="tf32x3" if half else "ieee")
     if interp:
         cfg.update(BT=32, PRECISION="upcast", SOLVE_PRECISION="upcast")
     return cfg

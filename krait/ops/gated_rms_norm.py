@@ -80,7 +80,8 @@ def gated_rms_norm_triton(
             num_rows, group_size, eps,
             x2.stride(0), z2.stride(0), out.stride(0),
             HAS_Z=z is not None, BLOCK_M=block_m, BLOCK_G=block_g, GATE_AFTER=gate_after,
-            GROUP_WEIGHT=weight.numel() != dim, num_warps=4 if block_g * block_m <= 4096 else 8, **pdl_args(pdl),
+            GROUP_WEIGHT=weight.numel() != dim,
+            num_warps=4 if block_g * block_m <= 4096 else 8, **pdl_args(pdl),
         )
     return out if x.dim() == 2 else out.view(x.shape)
 
