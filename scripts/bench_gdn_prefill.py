@@ -7,10 +7,11 @@ Warm-up, then CUDA-event timing of each call over --reps reps (median). JSON on 
 difference}; fla_ms null (and "fla": the reason) when `fla` is not importable. --breakdown adds
 "krait_kernels_ms": the median of CUDA events around each of krait's launches (diag_inv, prep,
 state, out; the events themselves cost a little). --config overrides entries of
-`gated_delta_chunk.chunk_config` (e.g. BV=32,STATE_STAGES=2,OUT_WARPS=8).
+`gated_delta_chunk.chunk_config` (e.g. BV=32,STATE_STAGES=2,OUT_WARPS=8; None for an option
+left to Triton); --sweep times more such configs in the same call (krait alone).
 
 Usage (device machine, repo root): python3 scripts/bench_gdn_prefill.py [--tokens 8192]
-[--breakdown] [--config KEY=VALUE,...]
+[--breakdown] [--config KEY=VALUE,...] [--sweep 'K=V,...;K=V,...']
 fla-core on a machine without an index: pip install --no-deps --no-index wheels/*.whl
 (fla-core and einops; `scripts/gpu_check.sh gdn` does it when wheels/ exists)."""
 
@@ -88,7 +89,9 @@ def parse_config(text: str | None) -> dict:
     out = {}
     for item in filter(None, (text or "").split(",")):
         key, value = item.split("=", 1)
-        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+        value = value.strip()
+        out[key.strip()] = (int(value) if value.lstrip("-").isdigit()
+                            else None if value == "None" else value)
     return out
 
 
@@ -123,6 +126,9 @@ def main() -> int:
                    help="also time each krait launch (CUDA events around them)")
     p.add_argument("--config", default=None,
                    help="KEY=VALUE,... overriding gated_delta_chunk.chunk_config entries")
+    p.add_argument("--sweep", default=None,
+                   help="configs separated by ';' (each KEY=VALUE,...) timed after the main "
+                        "row, krait alone, with the per-kernel breakdown: 'sweep' in the JSON")
     args = p.parse_args()
     lens = [int(n) for n in args.lens.split(",")] if args.lens else [args.tokens]
     x = inputs(lens)
@@ -133,6 +139,18 @@ def main() -> int:
            "krait_ms": time_ms(krait, args.warmup, args.reps)}
     if args.breakdown:
         out["krait_kernels_ms"] = kernel_breakdown(krait, args.reps)
+    if args.sweep:
+        out["sweep"] = []
+        for text in args.sweep.split(";"):
+            cfg = {**config, **parse_config(text)}
+            row = {"config": cfg}
+            try:
+                run = krait_call(x, cfg)
+                row["krait_ms"] = time_ms(run, args.warmup, args.reps)
+                row["krait_kernels_ms"] = kernel_breakdown(run, args.reps)
+            except Exception as e:  # noqa: BLE001 (a config that does not compile: its row says so)
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            out["sweep"].append(row)
     o_k, s_k = krait()
     o_k, s_k = o_k.clone(), s_k.clone()
     out.update(fla_ms=None, ratio=None)
