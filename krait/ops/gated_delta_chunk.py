@@ -95,6 +95,19 @@ def _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs):
 
 
 @triton.jit
+def _window_rows(seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT: tl.constexpr,
+                 BK: tl.constexpr):
+    """The rows of program_id(0)'s BT-token window: (offs_t, offs_k, rows (int64), their
+    sequences, live rows, live key columns, live [BT, BK] entries)."""
+    offs_t = tl.arange(0, BT)
+    offs_k = tl.arange(0, BK)
+    rows = tl.program_id(0) * BT + offs_t
+    seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs)
+    k_ok = offs_k < key_dim
+    return offs_t, offs_k, rows.to(tl.int64), seq, t_ok, k_ok, t_ok[:, None] & k_ok[None, :]
+
+
+@triton.jit
 def _gdn_diag_inv_kernel(
     k_ptr, g_ptr, beta_ptr, seq_ptr, slots_ptr, dinv_ptr,
     num_tokens, num_seqs, key_dim, v_per_k, num_heads,
@@ -108,17 +121,12 @@ def _gdn_diag_inv_kernel(
     # of forward elimination: step j subtracts D[r, j] times row j of the result from every
     # row r (the multipliers are D's own entries: each pivot row of the reduced I + D is a
     # unit row). Stored [T, Hv, BC] float32: row t, column t's block-local index.
-    c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // v_per_k
-    offs_t = tl.arange(0, BC)
-    offs_k = tl.arange(0, BK)
-    rows = c * BC + offs_t
-    seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs)
-    rows = rows.to(tl.int64)
-    k_ok = offs_k < key_dim
+    offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BC, BK)
     k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
-                mask=t_ok[:, None] & k_ok[None, :], other=0.0)  # [BC, BK]
+                mask=tk_ok, other=0.0)  # [BC, BK]
     g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + rows * stride_b_t + h, mask=t_ok, other=0.0).to(tl.float32)
     kk, _ = _gram(k, QK_L2NORM, DOT_PRECISION)
@@ -148,16 +156,10 @@ def _gdn_prep_kernel(
     # w = Tinv (beta exp(gamma) K) [BT, K] and u = Tinv (beta V) [BT, V] (scratch dtype), for
     # Tinv = (I + A)^-1 from the diagonal blocks' inverses Dinv (`_gdn_diag_inv_kernel`); the
     # first value head of each key head also stores the normed k (kn [T, Hk, K], scratch).
-    c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // v_per_k
-    offs_t = tl.arange(0, BT)
-    offs_k = tl.arange(0, BK)
-    rows = c * BT + offs_t
-    seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs)
-    rows = rows.to(tl.int64)
-    k_ok = offs_k < key_dim
-    tk_ok = t_ok[:, None] & k_ok[None, :]
+    offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT, BK)
     k_ptrs = k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :]
     k = tl.load(k_ptrs, mask=tk_ok, other=0.0)  # [BT, BK]
     g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)  # [BT]
@@ -271,16 +273,10 @@ def _gdn_out_kernel(
     # One program: window c, value head h, all of V in blocks of BV: o = exp(gamma) Q h[piece]
     # + (Q K^T * decay) U, U = u - w h[piece] (each piece of the window its own starting state
     # h, the bf16 one the state pass took its U from).
-    c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // v_per_k
-    offs_t = tl.arange(0, BT)
-    offs_k = tl.arange(0, BK)
-    rows = c * BT + offs_t
-    seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs)
-    rows = rows.to(tl.int64)
-    k_ok = offs_k < key_dim
-    tk_ok = t_ok[:, None] & k_ok[None, :]
+    offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT, BK)
     q = tl.load(q_ptr + rows[:, None] * stride_q_t + hk * stride_q_h + offs_k[None, :],
                 mask=tk_ok, other=0.0).to(tl.float32)  # [BT, BK]
     kn = tl.load(kn_ptr + (rows * (num_heads // v_per_k) + hk)[:, None] * key_dim
@@ -310,7 +306,7 @@ def _gdn_out_kernel(
         for b in range(s_lo, s_hi + 1):
             mine = t_ok & (seq == b)
             if tl.sum(mine.to(tl.int32), 0) > 0:  # a piece h holds (not a -1 or empty one)
-                piece = (c + b).to(tl.int64) * num_heads + h
+                piece = (tl.program_id(0) + b).to(tl.int64) * num_heads + h
                 hs = tl.load(h_ptr + piece * key_dim * value_dim + offs_k[:, None] * value_dim
                              + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
                 U -= tl.where(mine[:, None], _dot(w, hs, DOT_PRECISION), 0.0)
