@@ -238,8 +238,9 @@ def _gdn_state_kernel(
     S = tl.load(s_ptrs, mask=s_ok & init, other=0.0).to(tl.float32)  # [BK, BV]
     h_off = offs_k[:, None] * value_dim + offs_v[None, :]  # h [pieces, Hv, K, V]
     num_k_heads = num_heads // v_per_k
-    first = bos // BT
-    for c0 in range(first * BT, eos, BT):
+    # no chunk for an empty or skipped sequence (a window start before bos would be one)
+    start = tl.where(eos > bos, (bos // BT) * BT, eos)
+    for c0 in range(start, eos, BT):
         rows = c0 + offs_t
         t_ok = (rows >= bos) & (rows < eos)
         rows = rows.to(tl.int64)
