@@ -4,9 +4,14 @@ heads, K = V = 128), bf16 q/k/v/beta, float32 g (log-decay) and state, q/k l2-no
 kernels, varlen (cu_seqlens) with one sequence of --tokens (8192) from a random initial state.
 Warm-up, then CUDA-event timing of each call over --reps reps (median). JSON on stdout:
 {"krait_ms", "fla_ms", "ratio" (krait / fla), the outputs' and final states' relative
-difference}; fla_ms null (and "fla": the reason) when `fla` is not importable.
+difference}; fla_ms null (and "fla": the reason) when `fla` is not importable. --breakdown adds
+"krait_kernels_ms": the median of CUDA events around each of krait's launches (diag_inv, prep,
+state, out; the events themselves cost a little). --config overrides entries of
+`gated_delta_chunk.chunk_config` (e.g. BV=32,STATE_STAGES=2,OUT_WARPS=8; None for an option
+left to Triton); --sweep times more such configs in the same call (krait alone).
 
 Usage (device machine, repo root): python3 scripts/bench_gdn_prefill.py [--tokens 8192]
+[--breakdown] [--config KEY=VALUE,...] [--sweep 'K=V,...;K=V,...']
 fla-core on a machine without an index: pip install --no-deps --no-index wheels/*.whl
 (fla-core and einops; `scripts/gpu_check.sh gdn` does it when wheels/ exists)."""
 
@@ -48,7 +53,7 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     return median_time(fn, reps=reps, warmup=warmup) * 1e3
 
 
-def krait_call(x: dict):
+def krait_call(x: dict, config: dict | None = None):
     from krait.ops.gated_delta_chunk import gated_delta_chunk_triton
 
     n = x["h0"].shape[0]
@@ -59,7 +64,7 @@ def krait_call(x: dict):
     def run():
         states.copy_(x["h0"])
         return gated_delta_chunk_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], states,
-                                        x["qsl"], slots, init), states
+                                        x["qsl"], slots, init, config=config), states
 
     return run
 
@@ -79,6 +84,34 @@ def fla_call(x: dict):
     return run
 
 
+def parse_config(text: str | None) -> dict:
+    """'BV=32,PRECISION=tf32' -> {'BV': 32, 'PRECISION': 'tf32'} (ints where they parse)."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        key, value = item.split("=", 1)
+        value = value.strip()
+        out[key.strip()] = (int(value) if value.lstrip("-").isdigit()
+                            else None if value == "None" else value)
+    return out
+
+
+def kernel_breakdown(run, reps: int) -> dict:
+    """Median ms of each krait launch over `reps` calls, from CUDA events around them."""
+    from krait.ops import gated_delta_chunk as gdc
+
+    gdc.KERNEL_EVENTS = []
+    try:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+        times: dict[str, list[float]] = {}
+        for name, start, end in gdc.KERNEL_EVENTS:
+            times.setdefault(name, []).append(start.elapsed_time(end))
+    finally:
+        gdc.KERNEL_EVENTS = None
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -89,13 +122,35 @@ def main() -> int:
     p.add_argument("--lens", default=None, help="comma-separated sequence lengths (varlen)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each krait launch (CUDA events around them)")
+    p.add_argument("--config", default=None,
+                   help="KEY=VALUE,... overriding gated_delta_chunk.chunk_config entries")
+    p.add_argument("--sweep", default=None,
+                   help="configs separated by ';' (each KEY=VALUE,...) timed after the main "
+                        "row, krait alone, with the per-kernel breakdown: 'sweep' in the JSON")
     args = p.parse_args()
     lens = [int(n) for n in args.lens.split(",")] if args.lens else [args.tokens]
     x = inputs(lens)
-    krait = krait_call(x)
+    config = parse_config(args.config)
+    krait = krait_call(x, config or None)
     out = {"kind": "gdn_prefill", "device": torch.cuda.get_device_name(), "lens": lens,
-           "heads": [HK, HV], "head_dims": [K, V], "dtype": "bfloat16",
+           "heads": [HK, HV], "head_dims": [K, V], "dtype": "bfloat16", "config": config,
            "krait_ms": time_ms(krait, args.warmup, args.reps)}
+    if args.breakdown:
+        out["krait_kernels_ms"] = kernel_breakdown(krait, args.reps)
+    if args.sweep:
+        out["sweep"] = []
+        for text in args.sweep.split(";"):
+            cfg = {**config, **parse_config(text)}
+            row = {"config": cfg}
+            try:
+                run = krait_call(x, cfg)
+                row["krait_ms"] = time_ms(run, args.warmup, args.reps)
+                row["krait_kernels_ms"] = kernel_breakdown(run, args.reps)
+            except Exception as e:  # noqa: BLE001 (a config that does not compile: its row says so)
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            out["sweep"].append(row)
     o_k, s_k = krait()
     o_k, s_k = o_k.clone(), s_k.clone()
     out.update(fla_ms=None, ratio=None)

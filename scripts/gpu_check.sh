@@ -86,7 +86,7 @@ case $what in
       echo "no wheels/ carried: the fla comparison runs krait alone"
     fi
     PYTHONPATH=/tmp/krait_wheels:$PYTHONPATH timeout ${FLA_TIMEOUT:-110} python3 \
-      scripts/bench_gdn_prefill.py --tokens 8192 > "$LOG/gdn_prefill.json" 2> "$LOG/gdn_prefill.err"
+      scripts/bench_gdn_prefill.py --tokens 8192 --breakdown > "$LOG/gdn_prefill.json" 2> "$LOG/gdn_prefill.err"
     echo "== gdn prefill 8192 (krait vs fla)"; cat "$LOG/gdn_prefill.json"
     grep -v Warn "$LOG/gdn_prefill.err" | tail -5
     pack

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from krait.layers.linear import Linear, MergedLinear
 from krait.layers.mamba2 import MambaMetadata
@@ -83,15 +82,13 @@ class GatedDeltaNet(torch.nn.Module):
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         d = self.d
-        T = x.shape[0]
         qkv, z, b, a = self.in_proj(x).split(
             [d.conv_dim, d.value_dim, d.num_v_heads, d.num_v_heads], dim=-1)
         # the gates' raw inputs: the decode update forms g and beta in its kernel
         core = mixer_call(self._mix, (qkv, a, b), meta, "mamba")  # [T, Hv * V]
-        normed = gated_rms_norm(core.reshape(T * d.num_v_heads, d.head_v_dim), None,
-                                self.norm_weight, d.eps, d.head_v_dim)
-        gated = normed.float() * F.silu(z.reshape(T * d.num_v_heads, d.head_v_dim).float())
-        return self.out_proj(gated.to(x.dtype).reshape(T, d.value_dim))
+        # each head's RMSNorm, then the silu(z) gate, in one kernel (z a strided view)
+        gated = gated_rms_norm(core, z, self.norm_weight, d.eps, d.head_v_dim, gate_after=True)
+        return self.out_proj(gated)
 
     def _mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              meta: MambaMetadata) -> torch.Tensor:

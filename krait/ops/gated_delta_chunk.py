@@ -10,17 +10,30 @@ its final state there (a sequence of zero tokens is left alone). A slot of -1 ma
 and its output rows are unspecified. Math is float32; o is in v's dtype; the state is read and
 written in its own dtype.
 
-The Triton path processes a sequence in chunks: with gamma the in-chunk cumsum of g and
+The Triton path processes a sequence in chunks (the chunked algorithm of flash-linear-attention's
+`chunk_gated_delta_rule`, krait's own kernels): with gamma the in-chunk cumsum of g and
 A[t, j] = beta_t (k_t . k_j) exp(gamma_t - gamma_j) (j < t), the chunk's corrected values are
-U = (I + A)^-1 (beta V - beta exp(gamma) K S0), its outputs exp(gamma) Q S0 + (Q K^T * decay) U and
-its final state exp(gamma_L) S0 + (K exp(gamma_L - gamma))^T U: no division by a decay, so a decay
-that underflows stays exact. Two kernels: the chunks are the BT-token windows of the packed batch
-cut at sequence starts, so the part that does not depend on S0 — gamma, (I + A)^-1 by forward
-substitution (BT - 1 dependent steps), w = (I + A)^-1 (beta exp(gamma) K) and u = (I + A)^-1
-(beta V) — runs for every window and head at once (`_gdn_chunk_prep_kernel`, float32 scratch of
-(K + V + 1) floats a token and head); the sequential pass (`_gdn_chunk_kernel`, one program a
-sequence, head and V block) is then five tensor-core products a chunk: U = u - w S0, the outputs,
-the state.
+U = u - w S0 with u = (I + A)^-1 (beta V) and w = (I + A)^-1 (beta exp(gamma) K), its outputs
+exp(gamma) Q S0 + (Q K^T * decay) U and its final state exp(gamma_L) S0 + K^T (exp(gamma_L -
+gamma) U): no division by a decay, so a decay that underflows stays exact. The chunks are the
+BT-token windows of the packed batch cut at sequence starts (a window's pieces of different
+sequences are independent: A is block-diagonal by sequence and gamma restarts), so that grids
+and scratch are sized by the token and sequence counts alone (no host sync: graph-safe).
+Four kernels:
+- `_gdn_diag_inv_kernel` (every BC = 16 tokens and head at once, one warp each): the inverses
+  Dinv of (I + A)'s diagonal BC x BC blocks by BC - 1 steps of forward elimination;
+- `_gdn_prep_kernel` (every window and head at once): gamma, (I + A)^-1 blocked — the
+  strictly block-lower rest M = Dinv L (nilpotent: M^(BT/BC) = 0) folded in by products,
+  (I + A)^-1 = (I - M + M^2 - M^3) Dinv, not BT - 1 dependent row steps — then w, u and the
+  normed keys into scratch;
+- `_gdn_state_kernel` (the one sequential kernel, a program per sequence, head and BV value
+  columns): per chunk only the recurrence, two products: U = u - w S and S = exp(gamma_L) S +
+  K^T (exp(gamma_L - gamma) U), each chunk's starting state S stored (h, a [pieces, Hv, K, V]
+  scratch; piece c + b for window c of sequence b);
+- `_gdn_out_kernel` (every window and head at once): U = u - w h again (from the same h: no
+  store of U in the sequential loop), o = exp(gamma) Q h + (Q K^T * decay) U.
+Scratch (w, u, h) is in the activations' dtype for bf16 / fp16 inputs (their products on the
+tensor cores at that precision, as fla does), float32 otherwise.
 """
 
 import torch
@@ -28,10 +41,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, interpreting, next_pow2, num_sms, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
 
 L2_EPS = 1e-6
-CHUNK_WARPS = 4  # the sequential pass (sm_90 compile checks: tests/ops/test_sm90_compile.py)
+# (name, start event, end event) of each launch while a list (scripts/bench_gdn_prefill.py
+# --breakdown); None: no events
+KERNEL_EVENTS: list | None = None
 
 # ----------------------------------------------------------------------------- triton
 
@@ -43,77 +58,167 @@ def l2_rows(x):
 
 
 @triton.jit
-def _gdn_chunk_prep_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, seq_ptr, slots_ptr, w_ptr, u_ptr, gam_ptr,
-    num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
-    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_b_t,
-    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-):
-    # One program: window c of BT packed tokens, value head h. The window's pieces of different
-    # sequences are independent (A, and so (I + A)^-1, block-diagonal by sequence; gamma restarts
-    # at a sequence's start): w = Tinv (beta exp(gamma) K) [BT, K], u = Tinv (beta V) [BT, V]
-    # and gamma [BT], all float32, for the sequential pass.
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // v_per_k
+def _gram(k, QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(k_t . k_j of the normed rows [n, n], the rows' norm factors [n]) of k [n, K] in its
+    own dtype: the product of the raw rows (bf16 ones exactly, on the tensor cores), then
+    scaled by rsqrt(|k_t|^2 + 1e-6) rsqrt(|k_j|^2 + 1e-6) (1 without QK_L2NORM)."""
+    kk = _dot(k, tl.trans(k), DOT_PRECISION)
+    if QK_L2NORM:
+        kf = k.to(tl.float32)
+        rn = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+    else:
+        rn = tl.full([k.shape[0]], 1.0, tl.float32)
+    return kk * rn[:, None] * rn[None, :], rn
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """tl.dot at PRECISION ('tf32' or 'ieee' for float32 operands; bf16 / fp16 operands on
+    the tensor cores at their precision), or 'upcast': both operands to float32, products in
+    ieee (the interpreter, whose bf16 products are wrong; its rounding stays the scratch's)."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs):
+    """(sequence, live) of the window's rows: live rows are tokens of sequences with a slot.
+    Only those are read: padding rows (past the last sequence, or of a -1 slot) may hold
+    anything, and a NaN there would reach the others' rows through the window's products
+    (0 * NaN) though their entries are masked."""
+    t_ok = rows < num_tokens
+    seq = tl.load(seq_ptr + rows, mask=t_ok, other=-1)
+    in_seq = t_ok & (seq >= 0) & (seq < num_seqs)
+    live = in_seq & (tl.load(slots_ptr + seq, mask=in_seq, other=-1) >= 0)
+    return seq, live
+
+
+@triton.jit
+def _window_rows(seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT: tl.constexpr,
+                 BK: tl.constexpr):
+    """The rows of program_id(0)'s BT-token window: (offs_t, offs_k, rows (int64), their
+    sequences, live rows, live key columns, live [BT, BK] entries)."""
     offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
-    rows = c * BT + offs_t
-    t_ok = rows < num_tokens
-    rows = rows.to(tl.int64)
+    rows = tl.program_id(0) * BT + offs_t
+    seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs)
     k_ok = offs_k < key_dim
-    seq = tl.load(seq_ptr + rows, mask=t_ok, other=-1)  # [BT]
-    # only tokens of live sequences are read: padding rows (past the last sequence, or of a -1
-    # slot) may hold anything, and a NaN there would reach the others' rows through the
-    # window's products (0 * NaN) though their entries are masked
-    in_seq = t_ok & (seq >= 0) & (seq < num_seqs)
-    t_ok = in_seq & (tl.load(slots_ptr + seq, mask=in_seq, other=-1) >= 0)
+    return offs_t, offs_k, rows.to(tl.int64), seq, t_ok, k_ok, t_ok[:, None] & k_ok[None, :]
+
+
+@triton.jit
+def _gdn_diag_inv_kernel(
+    k_ptr, g_ptr, beta_ptr, seq_ptr, slots_ptr, dinv_ptr,
+    num_tokens, num_seqs, key_dim, v_per_k, num_heads,
+    stride_k_t, stride_k_h, stride_g_t, stride_b_t,
+    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # One program (one warp: every reduction stays in it): BC packed tokens, value head h,
+    # (I + D)^-1 of the block's D[t, j] = beta_t (k_t . k_j) exp(gamma_t - gamma_j), j < t in
+    # the same sequence (gamma differences: a cumsum local to the block does), by BC - 1 steps
+    # of forward elimination: step j subtracts D[r, j] times row j of the result from every
+    # row r (the multipliers are D's own entries: each pivot row of the reduced I + D is a
+    # unit row). Stored [T, Hv, BC] float32: row t, column t's block-local index.
+    h = tl.program_id(1)
+    hk = h // v_per_k
+    offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BC, BK)
     k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
-                mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+                mask=tk_ok, other=0.0)  # [BC, BK]
+    g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_b_t + h, mask=t_ok, other=0.0).to(tl.float32)
+    kk, _ = _gram(k, QK_L2NORM, DOT_PRECISION)
+    same = seq[:, None] == seq[None, :]
+    strict = (offs_t[:, None] > offs_t[None, :]) & same
+    gam = tl.sum(tl.where((offs_t[:, None] >= offs_t[None, :]) & same, g[None, :], 0.0), 1)
+    decay = tl.exp(tl.where(strict, gam[:, None] - gam[None, :], 0.0))
+    D = tl.where(strict, kk * decay * beta[:, None], 0.0)
+    X = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0)
+    for j in range(BC - 1):
+        x_piv = tl.sum(tl.where(offs_t[:, None] == j, X, 0.0), axis=0)  # row j
+        d_piv = tl.sum(tl.where(offs_t[None, :] == j, D, 0.0), axis=1)  # column j of D
+        X = X - d_piv[:, None] * x_piv[None, :]
+    tl.store(dinv_ptr + (rows * num_heads + h)[:, None] * BC + offs_t[None, :], X,
+             mask=t_ok[:, None])
+
+
+@triton.jit
+def _gdn_prep_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, seq_ptr, slots_ptr, dinv_ptr, kn_ptr, w_ptr, u_ptr,
+    gam_ptr, num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_b_t,
+    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    # One program: window c of BT packed tokens, value head h: gamma [BT] (float32),
+    # w = Tinv (beta exp(gamma) K) [BT, K] and u = Tinv (beta V) [BT, V] (scratch dtype), for
+    # Tinv = (I + A)^-1 from the diagonal blocks' inverses Dinv (`_gdn_diag_inv_kernel`); the
+    # first value head of each key head also stores the normed k (kn [T, Hk, K], scratch).
+    h = tl.program_id(1)
+    hk = h // v_per_k
+    offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT, BK)
+    k_ptrs = k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :]
+    k = tl.load(k_ptrs, mask=tk_ok, other=0.0)  # [BT, BK]
     g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)  # [BT]
     beta = tl.load(beta_ptr + rows * stride_b_t + h, mask=t_ok, other=0.0).to(tl.float32)
-    if QK_L2NORM:
-        k = l2_rows(k)
+    kk, rn = _gram(k, QK_L2NORM, DOT_PRECISION)
+    if h % v_per_k == 0:
+        tl.store(kn_ptr + (rows * (num_heads // v_per_k) + hk)[:, None] * key_dim
+                 + offs_k[None, :], (k.to(tl.float32) * rn[:, None]).to(kn_ptr.dtype.element_ty),
+                 mask=tk_ok)
     same = seq[:, None] == seq[None, :]
     lower = (offs_t[:, None] >= offs_t[None, :]) & same
-    strict = (offs_t[:, None] > offs_t[None, :]) & same
     gam = tl.sum(tl.where(lower, g[None, :], 0.0), axis=1)  # [BT] per-piece cumsum
-    decay = tl.where(lower, tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
-    kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
-    A = tl.where(strict, kk * decay * beta[:, None], 0.0)  # strictly lower [BT, BT]
-    # Tinv = (I + A)^-1 by forward substitution: row i = e_i - A[i, :] @ Tinv
-    Tinv = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(offs_t[:, None] == i, A, 0.0), axis=0)  # [BT]
-        row = tl.where(offs_t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * Tinv, axis=0)
-        Tinv = tl.where(offs_t[:, None] == i, row[None, :], Tinv)
-    w = tl.dot(Tinv, k * (beta * tl.exp(gam))[:, None], input_precision=DOT_PRECISION)
-    out_rows = rows * num_heads + h  # w [T, Hv, K], u [T, Hv, V], gamma [T, Hv], contiguous
-    tl.store(w_ptr + out_rows[:, None] * key_dim + offs_k[None, :], w,
-             mask=t_ok[:, None] & k_ok[None, :])
+    blk = offs_t // BC
+    diag = blk[:, None] == blk[None, :]
+    # L: A's strictly block-lower part (A = D + L)
+    off = (blk[:, None] > blk[None, :]) & same
+    decay = tl.exp(tl.where(off, gam[:, None] - gam[None, :], 0.0))
+    L = tl.where(off, kk * decay * beta[:, None], 0.0)
+    out_rows = rows * num_heads + h  # [T, Hv, ...] scratch rows
+    Dinv = tl.load(dinv_ptr + out_rows[:, None] * BC + (offs_t % BC)[None, :],
+                   mask=t_ok[:, None] & diag, other=0.0)  # [BT, BT] block-diagonal
+    # I + A = (I + D)(I + M), M = Dinv L strictly block-lower: (I + M)^-1 = sum (-M)^n,
+    # n < BT / BC (the terms of block forward substitution)
+    M = _dot(Dinv, L, SOLVE_PRECISION)
+    P = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0) - M
+    Mn = M
+    for n in tl.static_range(2, BT // BC):
+        Mn = _dot(Mn, M, SOLVE_PRECISION)
+        if n % 2 == 0:
+            P = P + Mn
+        else:
+            P = P - Mn
+    Tinv = _dot(P, Dinv, SOLVE_PRECISION)  # [BT, BT]
+    k = tl.load(k_ptrs, mask=tk_ok, other=0.0).to(tl.float32)  # again: fewer live registers
+    w = _dot(Tinv, k * (rn * beta * tl.exp(gam))[:, None], DOT_PRECISION)
+    tl.store(w_ptr + out_rows[:, None] * key_dim + offs_k[None, :],
+             w.to(w_ptr.dtype.element_ty), mask=tk_ok)
     tl.store(gam_ptr + out_rows, gam, mask=t_ok)
     for v0 in range(0, value_dim, BV):
         offs_v = v0 + tl.arange(0, BV)
         vt_ok = t_ok[:, None] & (offs_v < value_dim)[None, :]
         v = tl.load(v_ptr + rows[:, None] * stride_v_t + h * stride_v_h + offs_v[None, :],
                     mask=vt_ok, other=0.0).to(tl.float32)  # [BT, BV]
-        u = tl.dot(Tinv, v * beta[:, None], input_precision=DOT_PRECISION)
-        tl.store(u_ptr + out_rows[:, None] * value_dim + offs_v[None, :], u, mask=vt_ok)
+        u = _dot(Tinv, v * beta[:, None], DOT_PRECISION)
+        tl.store(u_ptr + out_rows[:, None] * value_dim + offs_v[None, :],
+                 u.to(u_ptr.dtype.element_ty), mask=vt_ok)
 
 
 @triton.jit
-def _gdn_chunk_kernel(
-    q_ptr, k_ptr, w_ptr, u_ptr, gam_ptr, o_ptr, state_ptr, qsl_ptr, slots_ptr, init_ptr,
-    scale, key_dim, value_dim, v_per_k, num_heads,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_o_t, stride_o_h,
+def _gdn_state_kernel(
+    kn_ptr, w_ptr, u_ptr, gam_ptr, h_ptr, state_ptr, qsl_ptr, slots_ptr, init_ptr,
+    key_dim, value_dim, v_per_k, num_heads,
     stride_s_slot, stride_s_h, stride_s_k,
-    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     # One program: sequence s, value head h, BV columns of its [K, V] state; the sequence's
-    # pieces of the packed BT-token windows in order (the first and last may be partial),
-    # from `_gdn_chunk_prep_kernel`'s w, u and gamma.
+    # pieces of the packed BT-token windows in order (the first and last may be partial). Per
+    # chunk only the recurrence: h[piece] = S; U = u - w S; S = exp(g_L) S + K^T (exp(g_L -
+    # gamma) U), K the normed keys (kn). The output kernel forms U again from h[piece].
     s = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + s)
@@ -125,45 +230,91 @@ def _gdn_chunk_kernel(
     offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
     k_ok = offs_k < key_dim
     v_ok = offs_v < value_dim
-    s_ok = k_ok[:, None] & v_ok[None, :] & (slot >= 0)
+    kv_ok = k_ok[:, None] & v_ok[None, :]
+    s_ok = kv_ok & (slot >= 0)
     s_ptrs = (state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_s_slot + h * stride_s_h
               + offs_k[:, None] * stride_s_k + offs_v[None, :])
     init = tl.load(init_ptr + s) != 0
     S = tl.load(s_ptrs, mask=s_ok & init, other=0.0).to(tl.float32)  # [BK, BV]
-    lower = offs_t[:, None] >= offs_t[None, :]
-    for c0 in range((bos // BT) * BT, eos, BT):
+    h_off = offs_k[:, None] * value_dim + offs_v[None, :]  # h [pieces, Hv, K, V]
+    num_k_heads = num_heads // v_per_k
+    # no chunk for an empty or skipped sequence (a window start before bos would be one)
+    start = tl.where(eos > bos, (bos // BT) * BT, eos)
+    for c0 in range(start, eos, BT):
         rows = c0 + offs_t
         t_ok = (rows >= bos) & (rows < eos)
         rows = rows.to(tl.int64)
-        qk_mask = t_ok[:, None] & k_ok[None, :]
-        tv_mask = t_ok[:, None] & v_ok[None, :]
-        q = tl.load(q_ptr + rows[:, None] * stride_q_t + hk * stride_q_h + offs_k[None, :],
-                    mask=qk_mask, other=0.0).to(tl.float32)  # [BT, BK]
-        k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
-                    mask=qk_mask, other=0.0).to(tl.float32)  # [BT, BK]
         hrows = rows * num_heads + h
-        w = tl.load(w_ptr + hrows[:, None] * key_dim + offs_k[None, :], mask=qk_mask,
-                    other=0.0)  # [BT, BK]
-        u = tl.load(u_ptr + hrows[:, None] * value_dim + offs_v[None, :], mask=tv_mask,
+        tk_ok = t_ok[:, None] & k_ok[None, :]
+        tv_ok = t_ok[:, None] & v_ok[None, :]
+        w = tl.load(w_ptr + hrows[:, None] * key_dim + offs_k[None, :], mask=tk_ok, other=0.0)
+        u = tl.load(u_ptr + hrows[:, None] * value_dim + offs_v[None, :], mask=tv_ok,
                     other=0.0)  # [BT, BV]
+        kn = tl.load(kn_ptr + (rows * num_k_heads + hk)[:, None] * key_dim + offs_k[None, :],
+                     mask=tk_ok, other=0.0)  # [BT, BK]
         gam = tl.load(gam_ptr + hrows, mask=t_ok, other=0.0)  # [BT]
-        if QK_L2NORM:
-            q = l2_rows(q)
-            k = l2_rows(k)
-        q = q * scale
-        live = lower & t_ok[:, None] & t_ok[None, :]
-        decay = tl.where(live, tl.exp(tl.where(live, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        U = u - tl.dot(w, S, input_precision=DOT_PRECISION)  # [BT, BV]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay  # [BT, BT]
-        o = tl.dot(q * tl.exp(gam)[:, None], S, input_precision=DOT_PRECISION)
-        o = o + tl.dot(qk, U, input_precision=DOT_PRECISION)  # [BT, BV]
-        tl.store(o_ptr + rows[:, None] * stride_o_t + h * stride_o_h + offs_v[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=tv_mask)
-        last = tl.minimum(eos, c0 + BT) - 1 - c0
-        g_last = tl.sum(tl.where(offs_t == last, gam, 0.0), 0)
-        k_tail = k * tl.where(t_ok, tl.exp(g_last - gam), 0.0)[:, None]  # [BT, BK]
-        S = S * tl.exp(g_last) + tl.dot(tl.trans(k_tail), U, input_precision=DOT_PRECISION)
+        g_last = tl.load(gam_ptr + (tl.minimum(eos, c0 + BT) - 1).to(tl.int64) * num_heads + h)
+        Sc = S.to(h_ptr.dtype.element_ty)
+        piece = (c0 // BT + s).to(tl.int64) * num_heads + h
+        tl.store(h_ptr + piece * key_dim * value_dim + h_off, Sc, mask=kv_ok)
+        U = u.to(tl.float32) - _dot(w, Sc, DOT_PRECISION)
+        U = U * tl.where(t_ok, tl.exp(g_last - gam), 0.0)[:, None]
+        S = S * tl.exp(g_last) + _dot(tl.trans(kn), U.to(kn.dtype), DOT_PRECISION)
     tl.store(s_ptrs, S.to(s_ptrs.dtype.element_ty), mask=s_ok & (eos > bos))
+
+
+@triton.jit
+def _gdn_out_kernel(
+    q_ptr, kn_ptr, w_ptr, u_ptr, gam_ptr, h_ptr, o_ptr, seq_ptr, slots_ptr,
+    scale, num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    # One program: window c, value head h, all of V in blocks of BV: o = exp(gamma) Q h[piece]
+    # + (Q K^T * decay) U, U = u - w h[piece] (each piece of the window its own starting state
+    # h, the bf16 one the state pass took its U from).
+    h = tl.program_id(1)
+    hk = h // v_per_k
+    offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT, BK)
+    q = tl.load(q_ptr + rows[:, None] * stride_q_t + hk * stride_q_h + offs_k[None, :],
+                mask=tk_ok, other=0.0).to(tl.float32)  # [BT, BK]
+    kn = tl.load(kn_ptr + (rows * (num_heads // v_per_k) + hk)[:, None] * key_dim
+                 + offs_k[None, :], mask=tk_ok, other=0.0)
+    hrows = rows * num_heads + h
+    gam = tl.load(gam_ptr + hrows, mask=t_ok, other=0.0)  # [BT]
+    w = tl.load(w_ptr + hrows[:, None] * key_dim + offs_k[None, :], mask=tk_ok, other=0.0)
+    if QK_L2NORM:
+        q = l2_rows(q)
+    q = q * scale
+    live = ((offs_t[:, None] >= offs_t[None, :]) & (seq[:, None] == seq[None, :])
+            & t_ok[:, None] & t_ok[None, :])
+    decay = tl.where(live, tl.exp(tl.where(live, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    lowp = h_ptr.dtype.element_ty
+    qk = (_dot(q.to(lowp), tl.trans(kn), DOT_PRECISION) * decay).to(lowp)  # [BT, BT]
+    qg = q * tl.exp(gam)[:, None]  # [BT, BK]
+    # the window's live sequences: most windows hold one
+    s_lo = tl.min(tl.where(t_ok, seq, num_seqs), 0)
+    s_hi = tl.max(tl.where(t_ok, seq, -1), 0)
+    for v0 in range(0, value_dim, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        v_ok = offs_v < value_dim
+        tv_ok = t_ok[:, None] & v_ok[None, :]
+        U = tl.load(u_ptr + hrows[:, None] * value_dim + offs_v[None, :], mask=tv_ok,
+                    other=0.0).to(tl.float32)  # [BT, BV]
+        o = tl.zeros([BT, BV], dtype=tl.float32)
+        for b in range(s_lo, s_hi + 1):
+            mine = t_ok & (seq == b)
+            if tl.sum(mine.to(tl.int32), 0) > 0:  # a piece h holds (not a -1 or empty one)
+                piece = (tl.program_id(0) + b).to(tl.int64) * num_heads + h
+                hs = tl.load(h_ptr + piece * key_dim * value_dim + offs_k[:, None] * value_dim
+                             + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+                U -= tl.where(mine[:, None], _dot(w, hs, DOT_PRECISION), 0.0)
+                o += _dot(tl.where(mine[:, None], qg, 0.0).to(lowp), hs, DOT_PRECISION)
+        o += _dot(qk, U.to(lowp), DOT_PRECISION)  # [BT, BV]
+        tl.store(o_ptr + rows[:, None] * stride_o_t + h * stride_o_h + offs_v[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=tv_ok)
 
 
 def _tile(n: int) -> int:
@@ -171,32 +322,41 @@ def _tile(n: int) -> int:
     return max(16, next_pow2(n))
 
 
-def chunk_blocks(K: int, V: int, num_seqs: int, num_heads: int, sms: int,
-                 interp: bool = False) -> dict:
-    """The two kernels' tiles and the sequential pass's pipeline depth: windows of BT = 64
-    tokens (16 interpreted); the sequential pass over BV = 64 state columns, 32 while the grid
-    would leave SMs idle (one long sequence: 32 heads x 2 blocks on 132 SMs); the prep kernel's
-    u in blocks of 64 columns. Shared memory at K = 128 on sm_90 (the compile checks): BV 32
-    with 2 stages 194 KiB, BV 64 with 1 stage 129 KiB (2 stages would be 226 of the 227 KiB)."""
+def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> dict:
+    """The kernels' tiles and launch options. Windows of BT = 64 tokens, the diagonal blocks of
+    the triangular solve BC = 16 (interpreted: windows of 32, so the blocked solve runs on CPU
+    fast enough); the sequential pass over BV = 64 state columns (one long sequence: 32 heads
+    x 2 blocks = 64 programs), its next chunks' loads issued early (STATE_STAGES: 137 KiB of
+    shared memory at K = V = 128 in bf16; float32 scratch, 2 stages: 112 KiB); the prep and
+    output kernels over V in blocks of 64, their registers capped (*_MAXNREG: ptxas takes all
+    255 uncapped and spills nothing at 128, so that two prep and four output programs share an
+    SM). LOWP: scratch in the activations' dtype (bf16 / fp16 inputs, compiled), float32
+    otherwise. PRECISION: float32 products (tf32 for bf16 / fp16 inputs, ieee for float32
+    ones; 'upcast' interpreted: `_dot`); SOLVE_PRECISION: the triangular solve's merge
+    products (tf32x3: near float32)."""
+    lowp = dtype in (torch.bfloat16, torch.float16) and not interp
+    half = dtype != torch.float32
+    cfg = dict(BT=64, BC=16, BK=_tile(K), BV=min(_tile(V), 64), BV_PREP=min(_tile(V), 64),
+               BV_OUT=min(_tile(V), 64), DIAG_WARPS=1, PREP_WARPS=8, PREP_MAXNREG=128,
+               STATE_WARPS=4, STATE_STAGES=3 if lowp else 2, OUT_WARPS=4, OUT_STAGES=2,
+               OUT_MAXNREG=128, LOWP=lowp, PRECISION="tf32" if half else "ieee",
+               SOLVE_PRECISION="tf32x3" if half else "ieee")
     if interp:
-        return dict(BT=16, BK=_tile(K), BV=_tile(V), BV_PREP=_tile(V), STAGES=1)
-    bv = min(_tile(V), 64)
-    if bv > 32 and num_seqs * num_heads * cdiv(V, bv) < sms:
-        bv = 32
-    return dict(BT=64, BK=_tile(K), BV=bv, BV_PREP=min(_tile(V), 64),
-                STAGES=2 if bv <= 32 else 1)
+        cfg.update(BT=32, PRECISION="upcast", SOLVE_PRECISION="upcast")
+    return cfg
 
 
 def gated_delta_chunk_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
     query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
     scale: float | None = None, qk_l2norm: bool = True, chunk_size: int = 64,
-    token_seq: Tensor | None = None,
+    token_seq: Tensor | None = None, config: dict | None = None,
 ) -> Tensor:
-    """Triton launcher of `gated_delta_chunk`: the prep kernel over every BT-token window of
-    the packed batch (parallel), then the sequential pass a (sequence, head, V block).
-    `token_seq`: `token_to_seq(query_start_loc, n)` for n >= T when the caller has it.
-    chunk_size is fixed by the kernels (`chunk_blocks`); the argument is kept for the API."""
+    """Triton launcher of `gated_delta_chunk`: the diagonal-block inverses and the prep kernel
+    over every window of the packed batch, the sequential state pass a (sequence, head, V
+    block), the output kernel over every window. `token_seq`: `token_to_seq(query_start_loc,
+    n)` for n >= T when the caller has it. chunk_size is fixed by the kernels (`chunk_config`;
+    `config` overrides its entries: tests, benchmarks); the argument is kept for the API."""
     from krait.ops.causal_conv1d import token_to_seq
 
     T, hk, K = q.shape
@@ -205,33 +365,74 @@ def gated_delta_chunk_triton(
     nseq = state_indices.shape[0]
     if T == 0 or nseq == 0:
         return o
-    interp = interpreting()
-    blk = chunk_blocks(K, V, nseq, hv, num_sms(v.device), interp)
-    bt = blk["BT"]
-    precision = "ieee" if (interp or v.dtype == torch.float32) else "tf32"
+    cfg = chunk_config(K, V, v.dtype, interpreting())
+    if config:
+        cfg.update(config)
+    bt, bc = cfg["BT"], cfg["BC"]
     for t in (q, k, v):
         assert t.stride(-1) == 1, "gated_delta_chunk: the last dim must be contiguous"
     assert states.stride(-1) == 1
     if token_seq is None or token_seq.shape[0] < T:
         token_seq = token_to_seq(query_start_loc, T)
-    w = torch.empty(T, hv, K, dtype=torch.float32, device=v.device)
-    u = torch.empty(T, hv, V, dtype=torch.float32, device=v.device)
-    gam = torch.empty(T, hv, dtype=torch.float32, device=v.device)
-    _gdn_chunk_prep_kernel[(cdiv(T, bt), hv)](
-        k, v, g, beta, token_seq, state_indices, w, u, gam, T, nseq, K, V, hv // hk, hv,
+    sd = v.dtype if cfg["LOWP"] else torch.float32  # scratch
+    nw = cdiv(T, bt)
+    dev = v.device
+    dinv = torch.empty(T, hv, bc, dtype=torch.float32, device=dev)
+    kn = torch.empty(T, hk, K, dtype=sd, device=dev)  # normed keys
+    w = torch.empty(T, hv, K, dtype=sd, device=dev)
+    u = torch.empty(T, hv, V, dtype=sd, device=dev)
+    gam = torch.empty(T, hv, dtype=torch.float32, device=dev)
+    hs = torch.empty(nw + nseq, hv, K, V, dtype=sd, device=dev)  # chunks' starting states
+    prec, bk, rep = cfg["PRECISION"], cfg["BK"], hv // hk
+    ev = _event()
+    _gdn_diag_inv_kernel[(cdiv(T, bc), hv)](
+        k, g, beta, token_seq, state_indices, dinv, T, nseq, K, rep, hv,
+        k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BC=bc, BK=bk, num_warps=cfg["DIAG_WARPS"],
+    )
+    ev = _record("diag_inv", ev)
+    _gdn_prep_kernel[(nw, hv)](
+        k, v, g, beta, token_seq, state_indices, dinv, kn, w, u, gam, T, nseq, K, V, rep, hv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        QK_L2NORM=qk_l2norm, DOT_PRECISION=precision, BT=bt, BK=blk["BK"], BV=blk["BV_PREP"],
-        num_warps=4,
+        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, SOLVE_PRECISION=cfg["SOLVE_PRECISION"],
+        BT=bt, BC=bc, BK=bk, BV=cfg["BV_PREP"], num_warps=cfg["PREP_WARPS"],
+        maxnreg=cfg["PREP_MAXNREG"],
     )
-    _gdn_chunk_kernel[(nseq, hv, cdiv(V, blk["BV"]))](
-        q, k, w, u, gam, o, states, query_start_loc, state_indices, has_initial_state,
-        float(scale if scale is not None else K ** -0.5), K, V, hv // hk, hv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-        states.stride(0), states.stride(1), states.stride(2),
-        QK_L2NORM=qk_l2norm, DOT_PRECISION=precision, BT=bt, BK=blk["BK"], BV=blk["BV"],
-        num_warps=CHUNK_WARPS, num_stages=blk["STAGES"],
+    ev = _record("prep", ev)
+    _gdn_state_kernel[(nseq, hv, cdiv(V, cfg["BV"]))](
+        kn, w, u, gam, hs, states, query_start_loc, state_indices, has_initial_state,
+        K, V, rep, hv, states.stride(0), states.stride(1), states.stride(2),
+        DOT_PRECISION=prec, BT=bt, BK=bk, BV=cfg["BV"], num_warps=cfg["STATE_WARPS"],
+        num_stages=cfg["STATE_STAGES"],
     )
+    ev = _record("state", ev)
+    _gdn_out_kernel[(nw, hv)](
+        q, kn, w, u, gam, hs, o, token_seq, state_indices,
+        float(scale if scale is not None else K ** -0.5), T, nseq, K, V, rep, hv,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BT=bt, BK=bk, BV=cfg["BV_OUT"],
+        num_warps=cfg["OUT_WARPS"], num_stages=cfg["OUT_STAGES"], maxnreg=cfg["OUT_MAXNREG"],
+    )
+    _record("out", ev)
     return o
+
+
+def _event():
+    """A recorded CUDA event while KERNEL_EVENTS is a list, else None."""
+    if KERNEL_EVENTS is None:
+        return None
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _record(name: str, start):
+    """Files (name, start, end) in KERNEL_EVENTS; returns end (the next launch's start)."""
+    if start is None:
+        return None
+    end = _event()
+    KERNEL_EVENTS.append((name, start, end))
+    return end
 
 
 # ----------------------------------------------------------------------------- torch reference

@@ -2,6 +2,10 @@
 
 h = x.float(); h = h * silu(z.float()) when z is given; every group of `group_size` channels is
 RMS-normalised on its own; out = weight * h.to(x.dtype), returned in x's dtype.
+
+gate_after=True is Qwen3-Next's `Qwen3NextRMSNormGated` (the gate after the norm): out =
+(weight * norm(x).to(x.dtype)).float() * silu(z.float()), returned in x's dtype; weight may be
+one group's ([group_size], shared by every group: a Gated DeltaNet head's norm).
 """
 
 import torch
@@ -20,7 +24,7 @@ def _gated_rms_norm_kernel(
     num_rows, group_size, eps,
     stride_x, stride_z, stride_out,
     HAS_Z: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, GATE_AFTER: tl.constexpr = False, GROUP_WEIGHT: tl.constexpr = False,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -36,12 +40,16 @@ def _gated_rms_norm_kernel(
     if HAS_Z:
         z = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
         z = z.to(tl.float32)
-        h = h * z * tl.sigmoid(z)
+        if not GATE_AFTER:
+            h = h * z * tl.sigmoid(z)
     var = tl.sum(h * h, axis=1) / group_size  # [BLOCK_M]
     h = h * tl.rsqrt(var + eps)[:, None]
     h = h.to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    w_cols = tl.arange(0, BLOCK_G) if GROUP_WEIGHT else cols
+    w = tl.load(w_ptr + w_cols, mask=col_ok, other=0.0).to(tl.float32)
     out = (w[None, :] * h).to(out_ptr.dtype.element_ty)
+    if HAS_Z and GATE_AFTER:
+        out = (out.to(tl.float32) * (z * tl.sigmoid(z))).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], out, mask=mask)
 
 
@@ -51,11 +59,13 @@ def _rows(t: Tensor) -> Tensor:
 
 
 def gated_rms_norm_triton(
-    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int
+    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int,
+    gate_after: bool = False,
 ) -> Tensor:
     """Triton launcher of `gated_rms_norm`."""
     dim = x.shape[-1]
     assert dim % group_size == 0, "group_size must divide the channel count"
+    assert weight.numel() in (dim, group_size)
     x2 = _rows(x)
     z2 = _rows(z) if z is not None else x2
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # [T, D]
@@ -69,33 +79,43 @@ def gated_rms_norm_triton(
             x2, z2, weight.contiguous(), out,
             num_rows, group_size, eps,
             x2.stride(0), z2.stride(0), out.stride(0),
-            HAS_Z=z is not None, BLOCK_M=block_m, BLOCK_G=block_g,
+            HAS_Z=z is not None, BLOCK_M=block_m, BLOCK_G=block_g, GATE_AFTER=gate_after,
+            GROUP_WEIGHT=weight.numel() != dim,
             num_warps=4 if block_g * block_m <= 4096 else 8, **pdl_args(pdl),
         )
     return out if x.dim() == 2 else out.view(x.shape)
 
 
 def gated_rms_norm_ref(
-    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int
+    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int,
+    gate_after: bool = False,
 ) -> Tensor:
     """Torch reference of `gated_rms_norm`."""
     h = x.float()
-    if z is not None:
+    if z is not None and not gate_after:
         h = h * F.silu(z.float())
     *prefix, dim = h.shape
     hg = h.view(*prefix, dim // group_size, group_size)  # [..., groups, group_size]
     hg = hg * torch.rsqrt(hg.square().mean(-1, keepdim=True) + eps)
     h = hg.view(*prefix, dim)
-    return (weight.float() * h.to(x.dtype).float()).to(x.dtype)
+    if weight.numel() != dim:  # one group's weight, shared
+        weight = weight.repeat(dim // group_size)
+    out = (weight.float() * h.to(x.dtype).float()).to(x.dtype)
+    if z is not None and gate_after:
+        out = (out.float() * F.silu(z.float())).to(x.dtype)
+    return out
 
 
 def gated_rms_norm(
-    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int
+    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int,
+    gate_after: bool = False,
 ) -> Tensor:
     """x, z [T, D], weight [D] -> [T, D] in x's dtype (HF MambaRMSNormGated, gate applied first).
 
     `group_size` must divide D; each group of channels gets its own RMS statistic.
+    gate_after: the gate multiplies the normed, weighted value instead (HF
+    Qwen3NextRMSNormGated); weight may then be [group_size], shared by the groups.
     """
     if use_triton(x):
-        return gated_rms_norm_triton(x, z, weight, eps, group_size)
-    return gated_rms_norm_ref(x, z, weight, eps, group_size)
+        return gated_rms_norm_triton(x, z, weight, eps, group_size, gate_after)
+    return gated_rms_norm_ref(x, z, weight, eps, group_size, gate_after)

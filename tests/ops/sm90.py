@@ -18,7 +18,7 @@ import triton
 
 def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: dict,
                  num_warps: int = 4, odd: tuple[str, ...] = (),
-                 num_stages: int | None = None) -> dict:
+                 num_stages: int | None = None, maxnreg: int | None = None) -> dict:
     """Kernel `module.kernel`; `types`: Triton type strings by argument name ('*bf16', 'fp32'...),
     unnamed non-constexpr arguments are 'i32'. Pointers and integers are taken as multiples of 16
     (as Triton specializes a real launch with such values: what lets it vectorize loads) except
@@ -29,10 +29,12 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
     'loop_barriers'} (global loads of 16 bytes and of one element, loads of one byte from shared
     memory, grid-dependency waits, Hopper's warpgroup MMA, TMA copies and mbarrier waits, in the
     PTX; barriers inside innermost loops). `num_stages`: the launch option (Triton's default
-    when None; its software pipelining multiplies a loop's shared-memory buffers). Runs in a child process: under TRITON_INTERPRET=1
+    when None; its software pipelining multiplies a loop's shared-memory buffers); `maxnreg`:
+    the launch option capping registers a thread (none when None). Runs in a child process: under TRITON_INTERPRET=1
     (the test suite) kernels are not compilable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd), num_stages])
+    spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd), num_stages,
+                       maxnreg])
     out = subprocess.run([sys.executable, "-m", "tests.ops.sm90", spec], capture_output=True,
                          text=True, env=env, timeout=600)
     if out.returncode:
@@ -41,7 +43,8 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
 
 
 def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dict,
-                  num_warps: int, odd: list[str], num_stages: int | None = None) -> dict:
+                  num_warps: int, odd: list[str], num_stages: int | None = None,
+                  maxnreg: int | None = None) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
@@ -56,6 +59,8 @@ def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dic
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     compiled = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")

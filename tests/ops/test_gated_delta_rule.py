@@ -226,6 +226,38 @@ def test_prefill_windows_cut_at_sequence_starts():
     torch.testing.assert_close(s_tri, s_ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("lowp", [False, True])
+def test_prefill_blocked_solve_at_the_real_window(lowp):
+    """The launcher's real tiles under the interpreter: 64-token windows whose triangular solve
+    merges four 16 x 16 diagonal-block inverses (the interpreted default, 32, merges two), over
+    sequences that end on, just before and just after window boundaries, span several, and a
+    skipped and an empty one between them. lowp: bf16 inputs with bf16 scratch (w, u, the
+    chunk states), as compiled for the device (the interpreter's bf16 rounding truncates: the
+    bound is loose, a wrong term would be O(1))."""
+    lens = [64, 1, 63, 130, 0, 65, 60]
+    slots = torch.tensor([0, 1, 2, 3, 4, -1, 5], dtype=torch.int32)
+    init = torch.tensor([1, 0, 1, 1, 1, 1, 0], dtype=torch.int32)
+    T = sum(lens)
+    dtype = torch.bfloat16 if lowp else torch.float32
+    q, k, v, g, beta, states = _inputs(T, num_slots=8, dtype=dtype, seed=5, kd=32, vd=24)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    s_ref, s_tri = states.clone(), states.clone()
+    want = gdc.gated_delta_chunk_ref(q, k, v, g, beta, s_ref, qsl, slots, init)
+    got = gdc.gated_delta_chunk_triton(q, k, v, g, beta, s_tri, qsl, slots, init,
+                                       config=dict(BT=64, BC=16, LOWP=lowp))
+    live = torch.ones(T, dtype=torch.bool)
+    live[qsl[5]:qsl[6]] = False
+    if not lowp:
+        torch.testing.assert_close(got[live], want[live], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(s_tri, s_ref, atol=1e-4, rtol=1e-4)
+        return
+    x, y = got[live].float(), want[live].float()
+    assert ((x - y).norm() / y.norm()).item() < 3e-2
+    assert ((s_tri - s_ref).norm() / s_ref.norm()).item() < 1e-2
+    torch.testing.assert_close(x, y, atol=3e-2, rtol=3e-2)
+    assert torch.equal(s_tri[[6, 7]], states[[6, 7]])  # untouched slots
+
+
 # ----------------------------------------------------------------------------- GPU, real size
 # Qwen3-Next-80B's GDN: 16 key heads, 32 value heads, K = V = 128; bf16 activations, float32
 # state; the Triton kernels against the torch references on the device (gpu_check.sh gdn and
@@ -301,9 +333,9 @@ def test_verify_real_size():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lens", [[8192], [1000, 37, 2500, 64, 600]])
 def test_chunk_real_size(lens):
-    """An 8k-token prefill (one sequence: the BV-32 sequential pass) and a varlen batch of
-    five (BV 64), bf16 with tf32 products, against the float32 token-by-token reference (a
-    few seconds on the device for 8k tokens)."""
+    """An 8k-token prefill (one sequence) and a varlen batch of five, bf16 with bf16 scratch
+    (w, u, the chunk states) and their products on the tensor cores, against the float32
+    token-by-token reference (a few seconds on the device for 8k tokens)."""
     T = sum(lens)
     q, k, v, a, b, A_log, dt_bias, states = _real_inputs(T, len(lens) + 2, seed=2)
     g, beta = gdu.gdn_gate_ref(a, b, A_log, dt_bias)

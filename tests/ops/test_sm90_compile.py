@@ -121,6 +121,10 @@ def test_pdl_mamba_decode_kernels_compile():
     r = compile_sm90("krait.ops.gated_rms_norm", "_gated_rms_norm_kernel", types, dict(
         HAS_Z=True, BLOCK_M=1, BLOCK_G=4096, PDL=True))
     assert r["pdl"] and r["local"] == 0, r
+    # Qwen3-Next's GDN output norm: the gate after the norm, one head's weight for all heads
+    r = compile_sm90("krait.ops.gated_rms_norm", "_gated_rms_norm_kernel", types, dict(
+        HAS_Z=True, BLOCK_M=32, BLOCK_G=128, PDL=True, GATE_AFTER=True, GROUP_WEIGHT=True))
+    assert r["pdl"] and r["local"] == 0, r
 
 
 @pytest.mark.parametrize("tok", ["*i64", I32])
@@ -296,27 +300,45 @@ def test_gdn_verify_compiles_without_spills():
     assert _fits(r) and r["regs"] <= 128, r
 
 
-@pytest.mark.parametrize("num_seqs", [1, 16])
-def test_gdn_prefill_kernels_compile_within_shared_memory(num_seqs):
-    # one 8192-token sequence (BV 32, two stages) or many (BV 64, one stage): software
-    # pipelining of the sequential pass's loads with BV 64 and 3 stages (Triton's default)
-    # asked for 306 KiB of shared memory
+@pytest.mark.parametrize("kernel", ["diag_inv", "prep", "state", "out"])
+def test_gdn_prefill_kernels_compile_within_shared_memory(kernel):
+    # the prefill kernels at bf16 with bf16 scratch, at the launcher's tiles and options: the
+    # window products on the tensor cores (wgmma; the one-warp diagonal-block inverse on
+    # mma), nothing spilled, the sequential pass's pipelined loads within shared memory
+    import torch
+
     from krait.ops import gated_delta_chunk as gdc
 
-    blk = gdc.chunk_blocks(GDN_K, GDN_V, num_seqs, GDN_HV, 132)
-    assert blk["BV"] == (32 if num_seqs == 1 else 64)
-    common = dict(QK_L2NORM=True, DOT_PRECISION="tf32", BT=blk["BT"], BK=blk["BK"])
-    prep = compile_sm90("krait.ops.gated_delta_chunk", "_gdn_chunk_prep_kernel",
-                        dict(k_ptr=BF, v_ptr=BF, g_ptr=F32, beta_ptr=BF, seq_ptr=I32,
-                             slots_ptr=I32, w_ptr=F32, u_ptr=F32, gam_ptr=F32),
-                        dict(common, BV=blk["BV_PREP"]))
-    seq = compile_sm90("krait.ops.gated_delta_chunk", "_gdn_chunk_kernel",
-                       dict(q_ptr=BF, k_ptr=BF, w_ptr=F32, u_ptr=F32, gam_ptr=F32, o_ptr=BF,
-                            state_ptr=F32, qsl_ptr=I32, slots_ptr=I32, init_ptr=I32,
-                            scale="fp32"), dict(common, BV=blk["BV"]),
-                       num_warps=gdc.CHUNK_WARPS, num_stages=blk["STAGES"])
-    for r in (prep, seq):  # the chunk products on the tensor cores
-        assert _fits(r) and r["wgmma"], r
+    cfg = gdc.chunk_config(GDN_K, GDN_V, torch.bfloat16)
+    assert cfg["LOWP"] and cfg["BT"] == 64 and cfg["BV"] == 64
+    tiles = dict(QK_L2NORM=True, BK=cfg["BK"])
+    rows = dict(g_ptr=F32, beta_ptr=BF, seq_ptr=I32, slots_ptr=I32)
+    mod = "krait.ops.gated_delta_chunk"
+    if kernel == "diag_inv":
+        r = compile_sm90(mod, "_gdn_diag_inv_kernel", dict(rows, k_ptr=BF, dinv_ptr=F32),
+                         dict(tiles, DOT_PRECISION=cfg["PRECISION"], BC=cfg["BC"]),
+                         num_warps=cfg["DIAG_WARPS"])
+    elif kernel == "prep":
+        r = compile_sm90(mod, "_gdn_prep_kernel", dict(
+            rows, k_ptr=BF, v_ptr=BF, dinv_ptr=F32, kn_ptr=BF, w_ptr=BF, u_ptr=BF, gam_ptr=F32),
+            dict(tiles, DOT_PRECISION=cfg["PRECISION"],
+                 SOLVE_PRECISION=cfg["SOLVE_PRECISION"], BT=cfg["BT"], BC=cfg["BC"],
+                 BV=cfg["BV_PREP"]), num_warps=cfg["PREP_WARPS"], maxnreg=cfg["PREP_MAXNREG"])
+    elif kernel == "state":
+        r = compile_sm90(mod, "_gdn_state_kernel", dict(
+            kn_ptr=BF, w_ptr=BF, u_ptr=BF, gam_ptr=F32, h_ptr=BF, state_ptr=F32, qsl_ptr=I32,
+            slots_ptr=I32, init_ptr=I32), dict(DOT_PRECISION=cfg["PRECISION"], BT=cfg["BT"],
+                                               BK=cfg["BK"], BV=cfg["BV"]),
+            num_warps=cfg["STATE_WARPS"], num_stages=cfg["STATE_STAGES"])
+    else:
+        r = compile_sm90(mod, "_gdn_out_kernel", dict(
+            q_ptr=BF, kn_ptr=BF, w_ptr=BF, u_ptr=BF, gam_ptr=F32, h_ptr=BF, o_ptr=BF, seq_ptr=I32,
+            slots_ptr=I32, scale="fp32"), dict(tiles, DOT_PRECISION=cfg["PRECISION"],
+                                                BT=cfg["BT"], BV=cfg["BV_OUT"]),
+            num_warps=cfg["OUT_WARPS"], num_stages=cfg["OUT_STAGES"],
+            maxnreg=cfg["OUT_MAXNREG"])
+    print(kernel, r)
+    assert _fits(r) and (r["wgmma"] or kernel == "diag_inv"), r
 
 
 # Qwen3-Next-80B's other new shapes: gated attention with head_dim 256 (16 query heads over 2
