@@ -310,7 +310,7 @@ def test_gdn_prefill_kernels_compile_within_shared_memory(kernel):
     from krait.ops import gated_delta_chunk as gdc
 
     cfg = gdc.chunk_config(GDN_K, GDN_V, torch.bfloat16)
-    assert cfg["LOWP"] and cfg["BT"] == 64 and cfg["BV"] == 64
+    assert cfg["LOWP"] and cfg["BT"] == 64 and cfg["BV"] == 32
     tiles = dict(QK_L2NORM=True, BK=cfg["BK"])
     rows = dict(g_ptr=F32, beta_ptr=BF, seq_ptr=I32, slots_ptr=I32)
     mod = "krait.ops.gated_delta_chunk"
