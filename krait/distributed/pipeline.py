@@ -1,11 +1,18 @@
 """Pipeline stages: which layers a stage holds, and the hidden + residual hand-over between
 stages inside the model's layer loop (`run_layers` asks `current()`; with one stage it is None
-and the loop is the single-process one)."""
+and the loop is the single-process one).
+
+A stage receives its micro-batch's input (blocking: it needs it) and sends its output without
+waiting for the next stage to take it, so it can start the next micro-batch while the next
+stage still runs this one. Every stage runs the micro-batches in the engine's order and the
+point-to-point messages between two ranks match in that order, so no send waits on a receive
+that comes after it (no deadlock)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,6 +72,9 @@ class StageContext:
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
+    # sends not known to be complete yet: (handle, the tensor it sends)
+    sends: deque = field(default_factory=deque)
+    max_sends: int = 8
 
     def run(self, layers, final_norm, x, positions, meta, x_scale: float, pre_norm):
         """The stage's part of the layer loop: receive (x, residual) from the previous stage
@@ -80,9 +90,20 @@ class StageContext:
         for i in range(self.start, self.end):
             x, residual = layers[i](positions, x, residual, meta)
         if not st.is_last_stage:
-            ps.pp_send(torch.stack([x, residual]), st.pp_rank + 1)
+            out = torch.stack([x, residual])
+            self._track(ps.pp_send(out, st.pp_rank + 1), out)
             return x
         return pre_norm(final_norm, x, residual, x_scale)[0]
+
+
+    def _track(self, handle, tensor: torch.Tensor) -> None:
+        """Keeps a send's tensor alive until it completes (waiting for the oldest beyond
+        `max_sends`: the next stage is that many micro-batches behind)."""
+        q = self.sends
+        if handle is not None:
+            q.append((handle, tensor))
+        while q and (len(q) > self.max_sends or q[0][0].is_completed()):
+            q.popleft()[0].wait()
 
 
 _STAGE: StageContext | None = None

@@ -52,6 +52,9 @@ class Request:
     # tokens the device is sampling for this request whose values the host has not seen yet
     # (async scheduling: the next step is scheduled before the last one's results are read)
     num_inflight: int = 0
+    # pipeline micro-batches: scheduled in a batch whose results are not processed yet (such a
+    # request is in no other batch)
+    in_batch: bool = False
     first_token_time: float | None = None
     # prefix caching: prompt tokens found cached at the first admission (-1: not admitted yet);
     # with recurrent layers, the snapshot slot its state starts from (-1: none) and the shared

@@ -52,12 +52,48 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # pipeline parallel: the ids of the step's scheduled tokens that are outputs (a suffix of
+    # the step's positions), for the stages that did not sample them (None: not sent)
+    new_token_ids: list[int] | None = None
+
+
+class CachedColumns:
+    """The cached requests of a step as columns (what crosses the executor's ring: building
+    a CachedRequestData per row costs more than the rest of a worker's control path).
+    Iterating yields CachedRequestData, for code that wants rows."""
+
+    __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens", "new_token_ids")
+
+    def __init__(self, req_ids: list[str], new_block_ids: list[list[int]],
+                 num_computed_tokens: list[int], new_token_ids: list | None = None) -> None:
+        self.req_ids = req_ids
+        self.new_block_ids = new_block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.new_token_ids = new_token_ids
+
+    @classmethod
+    def of(cls, cached) -> CachedColumns:
+        """`cached` (a list of CachedRequestData, or columns already) as columns."""
+        if isinstance(cached, cls):
+            return cached
+        tokens = [c.new_token_ids for c in cached]
+        return cls([c.req_id for c in cached], [c.new_block_ids for c in cached],
+                   [c.num_computed_tokens for c in cached],
+                   tokens if any(t is not None for t in tokens) else None)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __iter__(self):
+        tokens = self.new_token_ids or [None] * len(self.req_ids)
+        return map(CachedRequestData, self.req_ids, self.new_block_ids,
+                   self.num_computed_tokens, tokens)
 
 
 @dataclass
 class SchedulerOutput:
     new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
+    cached_reqs: list[CachedRequestData] | CachedColumns
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
@@ -76,7 +112,7 @@ class SchedulerOutput:
     snapshot_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledTokens:
     """What the runner sampled for one request in a step (empty for a mid-prefill chunk)."""
 
@@ -96,8 +132,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_spec_tokens: int = 0,
+        num_microbatches: int = 1,
+        send_token_ids: bool = False,
     ) -> None:
+        """`num_microbatches` > 1 (pipeline parallel, vLLM's batch queue): that many batches
+        may be in flight, each of requests in no other one and of at most a 1/P share of the
+        sequences; `send_token_ids`: cached rows carry their output tokens (pipeline stages
+        that do not sample learn them so)."""
         self.kv = kv
+        self.num_microbatches = num_microbatches
+        self.send_token_ids = send_token_ids
         self.num_spec_tokens = num_spec_tokens
         self.spec_stats = SpecDecodeStats(num_spec_tokens)
         self.max_num_seqs = max_num_seqs
@@ -211,9 +255,14 @@ class Scheduler:
         spec: dict[str, list[int]] = {}
         saves: list[tuple[int, int]] = []
         snapshots = self.kv.snapshots is not None
+        exclusive = self.num_microbatches > 1
+        cap = self._batch_cap() if exclusive else self.max_num_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
             req = self.running[i]
+            if req.in_batch:  # in flight in another micro-batch
+                i += 1
+                continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 i += 1
@@ -240,20 +289,22 @@ class Scheduler:
             elif snapshots:
                 self._reserve_snapshot(req, n, saves)
             budget -= n
-            cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+            cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens,
+                                            self._output_ids(req, n)))
+            req.in_batch = exclusive
             self._advance(req, n)
             i += 1
 
         skipped: list[Request] = []  # waiting for their grammar: they keep their place
         while self.waiting and budget > 0 and not preempted_now:
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs or len(num_scheduled) >= cap:
                 break
             req = self.waiting[0]
             if req.waiting_for_grammar:
                 skipped.append(self.waiting.popleft())
                 continue
-            if req.num_inflight:
-                break  # preempted with a token in flight: it resumes once the token is known
+            if req.num_inflight or req.in_batch:
+                break  # preempted while in flight: it resumes once that step's result is in
             if req.params.prompt_logprobs is None:  # cached tokens would have no logprobs
                 req.num_computed_tokens = self.kv.match_prefix(req)  # 0 without prefix caching
             n = self._num_new_tokens(req, budget)
@@ -272,6 +323,7 @@ class Scheduler:
             self.running.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
+            req.in_batch = exclusive
             self._seen_by_runner.add(req.request_id)
             new.append(
                 NewRequestData(
@@ -304,6 +356,23 @@ class Scheduler:
         self._preempted_ids = set()
         return out
 
+    def _batch_cap(self) -> int:
+        """Rows of one micro-batch: a 1/P share of the requests there are (so that P batches
+        fill the pipeline's stages)."""
+        n = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-n // self.num_microbatches))
+
+    def _output_ids(self, req: Request, n: int) -> list[int] | None:
+        """With `send_token_ids`: the output tokens among the n positions scheduled from
+        num_computed_tokens (a suffix of them; None when there are none)."""
+        if not self.send_token_ids:
+            return None
+        lp = len(req.prompt_token_ids)
+        end = req.num_computed_tokens + n - lp
+        if end <= 0:
+            return None
+        return req.output_token_ids[max(req.num_computed_tokens - lp, 0):end]
+
     # -- after the model step -------------------------------------------------------------
     def update_from_output(
         self, sched: SchedulerOutput, sampled: dict[str, SampledTokens]
@@ -320,6 +389,7 @@ class Scheduler:
             req = requests.get(req_id)
             if req is None or req.status.finished:
                 continue  # finished (or aborted) while this step ran: its result is dropped
+            req.in_batch = False
             running = req.status is RequestStatus.RUNNING
             if running and prefix_caching:
                 self.kv.cache_full_blocks(req)
