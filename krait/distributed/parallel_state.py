@@ -128,10 +128,15 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def pp_send(x: torch.Tensor, to_stage: int):
-    """Starts sending x to the same TP rank of stage `to_stage` and returns at once: the
-    handle's `wait()` ends the send (x must live until then)."""
-    return dist.isend(x.contiguous(), dst=_STATE.pp_ranks[to_stage])
+def pp_send(x: torch.Tensor, to_stage: int) -> None:
+    """Sends x to the same TP rank of stage `to_stage` (NCCL: queued on the GPU stream; gloo:
+    returns once the receiver has it)."""
+    dist.send(x.contiguous(), dst=_STATE.pp_ranks[to_stage])
+
+
+def host_blocking_sends() -> bool:
+    """Whether a send blocks the host until it is received (gloo's do; NCCL's are queued)."""
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def pp_recv(x: torch.Tensor, from_stage: int) -> torch.Tensor:

@@ -4,13 +4,16 @@ and the loop is the single-process one).
 
 A stage receives its micro-batch's input (blocking: it needs it) and sends its output without
 waiting for the next stage to take it, so it can start the next micro-batch while the next
-stage still runs this one. Every stage runs the micro-batches in the engine's order and the
-point-to-point messages between two ranks match in that order, so no send waits on a receive
-that comes after it (no deadlock)."""
+stage still runs this one: NCCL's send only queues on the GPU; gloo's blocks until received,
+so on gloo one thread of the stage's own sends, in order. Every stage runs the micro-batches in
+the engine's order and the messages between two ranks match in that order, so no send waits on
+a receive that comes after it (no deadlock). (An isend on gloo made each hand-over take up to
+hundreds of milliseconds on the dev box: its progress waited for a later wait().)"""
 
 from __future__ import annotations
 
-from collections import deque
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -72,9 +75,7 @@ class StageContext:
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
-    # sends not known to be complete yet: (handle, the tensor it sends)
-    sends: deque = field(default_factory=deque)
-    max_sends: int = 8
+    _sender: _Sender | None = field(default=None, repr=False)
 
     def run(self, layers, final_norm, x, positions, meta, x_scale: float, pre_norm):
         """The stage's part of the layer loop: receive (x, residual) from the previous stage
@@ -91,19 +92,38 @@ class StageContext:
             x, residual = layers[i](positions, x, residual, meta)
         if not st.is_last_stage:
             out = torch.stack([x, residual])
-            self._track(ps.pp_send(out, st.pp_rank + 1), out)
+            if ps.host_blocking_sends():
+                if self._sender is None:
+                    self._sender = _Sender()
+                self._sender.send(out, st.pp_rank + 1)
+            else:
+                ps.pp_send(out, st.pp_rank + 1)
             return x
         return pre_norm(final_norm, x, residual, x_scale)[0]
 
 
-    def _track(self, handle, tensor: torch.Tensor) -> None:
-        """Keeps a send's tensor alive until it completes (waiting for the oldest beyond
-        `max_sends`: the next stage is that many micro-batches behind)."""
-        q = self.sends
-        if handle is not None:
-            q.append((handle, tensor))
-        while q and (len(q) > self.max_sends or q[0][0].is_completed()):
-            q.popleft()[0].wait()
+class _Sender:
+    """A thread that makes a stage's sends, in order, so that the stage does not wait for the
+    next one to receive; a failed send is raised by the next `send`."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._loop, name="krait-pp-send", daemon=True).start()
+
+    def send(self, x: torch.Tensor, to_stage: int) -> None:
+        if self._error is not None:
+            raise RuntimeError("a pipeline send failed") from self._error
+        self._queue.put((x, to_stage))
+
+    def _loop(self) -> None:
+        while True:
+            x, to_stage = self._queue.get()
+            try:
+                ps.pp_send(x, to_stage)
+            except BaseException as e:  # noqa: BLE001 (reported to the stage's thread)
+                self._error = e
+                return
 
 
 _STAGE: StageContext | None = None
