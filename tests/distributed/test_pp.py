@@ -1,13 +1,13 @@
 """Pipeline parallelism (gloo): PP=2 (2 processes) and TP=2 x PP=2 (4 processes) equal the
-single-process engine token for token, with chunked prefill and preemption. NemotronH's
-4 layers "M*-E" split into a stage with attention and Mamba and one with neither (its cache
-sizing must not limit the others)."""
+single-process engine token for token, with chunked prefill and preemption, two micro-batches
+in flight (async scheduling's batch queue). NemotronH's 4 layers "M*-E" split into a stage with
+attention and Mamba and one with neither (its cache sizing must not limit the others)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.common import assert_same, models, run  # noqa: F401
+from tests.distributed.common import PROMPTS, assert_same, models, run  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -19,6 +19,39 @@ def test_pp2_matches_single_process(models, name: str) -> None:  # noqa: F811
     ref = run(model, ref_pre)
     assert ref_pre, "the workload must preempt"
     assert_same(ref, run(model, [], pipeline_parallel_size=2))
+
+
+def test_pp2_micro_batches_match_single_process(models) -> None:  # noqa: F811
+    """Twice the requests one micro-batch takes (max_num_seqs 4: micro-batches of 2), chunked
+    prefill and preemption: two micro-batches are in flight at once, no request is in both,
+    and the tokens equal the single-process engine's; and the same without async scheduling
+    (one batch at a time)."""
+    model = models("llama")
+    prompts = PROMPTS + [{"prompt_token_ids": [5 + (11 * j + k) % 400 for j in range(n)]}
+                         for k, n in ((4, 7), (5, 15), (6, 3), (7, 11))]
+    ref_pre: list = []
+    ref = run(model, ref_pre, prompts)
+    assert ref_pre, "the workload must preempt"
+    depths: list[int] = []
+
+    def probe(engine) -> None:
+        launch = engine.executor.execute_model
+
+        def launched(sched):
+            others = {r for s, _ in engine._batch_queue for r in s.num_scheduled_tokens}
+            assert not others & set(sched.num_scheduled_tokens), "a request in two batches"
+            depths.append(len(engine._batch_queue) + 1)
+            return launch(sched)
+
+        engine.executor.execute_model = launched
+
+    pre: list = []
+    assert_same(ref, run(model, pre, prompts, probe, pipeline_parallel_size=2))
+    assert pre and max(depths) == 2
+    depths.clear()
+    assert_same(ref, run(model, None, prompts, probe, pipeline_parallel_size=2,
+                         async_scheduling=False))
+    assert max(depths) == 1
 
 
 @pytest.mark.parametrize("name", ["granitemoehybrid"])
