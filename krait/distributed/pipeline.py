@@ -19,19 +19,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from krait import envs
 from krait.distributed import parallel_state as ps
 
 
 def stage_layer_ranges(num_layers: int, pp_size: int, partition: list[int] | None = None
                        ) -> list[tuple[int, int]]:
     """[start, end) of every stage: even, the remainder to the first stages, unless `partition`
-    (layers a stage) says otherwise. (No environment override: krait/envs.py keeps the list of
-    variables short; an engine option can carry a partition when one is needed.)"""
+    (layers a stage: `layer_partition()`, from KRAIT_PP_LAYER_PARTITION) says otherwise."""
     if partition is not None:
         sizes = list(partition)
         if len(sizes) != pp_size or sum(sizes) != num_layers or min(sizes) < 1:
-            raise ValueError(f"layer partition {sizes} must give {pp_size} stages of at least "
-                             f"one layer each, {num_layers} layers in all")
+            raise ValueError(f"layer partition {sizes} (KRAIT_PP_LAYER_PARTITION) must give "
+                             f"{pp_size} stages of at least one layer each, {num_layers} layers "
+                             "in all")
     else:
         if pp_size > num_layers:
             raise ValueError(f"pipeline_parallel_size={pp_size} is more than the model's "
@@ -45,6 +46,18 @@ def stage_layer_ranges(num_layers: int, pp_size: int, partition: list[int] | Non
     return out
 
 
+def layer_partition() -> list[int] | None:
+    """KRAIT_PP_LAYER_PARTITION as layers per stage (None when unset)."""
+    text = envs.get("KRAIT_PP_LAYER_PARTITION").strip()
+    if not text:
+        return None
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise ValueError(f"KRAIT_PP_LAYER_PARTITION={text!r} must be comma-separated layer "
+                         "counts, one a stage (e.g. 8,8,16)") from None
+
+
 def make_layers(num_layers: int, build: Callable[[int], torch.nn.Module]) -> torch.nn.ModuleList:
     """The model's layer list: every layer with one stage; under PP the other stages' layers are
     MissingModule placeholders (built on the meta device first, only to learn whether they hold
@@ -53,7 +66,8 @@ def make_layers(num_layers: int, build: Callable[[int], torch.nn.Module]) -> tor
 
     if ps.get_pp_size() == 1:
         return torch.nn.ModuleList(build(i) for i in range(num_layers))
-    start, end = stage_layer_ranges(num_layers, ps.get_pp_size())[ps.get_pp_rank()]
+    start, end = stage_layer_ranges(num_layers, ps.get_pp_size(),
+                                    layer_partition())[ps.get_pp_rank()]
     layers = []
     for i in range(num_layers):
         if start <= i < end:

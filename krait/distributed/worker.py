@@ -82,7 +82,8 @@ class Worker:
             from krait.distributed.layout import num_layers
 
             hf = config.model.hf_config
-            start, end = pipeline.stage_layer_ranges(num_layers(hf), pp)[st.pp_rank]
+            start, end = pipeline.stage_layer_ranges(num_layers(hf), pp,
+                                                     pipeline.layer_partition())[st.pp_rank]
             pipeline.set_stage(pipeline.StageContext(start, end, hf.hidden_size,
                                                      config.model.dtype, device))
         from krait.runner.model_runner import ModelRunner

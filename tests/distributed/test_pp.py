@@ -72,3 +72,24 @@ def test_stage_layer_ranges() -> None:
         stage_layer_ranges(2, 2, [1, 2])
     with pytest.raises(ValueError, match="more than the model's 2 layers"):
         stage_layer_ranges(2, 3)
+
+
+def test_layer_partition_from_the_environment(monkeypatch) -> None:
+    """KRAIT_PP_LAYER_PARTITION: layers per stage, checked at start-up."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from krait.distributed.layout import validate_layout
+    from krait.distributed.pipeline import layer_partition, stage_layer_ranges
+
+    assert layer_partition() is None
+    monkeypatch.setenv("KRAIT_PP_LAYER_PARTITION", "8,8,16")
+    assert stage_layer_ranges(32, 3, layer_partition()) == [(0, 8), (8, 16), (16, 32)]
+    cfg = SimpleNamespace(architectures=["X"], num_hidden_layers=30)
+    with pytest.raises(ValueError, match=r"\[8, 8, 16\] \(KRAIT_PP_LAYER_PARTITION\) must "
+                       "give 3 stages of at least one layer each, 30 layers in all"):
+        validate_layout(cfg, 1, 3, None, torch.device("cpu"))
+    monkeypatch.setenv("KRAIT_PP_LAYER_PARTITION", "8;8")
+    with pytest.raises(ValueError, match="must be comma-separated layer counts"):
+        layer_partition()
