@@ -134,7 +134,9 @@ from krait import LLM
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2,
               num_kv_blocks=16, max_model_len=32)
-    print(" ".join(str(p.pid) for p in llm.llm_engine.executor.procs), flush=True)
+    ex = llm.llm_engine.executor
+    print(" ".join(str(p.pid) for p in ex.procs), flush=True)
+    print(" ".join(r.handle.name for r in (ex._requests, ex._results)), flush=True)
     os.kill(os.getpid(), 9)
 """
 
@@ -146,6 +148,13 @@ def test_workers_exit_when_the_parent_dies(models, tmp_path) -> None:  # noqa: F
     out = subprocess.run([sys.executable, str(script), models("llama")], capture_output=True,
                          text=True, env=env, timeout=180)
     assert out.returncode == -9, out.stderr[-2000:]
-    pids = [int(p) for p in out.stdout.split()]
+    pid_line, ring_line = out.stdout.splitlines()[:2]
+    pids = [int(p) for p in pid_line.split()]
     assert len(pids) == 2
     assert all(_gone(pid) for pid in pids)
+    # multiprocessing's resource tracker unlinks the rings of an engine that died
+    deadline = time.monotonic() + 10.0
+    rings = [f"/dev/shm/{name}" for name in ring_line.split()]
+    while any(os.path.exists(f) for f in rings) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f) for f in rings)
