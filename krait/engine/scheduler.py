@@ -72,14 +72,16 @@ class CachedColumns:
         self.new_token_ids = new_token_ids
 
     @classmethod
-    def of(cls, cached) -> CachedColumns:
-        """`cached` (a list of CachedRequestData, or columns already) as columns."""
+    def of(cls, cached, with_tokens: bool = True) -> CachedColumns:
+        """`cached` (a list of CachedRequestData, or columns already) as columns; the token
+        column only with `with_tokens` (and None where no row has tokens)."""
         if isinstance(cached, cls):
             return cached
-        tokens = [c.new_token_ids for c in cached]
+        tokens = [c.new_token_ids for c in cached] if with_tokens else None
+        if tokens is not None and all(t is None for t in tokens):
+            tokens = None
         return cls([c.req_id for c in cached], [c.new_block_ids for c in cached],
-                   [c.num_computed_tokens for c in cached],
-                   tokens if any(t is not None for t in tokens) else None)
+                   [c.num_computed_tokens for c in cached], tokens)
 
     def __len__(self) -> int:
         return len(self.req_ids)

@@ -230,7 +230,8 @@ class ModelRunner:
             self._write_drafts(sched.scheduled_spec_decode_tokens)
         if not sched.cached_reqs:
             return
-        cached = CachedColumns.of(sched.cached_reqs)
+        # (the tokens matter to a stage before the last only)
+        cached = CachedColumns.of(sched.cached_reqs, self.pp and not self.is_last_stage)
         # every running request, every step: one numpy write; blocks only where new ones came
         index = st.index
         rows = np.fromiter((index[r] for r in cached.req_ids), np.int64, len(cached))
