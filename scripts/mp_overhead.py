@@ -42,11 +42,12 @@ class StubWorker:
 
 
 def decode_step(batch: int, step: int):
-    from krait.engine.scheduler import CachedRequestData, SchedulerOutput
+    """A decode step's SchedulerOutput as the scheduler emits it (cached rows as columns)."""
+    from krait.engine.scheduler import CachedColumns, SchedulerOutput
 
     ids = [f"req-{i}" for i in range(batch)]
-    cached = [CachedRequestData(r, [1000 + step] if (step + i) % 16 == 0 else [], 100 + step)
-              for i, r in enumerate(ids)]
+    cached = CachedColumns(ids, [[1000 + step] if (step + i) % 16 == 0 else []
+                                 for i in range(batch)], [100 + step] * batch)
     return SchedulerOutput([], cached, {r: 1 for r in ids}, batch, set(), set())
 
 

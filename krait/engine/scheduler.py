@@ -58,9 +58,9 @@ class CachedRequestData:
 
 
 class CachedColumns:
-    """The cached requests of a step as columns (what crosses the executor's ring: building
-    a CachedRequestData per row costs more than the rest of a worker's control path).
-    Iterating yields CachedRequestData, for code that wants rows."""
+    """The cached requests of a step as columns, as the scheduler emits them (and as they cross
+    the executor's ring: building a CachedRequestData per row cost more than the rest of a
+    worker's control path). Iterating yields CachedRequestData, for code that wants rows."""
 
     __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens", "new_token_ids")
 
@@ -250,7 +250,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
+        # the cached rows as columns (CachedColumns): no object a row
+        c_ids: list[str] = []
+        c_blocks: list[list[int]] = []
+        c_computed: list[int] = []
+        c_tokens: list[list[int] | None] | None = [] if self.send_token_ids else None
         new: list[NewRequestData] = []
         preempted_now = False
 
@@ -291,8 +295,11 @@ class Scheduler:
             elif snapshots:
                 self._reserve_snapshot(req, n, saves)
             budget -= n
-            cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens,
-                                            self._output_ids(req, n)))
+            c_ids.append(req.request_id)
+            c_blocks.append(new_blocks)
+            c_computed.append(req.num_computed_tokens)
+            if c_tokens is not None:
+                c_tokens.append(self._output_ids(req, n))
             req.in_batch = exclusive
             self._advance(req, n)
             i += 1
@@ -346,7 +353,7 @@ class Scheduler:
 
         out = SchedulerOutput(
             new_reqs=new,
-            cached_reqs=cached,
+            cached_reqs=CachedColumns(c_ids, c_blocks, c_computed, c_tokens),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids,
@@ -364,11 +371,10 @@ class Scheduler:
         n = min(self.max_num_seqs, len(self.running) + len(self.waiting))
         return max(1, -(-n // self.num_microbatches))
 
-    def _output_ids(self, req: Request, n: int) -> list[int] | None:
-        """With `send_token_ids`: the output tokens among the n positions scheduled from
-        num_computed_tokens (a suffix of them; None when there are none)."""
-        if not self.send_token_ids:
-            return None
+    @staticmethod
+    def _output_ids(req: Request, n: int) -> list[int] | None:
+        """The output tokens among the n positions scheduled from num_computed_tokens (a suffix
+        of them; None when there are none)."""
         lp = len(req.prompt_token_ids)
         end = req.num_computed_tokens + n - lp
         if end <= 0:
