@@ -16,11 +16,18 @@ from krait.distributed.worker import RankProfile
 
 
 class _Pending:
-    def __init__(self, value) -> None:
-        self.value = value
+    """PendingSample's interface: `wire()` is what the worker sends, `result()` the objects."""
+
+    def __init__(self, req_ids: list[str]) -> None:
+        self.req_ids = req_ids
+
+    def wire(self):
+        return list(self.req_ids), [[7] for _ in self.req_ids]
 
     def result(self):
-        return self.value
+        from krait.engine.scheduler import SampledTokens
+
+        return {r: SampledTokens([7]) for r in self.req_ids}
 
 
 class StubWorker:
@@ -36,9 +43,7 @@ class StubWorker:
         pass
 
     def execute_model(self, sched):
-        from krait.engine.scheduler import SampledTokens
-
-        return _Pending({r: SampledTokens([7]) for r in sched.num_scheduled_tokens})
+        return _Pending(list(sched.num_scheduled_tokens))
 
 
 def decode_step(batch: int, step: int):

@@ -141,7 +141,10 @@ class _Outbox:
         q = self.pending
         while q and _ready(q[0][1]):
             step, p = q[0]
-            data = pickle.dumps(("result", step, encode_sampled(p.result())), protocol=5)
+            wire = p.wire() if hasattr(p, "wire") else None
+            if wire is None:
+                wire = encode_sampled(p.result())
+            data = pickle.dumps(("result", step, wire), protocol=5)
             if not self.ring.try_write(data):
                 return  # the engine has not read the ring for a while: later
             q.popleft()

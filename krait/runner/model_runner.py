@@ -727,6 +727,17 @@ class PendingSample:
             if st.req_ids[i] == rid and pos < width:
                 st.token_ids[i, pos] = tok
 
+    def wire(self) -> tuple[list[str], list[list[int]]] | None:
+        """The step's tokens as (req ids, [token ids]) without building a SampledTokens a row
+        (the worker's reply, `wire.decode_sampled`), or None when it carries logprobs."""
+        if self._resolved is not None or self.prompt_logprobs or (
+                self._host is not None and len(self._host) > 1):
+            return None
+        tokens = self._token_list()
+        if tokens:
+            self.write_host_tokens()
+        return list(self.req_ids), [[t] for t in tokens]
+
     def result(self) -> dict[str, SampledTokens]:
         """Waits for the step's sampled tokens: {req_id: SampledTokens}."""
         if self._resolved is not None:

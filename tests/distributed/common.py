@@ -26,7 +26,7 @@ def make_model(root, name: str) -> str:
 
 
 def run(model_dir: str, preemptions: list | None = None, prompts: list = PROMPTS,
-        on_engine=None, **kw):
+        on_engine=None, params: SamplingParams = PARAMS, **kw):
     """(token ids, chosen-token logprobs) per prompt; counts the scheduler's preemptions.
     `on_engine(engine)` runs before generating (a test's probes)."""
     executor_mod.COLLECTIVE_TIMEOUT_S = 60.0  # a stuck collective fails the test fast
@@ -43,11 +43,11 @@ def run(model_dir: str, preemptions: list | None = None, prompts: list = PROMPTS
 
         sched._preempt = counted
     try:
-        outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
     return [(o.outputs[0].token_ids,
-              [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+              [d[t].logprob for d, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)])
             for o in outs]
 
 
