@@ -1,4 +1,4 @@
-"""Compact encodings of what crosses the executor's pipes each step. Pickling dataclass objects
+"""Compact encodings of what crosses the executor's rings each step. Pickling dataclass objects
 costs microseconds apiece (64 CachedRequestData and 64 SampledTokens were most of a step's
 control path); lists of plain values cost far less, and the worker keeps the cached requests as
 columns."""
