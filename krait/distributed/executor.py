@@ -288,10 +288,10 @@ class MultiprocExecutor(Executor):
                 for r in range(len(self.conns)) if ranks is None else ranks:
                     self.conns[r].send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, OSError):
-                deadline = time.monotonic() + 5.0
-                while time.monotonic() < deadline:  # raises the worker's error or death
-                    self._pump(0.5)
-                raise
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:  # raises the worker's error or death
+                self._pump(0.5)
+            raise
 
     def _call(self, method: str, *args, ranks=None):
         """Runs Worker.method(*args) on `ranks` (default all) and returns their replies."""

@@ -191,7 +191,8 @@ def wait_until(poll: Callable[[], object], check: Callable[[], None] | None = No
                block: Callable[[float], None] | None = None):
     """poll()'s first result that is not None: polling for SPIN_S (yielding the core each
     round, `check` about every CHECK_EVERY_S: it raises to abandon the wait), then between
-    polls `block(BLOCK_S)` (a sleep without it)."""
+    polls `block(BLOCK_S)`; without `block` it keeps polling (the output rank while a step's
+    tokens are on their way from the GPU: it sends them the moment they land)."""
     out = poll()
     if out is not None:
         return out
@@ -207,9 +208,7 @@ def wait_until(poll: Callable[[], object], check: Callable[[], None] | None = No
             if check is not None:
                 check()
             next_check = t + CHECK_EVERY_S
-        if t - start < SPIN_S:
+        if block is None or t - start < SPIN_S:
             os.sched_yield()
-        elif block is not None:
-            block(BLOCK_S)
         else:
-            time.sleep(BLOCK_S / 10)
+            block(BLOCK_S)

@@ -194,7 +194,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn, parent_
             try:
                 if not poller.poll(0 if inbox.try_peek() else math.ceil(timeout * 1000)):
                     return
-                while conn.poll(0):
+                while poller.poll(0):
                     data = conn.recv_bytes()
                     if data:
                         piped.append(data)
