@@ -23,6 +23,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KRAIT_CACHE_DIR": ("~/.cache/krait", "where the built-in demo model is built and kept"),
     "KRAIT_API_KEY": ("", "the bearer key `krait serve` requires (and `krait bench serve` "
                       "sends) when --api-key is not given"),
+    "KRAIT_PP_LAYER_PARTITION": ("", "layers per pipeline stage, comma-separated (\"8,8,16\": "
+                                 "3 stages); must sum to the model's layers. Empty: even "
+                                 "stages, the remainder to the first"),
     "KRAIT_ALLOW_LONG_MAX_MODEL_LEN": ("0", "1: a max_model_len past the config's "
                                        "max_position_embeddings is allowed (as vLLM's override)"),
 }

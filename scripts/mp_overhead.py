@@ -16,11 +16,18 @@ from krait.distributed.worker import RankProfile
 
 
 class _Pending:
-    def __init__(self, value) -> None:
-        self.value = value
+    """PendingSample's interface: `wire()` is what the worker sends, `result()` the objects."""
+
+    def __init__(self, req_ids: list[str]) -> None:
+        self.req_ids = req_ids
+
+    def wire(self):
+        return list(self.req_ids), [[7] for _ in self.req_ids]
 
     def result(self):
-        return self.value
+        from krait.engine.scheduler import SampledTokens
+
+        return {r: SampledTokens([7]) for r in self.req_ids}
 
 
 class StubWorker:
@@ -36,17 +43,16 @@ class StubWorker:
         pass
 
     def execute_model(self, sched):
-        from krait.engine.scheduler import SampledTokens
-
-        return _Pending({r: SampledTokens([7]) for r in sched.num_scheduled_tokens})
+        return _Pending(list(sched.num_scheduled_tokens))
 
 
 def decode_step(batch: int, step: int):
-    from krait.engine.scheduler import CachedRequestData, SchedulerOutput
+    """A decode step's SchedulerOutput as the scheduler emits it (cached rows as columns)."""
+    from krait.engine.scheduler import CachedColumns, SchedulerOutput
 
     ids = [f"req-{i}" for i in range(batch)]
-    cached = [CachedRequestData(r, [1000 + step] if (step + i) % 16 == 0 else [], 100 + step)
-              for i, r in enumerate(ids)]
+    cached = CachedColumns(ids, [[1000 + step] if (step + i) % 16 == 0 else []
+                                 for i in range(batch)], [100 + step] * batch)
     return SchedulerOutput([], cached, {r: 1 for r in ids}, batch, set(), set())
 
 

@@ -3,10 +3,14 @@
 - `UniExecutor`: the ModelRunner in the engine's process (one rank). Its `execute_model` is
   the runner's own bound method, so the single-process step is the code path it always was.
 - `MultiprocExecutor`: one worker process a rank (spawned; gloo on CPU, NCCL on GPU). Each step
-  the SchedulerOutput is pickled once and written to every worker's pipe; rank 0 of the last
-  stage returns the sampled tokens when the engine reads the step back. A worker's exception
-  comes back as its traceback and is raised here; a worker that dies is noticed through its
-  process sentinel; workers exit when the parent's pipe closes or the parent pid goes.
+  the SchedulerOutput is pickled once and written to a shared-memory broadcast ring that every
+  worker reads (`shm_ring.py`; a payload larger than a slot goes on the pipes); rank 0 of the
+  last stage writes each step's sampled tokens to a second ring as soon as they are on the
+  host, where the engine reads them back. A worker's exception comes back as its traceback on
+  its pipe and is raised here; a worker that dies is noticed through its process sentinel
+  (both watched while the engine waits on a ring); workers exit when the parent pid goes. The
+  rings are unlinked at shutdown (and by multiprocessing's resource tracker if the engine
+  process itself dies).
 - `RayExecutor` (krait/distributed/ray_executor.py): the same workers as Ray actors.
 
 Every executor offers: `profiles` (one RankProfile a rank), `initialize(num_blocks,
@@ -17,15 +21,18 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import select
 import socket
 import time
 import weakref
 
 from krait.config import EngineConfig
+from krait.distributed.shm_ring import ALL, PIPE, ShmRing
 from krait.distributed.wire import decode_sampled, encode_sched
 from krait.distributed.worker import RankProfile, rank_profile, worker_main
 
@@ -123,12 +130,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs, conns, timeout: float = 5.0) -> None:
-    """Asks every worker to stop, then terminates (and kills) the ones still alive."""
-    data = pickle.dumps(("shutdown",))
-    for c in conns:
+def _stop(procs, conns, rings, timeout: float = 5.0) -> None:
+    """Asks every worker to stop, terminates (and kills) the ones still alive, and unlinks the
+    rings."""
+    if rings:
         try:
-            c.send_bytes(data)
+            rings[0].try_write(pickle.dumps(("shutdown",)))  # a full ring: a worker is stuck
         except Exception:
             pass
     deadline = time.monotonic() + timeout
@@ -146,6 +153,9 @@ def _stop(procs, conns, timeout: float = 5.0) -> None:
             c.close()
         except Exception:
             pass
+    for ring in rings:
+        ring.close()
+    rings.clear()
 
 
 class MultiprocExecutor(Executor):
@@ -162,12 +172,19 @@ class MultiprocExecutor(Executor):
         self._dead: WorkerError | None = None
         self._inbox = [collections.deque() for _ in range(world)]
         self._step = 0
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        self._poller = None
+        # engine -> every worker; the output rank -> the engine (reader 0)
+        self._requests = ShmRing.create(world)
+        self._results = ShmRing.create(1)
+        self._results.reader = 0
+        rings = [self._requests, self._results]
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, rings)
         for rank in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"krait-worker-{rank}", daemon=True,
                             args=(config, rank, init_method, child, os.getpid(),
-                                  COLLECTIVE_TIMEOUT_S, worker_cls))
+                                  COLLECTIVE_TIMEOUT_S, worker_cls, self._requests.handle,
+                                  self._results.handle))
             p.start()
             child.close()
             self.procs.append(p)
@@ -208,15 +225,22 @@ class MultiprocExecutor(Executor):
     def _pump(self, timeout: float | None) -> None:
         """Reads whatever the workers sent (waiting up to `timeout`); raises on an error
         message or a dead worker."""
-        watch = self.conns + [p.sentinel for p in self.procs]
-        ready = multiprocessing.connection.wait(watch, timeout)
+        if self._poller is None:  # built once: a selector a call costs tens of microseconds
+            self._poller = select.poll()
+            for fd in [c.fileno() for c in self.conns] + [p.sentinel for p in self.procs]:
+                self._poller.register(fd, select.POLLIN)
+        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        ready = {fd for fd, _ in self._poller.poll(ms)}
         for r, c in enumerate(self.conns):
-            if c not in ready:
+            if c.fileno() not in ready:
                 continue
             try:
-                msg = pickle.loads(c.recv_bytes())
+                data = c.recv_bytes()
             except (EOFError, OSError):
                 continue  # its sentinel reports the death
+            if not data:
+                continue  # a wake-up (the result ring has something)
+            msg = pickle.loads(data)
             if msg[0] == "error":
                 dead = self._dead_worker(exclude=msg[1])
                 if dead is not None:  # the error is the other rank's death seen in a collective
@@ -240,7 +264,8 @@ class MultiprocExecutor(Executor):
                 continue
             try:  # its own error, if it sent one before going
                 while self.conns[r].poll():
-                    msg = pickle.loads(self.conns[r].recv_bytes())
+                    data = self.conns[r].recv_bytes()
+                    msg = pickle.loads(data) if data else ("wake",)
                     if msg[0] == "error":
                         return f"worker {msg[1]} failed:\n{msg[2]}"
             except (EOFError, OSError):
@@ -248,13 +273,25 @@ class MultiprocExecutor(Executor):
             return f"worker {r} (pid {p.pid}) died with exit code {p.exitcode}"
         return None
 
-    def _broadcast(self, msg: tuple) -> None:
+    def _check(self) -> None:
+        """Raises WorkerError if a worker reported an error or died (called while waiting)."""
+        self._pump(0)
+
+    def _broadcast(self, msg: tuple, ranks=None) -> None:
+        """Writes msg to the ring for `ranks` (default all); too large for a slot, it goes on
+        their pipes."""
         if self._dead is not None:
             raise WorkerError(f"the workers are stopped: {self._dead}")
         data = pickle.dumps(msg, protocol=5)
+        targets = ALL if ranks is None else sum(1 << r for r in ranks)
+        ring = self._requests
+        piped = ring.write(data, targets, self._check)
         try:
-            for c in self.conns:
-                c.send_bytes(data)
+            for r in ring.sleepers(targets):  # blocked on their pipe: wake them
+                self.conns[r].send_bytes(b"")
+            if piped:
+                for r in range(len(self.conns)) if ranks is None else ranks:
+                    self.conns[r].send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, OSError):
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline:  # raises the worker's error or death
@@ -263,12 +300,8 @@ class MultiprocExecutor(Executor):
 
     def _call(self, method: str, *args, ranks=None):
         """Runs Worker.method(*args) on `ranks` (default all) and returns their replies."""
-        ranks = range(len(self.conns)) if ranks is None else ranks
-        if self._dead is not None:
-            raise WorkerError(f"the workers are stopped: {self._dead}")
-        data = pickle.dumps(("call", method, args))
-        for r in ranks:
-            self.conns[r].send_bytes(data)
+        ranks = list(range(len(self.conns)) if ranks is None else ranks)
+        self._broadcast(("call", method, args), ranks)
         return [self._wait(r, "reply")[1] for r in ranks]
 
     # -- the interface ------------------------------------------------------------------
@@ -281,13 +314,18 @@ class MultiprocExecutor(Executor):
         return _RemotePending(self, self._step)
 
     def _result(self, step: int):
-        if self._dead is not None:
-            raise WorkerError(f"the workers are stopped: {self._dead}")
-        self.conns[self.output_rank].send_bytes(pickle.dumps(("result", step)))
-        msg = self._wait(self.output_rank, "result")
-        if msg[1] != step:
-            raise self._fail(WorkerError(f"step {msg[1]}'s result came for step {step}"))
-        return decode_sampled(msg[2])
+        """Step `step`'s sampled tokens. The output rank sends every step's, in order; those
+        of steps nobody reads back (an empty step) are passed over."""
+        while True:
+            if self._dead is not None:
+                raise WorkerError(f"the workers are stopped: {self._dead}")
+            data = self._results.read(self._check, self._pump)
+            msg = (self._wait(self.output_rank, "result") if data is PIPE
+                   else pickle.loads(data))
+            if msg[1] == step:
+                return decode_sampled(msg[2])
+            if msg[1] > step:
+                raise self._fail(WorkerError(f"step {msg[1]}'s result came for step {step}"))
 
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
         return self._call("propose_drafts", req_ids, ranks=[self.output_rank])[0]

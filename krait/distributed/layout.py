@@ -55,8 +55,10 @@ def validate_layout(cfg: Any, tp: int, pp: int, backend: str | None,
             raise ValueError(f"tensor_parallel_size * pipeline_parallel_size = {world} needs "
                              f"{world} GPUs; {n} are visible")
     layers = num_layers(cfg)
-    if pp > layers:
-        raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {layers} layers")
+    if pp > 1:
+        from krait.distributed.pipeline import layer_partition, stage_layer_ranges
+
+        stage_layer_ranges(layers, pp, layer_partition())  # raises for an impossible split
     if tp > 1:
         _check_tp(cfg, tp)
     return backend or "mp"

@@ -2,8 +2,7 @@
 
 Global rank = pp_rank * tp_size + tp_rank: a pipeline stage is tp_size consecutive ranks. The
 TP group of a rank is its stage; its PP group is the ranks of every stage with the same
-tp_rank (activations travel between them, and the last stage broadcasts the sampled tokens
-over it). With tp_size = pp_size = 1 (no `init_distributed`), every collective here is a no-op
+tp_rank (activations travel between them). With tp_size = pp_size = 1 (no `init_distributed`), every collective here is a no-op
 that returns its input, so the single-process path makes no collective call."""
 
 from __future__ import annotations
@@ -130,19 +129,17 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def pp_send(x: torch.Tensor, to_stage: int) -> None:
-    """Sends x to the same TP rank of stage `to_stage`."""
+    """Sends x to the same TP rank of stage `to_stage` (NCCL: queued on the GPU stream; gloo:
+    returns once the receiver has it)."""
     dist.send(x.contiguous(), dst=_STATE.pp_ranks[to_stage])
+
+
+def host_blocking_sends() -> bool:
+    """Whether a send blocks the host until it is received (gloo's do; NCCL's are queued)."""
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def pp_recv(x: torch.Tensor, from_stage: int) -> torch.Tensor:
     """Receives into x from the same TP rank of stage `from_stage`; returns x."""
     dist.recv(x, src=_STATE.pp_ranks[from_stage])
-    return x
-
-
-def pp_broadcast_from_last(x: torch.Tensor) -> torch.Tensor:
-    """The last stage's x on every stage (in place on the others; returns x)."""
-    if _STATE.pp_size == 1:
-        return x
-    dist.broadcast(x, src=_STATE.pp_ranks[-1], group=_STATE.pp_group)
     return x

@@ -1,38 +1,40 @@
-"""Compact encodings of what crosses the executor's pipes each step. Pickling dataclass objects
+"""Compact encodings of what crosses the executor's rings each step. Pickling dataclass objects
 costs microseconds apiece (64 CachedRequestData and 64 SampledTokens were most of a step's
-control path); lists of plain values cost far less."""
+control path); lists of plain values cost far less, and the worker keeps the cached requests as
+columns."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from krait.engine.scheduler import CachedRequestData, SampledTokens, SchedulerOutput
+from krait.engine.scheduler import CachedColumns, SampledTokens, SchedulerOutput
+
+_FIELDS = [f.name for f in dataclasses.fields(SchedulerOutput) if f.name != "cached_reqs"]
 
 
 def encode_sched(s: SchedulerOutput) -> tuple:
-    c = s.cached_reqs
-    cached = ([r.req_id for r in c], [r.new_block_ids for r in c],
-              [r.num_computed_tokens for r in c])
-    rest = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
-            if f.name not in ("cached_reqs",)}
-    return cached, rest
+    c = CachedColumns.of(s.cached_reqs)
+    cached = (c.req_ids, c.new_block_ids, c.num_computed_tokens, c.new_token_ids)
+    return cached, [getattr(s, name) for name in _FIELDS]
 
 
 def decode_sched(t: tuple) -> SchedulerOutput:
-    (ids, blocks, computed), rest = t
-    cached = [CachedRequestData(r, b, n) for r, b, n in zip(ids, blocks, computed)]
-    return SchedulerOutput(cached_reqs=cached, **rest)
+    """The SchedulerOutput, its cached requests as CachedColumns (no object a row)."""
+    cached, rest = t
+    return SchedulerOutput(cached_reqs=CachedColumns(*cached), **dict(zip(_FIELDS, rest)))
 
 
 def encode_sampled(out: dict[str, SampledTokens]):
-    """{req_id: token ids} when no row carries logprobs, else the objects themselves."""
+    """(req ids, [token ids]) when no row carries logprobs, else the objects themselves."""
+    toks = []
     for v in out.values():
         if v.logprobs is not None or v.ranks is not None or v.prompt_logprobs is not None:
             return out
-    return ("ids", {r: v.token_ids for r, v in out.items()})
+        toks.append(v.token_ids)
+    return list(out), toks
 
 
 def decode_sampled(x) -> dict[str, SampledTokens]:
     if isinstance(x, tuple):
-        return {r: SampledTokens(ids) for r, ids in x[1].items()}
+        return dict(zip(x[0], map(SampledTokens, x[1])))
     return x

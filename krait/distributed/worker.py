@@ -1,12 +1,15 @@
 """One rank's worker: a ModelRunner inside its process group, and the loop a worker process
-runs around it (the multiprocess executor's side of the pipe)."""
+runs around it (the multiprocess executor's side of its rings and pipe)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import math
 import os
 import pickle
+import select
 import threading
 import time
 import traceback
@@ -18,6 +21,7 @@ from krait import envs
 from krait.config import EngineConfig
 from krait.distributed import parallel_state as ps
 from krait.distributed import pipeline
+from krait.distributed.shm_ring import PIPE, RingHandle, ShmRing, wait_until
 from krait.distributed.wire import decode_sched, encode_sampled
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,10 @@ class Worker:
             device = torch.device(f"cuda:{local}")
         else:
             device = torch.device("cpu")
+            # the host's cores shared among the ranks: more intra-op threads than cores spin
+            # against each other once stages compute at the same time (pipelined micro-batches
+            # took 200-300 ms a step instead of 4 on the 2-core dev box)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * pp)))
         self.rank = rank
         st = ps.init_distributed(rank, tp, pp, init_method, "nccl" if cuda else "gloo",
                                  timeout_s)
@@ -74,7 +82,8 @@ class Worker:
             from krait.distributed.layout import num_layers
 
             hf = config.model.hf_config
-            start, end = pipeline.stage_layer_ranges(num_layers(hf), pp)[st.pp_rank]
+            start, end = pipeline.stage_layer_ranges(num_layers(hf), pp,
+                                                     pipeline.layer_partition())[st.pp_rank]
             pipeline.set_stage(pipeline.StageContext(start, end, hf.hidden_size,
                                                      config.model.dtype, device))
         from krait.runner.model_runner import ModelRunner
@@ -113,34 +122,103 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+def _ready(pending) -> bool:
+    """Whether a step's result can be read without waiting for the device."""
+    ready = getattr(pending, "ready", None)
+    return ready is None or ready()
+
+
+class _Outbox:
+    """The output rank's launched steps, sent to the engine's result ring in order as soon as
+    their tokens are on the host (a result too large for a slot goes on the pipe)."""
+
+    def __init__(self, ring: ShmRing, conn) -> None:
+        self.ring = ring
+        self.conn = conn
+        self.pending: collections.deque = collections.deque()
+
+    def flush(self) -> None:
+        q = self.pending
+        while q and _ready(q[0][1]):
+            step, p = q[0]
+            wire = p.wire() if hasattr(p, "wire") else None
+            if wire is None:
+                wire = encode_sampled(p.result())
+            data = pickle.dumps(("result", step, wire), protocol=5)
+            if not self.ring.try_write(data):
+                return  # the engine has not read the ring for a while: later
+            q.popleft()
+            if self.ring.sleepers():
+                self.conn.send_bytes(b"")  # the engine blocks on the pipes: wake it
+            if len(data) > self.ring.handle.slot_bytes:
+                self.conn.send_bytes(data)
+
+
+def _recv_payload(conn) -> bytes:
+    """The next message on the pipe that is not a wake-up."""
+    while True:
+        data = conn.recv_bytes()
+        if data:
+            return data
+
+
 def worker_main(config: EngineConfig, rank: int, init_method: str, conn, parent_pid: int,
-                timeout_s: float, worker_cls: type | None = None) -> None:
-    """A worker process: messages from the executor over `conn` (pickled tuples), in order:
-    ("execute", SchedulerOutput, step), ("result", step) (output rank only: replies ("result",
-    step, {req_id: SampledTokens})), ("call", method, args) (replies ("reply", value)),
-    ("shutdown",). `worker_cls` replaces Worker (scripts/mp_overhead.py's stub). Any exception is sent back as ("error", rank, traceback) and ends the
-    process; a closed pipe (the parent died) ends it too."""
+                timeout_s: float, worker_cls: type | None, requests: RingHandle,
+                results: RingHandle) -> None:
+    """A worker process. Messages from the executor come on the `requests` ring (or, too large
+    for a slot, on `conn`), pickled tuples, in order: ("execute", SchedulerOutput, step),
+    ("call", method, args) (replies ("reply", value) on `conn`), ("shutdown",). The output rank
+    writes ("result", step, {req_id: SampledTokens}) for every step to the `results` ring.
+    `worker_cls` replaces Worker (scripts/mp_overhead.py's stub). Any exception is sent back on
+    `conn` as ("error", rank, traceback) and ends the process; so does the parent's death."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     logging.basicConfig(level=envs.get("KRAIT_LOG_LEVEL"))
     try:
         worker = (worker_cls or Worker)(config, rank, init_method, timeout_s)
+        inbox = ShmRing.attach(requests, reader=rank)
+        outbox = _Outbox(ShmRing.attach(results), conn) if worker.is_output_rank else None
         conn.send(("ready", worker.profile()))
-        pending: dict[int, object] = {}
         loads = pickle.loads
+        piped: collections.deque[bytes] = collections.deque()  # payloads too large for a slot
+
+        def poll():
+            if outbox is not None and outbox.pending:
+                outbox.flush()
+            return inbox.try_read()
+
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+
+        def block(timeout: float) -> None:  # until the pipe has something (or `timeout`)
+            inbox.set_sleeping(True)
+            try:
+                if not poller.poll(0 if inbox.try_peek() else math.ceil(timeout * 1000)):
+                    return
+                while poller.poll(0):
+                    data = conn.recv_bytes()
+                    if data:
+                        piped.append(data)
+            finally:
+                inbox.set_sleeping(False)
+
         while True:
-            msg = loads(conn.recv_bytes())
+            data = wait_until(poll, None, None if outbox is not None and outbox.pending
+                              else block)
+            if data is PIPE:
+                data = piped.popleft() if piped else _recv_payload(conn)
+            msg = loads(data)
             kind = msg[0]
             if kind == "execute":
                 p = worker.execute_model(decode_sched(msg[1]))
-                if worker.is_output_rank:
-                    pending[msg[2]] = p
-            elif kind == "result":
-                p = pending.pop(msg[1])
-                conn.send_bytes(pickle.dumps(("result", msg[1], encode_sampled(p.result())),
-                                             protocol=5))
+                if outbox is not None:
+                    outbox.pending.append((msg[2], p))
+                    outbox.flush()
             elif kind == "call":
                 conn.send(("reply", getattr(worker, msg[1])(*msg[2])))
             elif kind == "shutdown":
+                inbox.close()
+                if outbox is not None:
+                    outbox.ring.close()
                 break
     except (EOFError, BrokenPipeError, ConnectionResetError):
         os._exit(1)  # the parent is gone

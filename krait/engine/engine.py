@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from krait.config import EngineConfig
@@ -57,6 +58,10 @@ class LLMEngine:
             state_block_size=self.state_block_size,
             snapshot_slots=list(range(num_slots, num_slots + num_snapshots)),
         )
+        # pipeline parallel: a queue of micro-batches, P in flight with async scheduling
+        pp = config.parallel.pipeline_parallel_size
+        self._batch_queue: deque | None = deque() if pp > 1 else None
+        self._queue_size = pp if config.scheduler.async_scheduling else 1
         self.scheduler = Scheduler(
             self.kv,
             config.scheduler.max_num_seqs,
@@ -64,6 +69,8 @@ class LLMEngine:
             mc.max_model_len,
             num_spec_tokens=self.num_spec_tokens,
             device_drafts=self.executor.async_spec,
+            num_microbatches=self._queue_size if pp > 1 else 1,
+            send_token_ids=pp > 1,
         )
         # speculative steps are asynchronous where the runner drafts on the device; elsewhere
         # (host drafters, several ranks, CPU) each step is read back before the next is planned
@@ -296,6 +303,8 @@ class LLMEngine:
         schedules and prepares step N+1 while the device still runs step N, and returns step
         N's outputs."""
         failed = self._poll_grammars() if self._structured is not None else []
+        if self._batch_queue is not None:
+            return failed + self._step_batch_queue()
         sched = self.scheduler.schedule()
         if (self._structured_ids and self.runner is not None and self.async_scheduling
                 and not self.num_spec_tokens and self._structured_rows(sched)):
@@ -319,6 +328,29 @@ class LLMEngine:
         if previous is None:
             return failed
         return failed + self._process(previous[0], self._read_back(previous[1]))
+
+    def _step_batch_queue(self) -> list[RequestOutput]:
+        """Pipeline parallel (vLLM v1's batch queue): while fewer than P micro-batches are in
+        flight, schedule one (of requests in no other) and launch it; read the oldest back when
+        the queue is full or nothing more could be scheduled. A stage runs micro-batch i + 1
+        while the next stage runs i; a request's tokens reach the stages that did not sample
+        them with its next step (the scheduler sends them)."""
+        queue = self._batch_queue
+        if len(queue) < self._queue_size:
+            sched = self.scheduler.schedule()
+            if self._structured_ids:
+                self._fill_grammar_bitmask(sched)  # its rows' last tokens are known
+            if (sched.total_num_scheduled_tokens or sched.finished_req_ids
+                    or sched.preempted_req_ids):
+                pending = self.executor.execute_model(sched)
+                if sched.total_num_scheduled_tokens:
+                    queue.append((sched, pending))
+                    if len(queue) < self._queue_size:
+                        return []
+        if not queue:
+            return []
+        sched, pending = queue.popleft()
+        return self._process(sched, self._read_back(pending))
 
     # -- structured outputs -----------------------------------------------------------
     def structured_manager(self):

@@ -56,6 +56,9 @@ class Request:
     # tokens the runner prefills at its latest admission (the prompt; after a preemption the
     # outputs too): a step past them is a decode step
     num_prefill_tokens: int = 0
+    # pipeline micro-batches: scheduled in a batch whose results are not processed yet (such a
+    # request is in no other batch)
+    in_batch: bool = False
     first_token_time: float | None = None
     # prefix caching: prompt tokens found cached at the first admission (-1: not admitted yet);
     # with recurrent layers, the snapshot slot its state starts from (-1: none) and the shared

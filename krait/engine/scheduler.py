@@ -55,12 +55,50 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # pipeline parallel: the ids of the step's scheduled tokens that are outputs (a suffix of
+    # the step's positions), for the stages that did not sample them (None: not sent)
+    new_token_ids: list[int] | None = None
+
+
+class CachedColumns:
+    """The cached requests of a step as columns, as the scheduler emits them (and as they cross
+    the executor's ring: building a CachedRequestData per row cost more than the rest of a
+    worker's control path). Iterating yields CachedRequestData, for code that wants rows."""
+
+    __slots__ = ("req_ids", "new_block_ids", "num_computed_tokens", "new_token_ids")
+
+    def __init__(self, req_ids: list[str], new_block_ids: list[list[int]],
+                 num_computed_tokens: list[int], new_token_ids: list | None = None) -> None:
+        self.req_ids = req_ids
+        self.new_block_ids = new_block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.new_token_ids = new_token_ids
+
+    @classmethod
+    def of(cls, cached, with_tokens: bool = True) -> CachedColumns:
+        """`cached` (a list of CachedRequestData, or columns already) as columns; the token
+        column only with `with_tokens` (and None where no row has tokens)."""
+        if isinstance(cached, cls):
+            return cached
+        tokens = [c.new_token_ids for c in cached] if with_tokens else None
+        if tokens is not None and all(t is None for t in tokens):
+            tokens = None
+        return cls([c.req_id for c in cached], [c.new_block_ids for c in cached],
+                   [c.num_computed_tokens for c in cached], tokens)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __iter__(self):
+        tokens = self.new_token_ids or [None] * len(self.req_ids)
+        return map(CachedRequestData, self.req_ids, self.new_block_ids,
+                   self.num_computed_tokens, tokens)
 
 
 @dataclass
 class SchedulerOutput:
     new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
+    cached_reqs: list[CachedRequestData] | CachedColumns
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
@@ -79,7 +117,7 @@ class SchedulerOutput:
     snapshot_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledTokens:
     """What the runner sampled for one request in a step (empty for a mid-prefill chunk)."""
 
@@ -103,12 +141,20 @@ class Scheduler:
         max_model_len: int,
         num_spec_tokens: int = 0,
         device_drafts: bool = False,
+        num_microbatches: int = 1,
+        send_token_ids: bool = False,
     ) -> None:
         """`device_drafts`: asynchronous speculative steps — the runner writes each request's
         drafts on the device, and every decode step of a request that may draft verifies as
         many of them as room allows (without it, a request verifies the drafts in its
-        `spec_token_ids`, proposed on the host after the step before was read back)."""
+        `spec_token_ids`, proposed on the host after the step before was read back).
+        `num_microbatches` > 1 (pipeline parallel, vLLM's batch queue): that many batches
+        may be in flight, each of requests in no other one and of at most a 1/P share of the
+        sequences; `send_token_ids`: cached rows carry their output tokens (pipeline stages
+        that do not sample learn them so)."""
         self.kv = kv
+        self.num_microbatches = num_microbatches
+        self.send_token_ids = send_token_ids
         self.num_spec_tokens = num_spec_tokens
         self.device_drafts = device_drafts and num_spec_tokens > 0
         self.spec_stats = SpecDecodeStats(num_spec_tokens)
@@ -234,16 +280,25 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        cached: list[CachedRequestData] = []
+        # the cached rows as columns (CachedColumns): no object a row
+        c_ids: list[str] = []
+        c_blocks: list[list[int]] = []
+        c_computed: list[int] = []
+        c_tokens: list[list[int] | None] | None = [] if self.send_token_ids else None
         new: list[NewRequestData] = []
         preempted_now = False
 
         spec: dict[str, list[int]] = {}
         saves: list[tuple[int, int]] = []
         snapshots = self.kv.snapshots is not None
+        exclusive = self.num_microbatches > 1
+        cap = self._batch_cap() if exclusive else self.max_num_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
             req = self.running[i]
+            if req.in_batch:  # in flight in another micro-batch
+                i += 1
+                continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:
                 i += 1
@@ -273,20 +328,25 @@ class Scheduler:
             elif snapshots:
                 self._reserve_snapshot(req, n, saves)
             budget -= n
-            cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+            c_ids.append(req.request_id)
+            c_blocks.append(new_blocks)
+            c_computed.append(req.num_computed_tokens)
+            if c_tokens is not None:
+                c_tokens.append(self._output_ids(req, n))
+            req.in_batch = exclusive
             self._advance(req, n, len(drafts))
             i += 1
 
         skipped: list[Request] = []  # waiting for their grammar: they keep their place
         while self.waiting and budget > 0 and not preempted_now:
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs or len(num_scheduled) >= cap:
                 break
             req = self.waiting[0]
             if req.waiting_for_grammar:
                 skipped.append(self.waiting.popleft())
                 continue
-            if req.num_inflight:
-                break  # preempted with a token in flight: it resumes once the token is known
+            if req.num_inflight or req.in_batch:
+                break  # preempted while in flight: it resumes once that step's result is in
             if req.params.prompt_logprobs is None:  # cached tokens would have no logprobs
                 req.num_computed_tokens = self.kv.match_prefix(req)  # 0 without prefix caching
             n = self._num_new_tokens(req, budget)
@@ -305,6 +365,7 @@ class Scheduler:
             self.running.append(req)
             num_scheduled[req.request_id] = n
             budget -= n
+            req.in_batch = exclusive
             self._seen_by_runner.add(req.request_id)
             req.num_prefill_tokens = req.num_tokens
             new.append(
@@ -326,7 +387,7 @@ class Scheduler:
 
         out = SchedulerOutput(
             new_reqs=new,
-            cached_reqs=cached,
+            cached_reqs=CachedColumns(c_ids, c_blocks, c_computed, c_tokens),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids,
@@ -337,6 +398,22 @@ class Scheduler:
         self._finished_ids = set()
         self._preempted_ids = set()
         return out
+
+    def _batch_cap(self) -> int:
+        """Rows of one micro-batch: a 1/P share of the requests there are (so that P batches
+        fill the pipeline's stages)."""
+        n = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-n // self.num_microbatches))
+
+    @staticmethod
+    def _output_ids(req: Request, n: int) -> list[int] | None:
+        """The output tokens among the n positions scheduled from num_computed_tokens (a suffix
+        of them; None when there are none)."""
+        lp = len(req.prompt_token_ids)
+        end = req.num_computed_tokens + n - lp
+        if end <= 0:
+            return None
+        return req.output_token_ids[max(req.num_computed_tokens - lp, 0):end]
 
     # -- after the model step -------------------------------------------------------------
     def update_from_output(
@@ -354,6 +431,7 @@ class Scheduler:
             req = requests.get(req_id)
             if req is None or req.status.finished:
                 continue  # finished (or aborted) while this step ran: its result is dropped
+            req.in_batch = False
             running = req.status is RequestStatus.RUNNING
             if running and prefix_caching:
                 self.kv.cache_full_blocks(req)

@@ -11,7 +11,7 @@ import torch
 from krait.config import EngineConfig
 from krait.distributed import parallel_state as ps
 from krait.engine.kv_cache_manager import cdiv
-from krait.engine.scheduler import SampledTokens, SchedulerOutput
+from krait.engine.scheduler import CachedColumns, SampledTokens, SchedulerOutput
 from krait.models.loader import load_model
 from krait.ops._dispatch import use_triton
 from krait.ops.argmax import argmax
@@ -57,8 +57,8 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
         torch.manual_seed(config.model.seed)
-        # pipeline parallel: only the last stage computes logits and samples; the others take
-        # its sampled tokens (a broadcast), so every stage's tables stay in step (invariant 7)
+        # pipeline parallel: only the last stage computes logits and samples; the engine sends
+        # its tokens to the other stages with each request's next step (invariant 7)
         self.pp = ps.get_pp_size() > 1
         self.is_last_stage = ps.state().is_last_stage
         self.model = load_model(config.model, self.device)
@@ -252,17 +252,42 @@ class ModelRunner:
         if sched.scheduled_spec_decode_tokens and not self.async_spec:
             # (asynchronous steps verify the drafts the device wrote after each row's tokens)
             self._write_drafts(sched.scheduled_spec_decode_tokens)
-        cached = sched.cached_reqs
-        if not cached:
+        if not sched.cached_reqs:
             return
+        # (the tokens matter to a stage before the last only)
+        cached = CachedColumns.of(sched.cached_reqs, self.pp and not self.is_last_stage)
         # every running request, every step: one numpy write; blocks only where new ones came
-        rows = np.fromiter((st.index[c.req_id] for c in cached), np.int64, len(cached))
-        st.num_computed_tokens[rows] = [c.num_computed_tokens for c in cached]
-        for i, c in zip(rows.tolist(), cached):
-            if c.new_block_ids:
+        index = st.index
+        rows = np.fromiter((index[r] for r in cached.req_ids), np.int64, len(cached))
+        st.num_computed_tokens[rows] = cached.num_computed_tokens
+        for i, blocks in zip(rows.tolist(), cached.new_block_ids):
+            if blocks:
                 if self.tables is not None:
-                    self.tables.add_blocks(i, int(st.num_blocks[i]), c.new_block_ids)
-                st.append_blocks(i, c.new_block_ids)
+                    self.tables.add_blocks(i, int(st.num_blocks[i]), blocks)
+                st.append_blocks(i, blocks)
+        if cached.new_token_ids is not None and not self.is_last_stage:
+            self._write_known_tokens(sched, cached, rows)
+
+    def _write_known_tokens(self, sched: SchedulerOutput, cached: CachedColumns,
+                            rows: np.ndarray) -> None:
+        """A pipeline stage before the last: the output tokens among the step's positions, which
+        the last stage sampled and the engine sends with the step (invariant 7: each stage's
+        tables hold a token before a step of that stage reads it)."""
+        st = self.states
+        scheduled = sched.num_scheduled_tokens
+        at_rows, at_pos, toks = [], [], []
+        for i, rid, start, ids in zip(rows.tolist(), cached.req_ids, cached.num_computed_tokens,
+                                      cached.new_token_ids):
+            if not ids:
+                continue
+            end = start + scheduled[rid]
+            st.token_ids[i, end - len(ids):end] = ids
+            at_rows += [i] * len(ids)
+            at_pos += range(end - len(ids), end)
+            toks += ids
+        if self.tables is not None and toks:
+            t = host_to_device(np.array(toks, dtype=np.int64), self.device)
+            self.tables.write_sampled(np.array(at_rows), np.array(at_pos), t)
 
     def _write_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Puts each verified request's drafts after its last known token in the token tables
@@ -659,7 +684,11 @@ class ModelRunner:
         samples = end >= st.num_tokens[idx]  # the chunk reaches the last known token
         rows = np.nonzero(samples)[0]
         pending = PendingSample.empty()
-        if len(rows):
+        if len(rows) and logits is None:
+            # a pipeline stage before the last samples nothing: its rows' tokens come with the
+            # engine's next step of each request (_write_known_tokens); the counters advance
+            st.num_tokens[idx[rows]] += 1
+        elif len(rows):
             if len(rows) < batch.num_reqs and logits is not None:
                 sel = host_to_device(rows, logits.device)
                 logits = logits[sel]
@@ -724,32 +753,11 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, idx: np.ndarray, greedy: torch.Tensor | None = None
     ) -> SamplerOutput:
-        if self.pp:
-            return self._pipeline_sample(logits, idx, greedy)
-        return self._sample_local(logits, idx, greedy)
-
-    def _sample_local(
-        self, logits: torch.Tensor, idx: np.ndarray, greedy: torch.Tensor | None = None
-    ) -> SamplerOutput:
         st = self.states
         if st.plain_greedy[idx].all():
             tokens = greedy if greedy is not None else argmax(logits)
             return SamplerOutput(sampled_token_ids=tokens, logprobs=None)
         return self.sampler(logits, self._sampling_metadata(logits, idx))
-
-    def _pipeline_sample(self, logits: torch.Tensor | None, idx: np.ndarray,
-                         greedy: torch.Tensor | None = None) -> SamplerOutput:
-        """Pipeline parallel: the last stage samples and broadcasts the tokens (int64) to the
-        other stages, which get a SamplerOutput of the same tokens (no logprobs: only the last
-        stage's rank 0 returns results)."""
-        if self.is_last_stage:
-            out = self._sample_local(logits, idx, greedy)
-            tokens = out.sampled_token_ids.to(torch.int64)
-            ps.pp_broadcast_from_last(tokens.contiguous())
-            return out
-        tokens = torch.empty(len(idx), dtype=torch.int64, device=self.device)
-        ps.pp_broadcast_from_last(tokens)
-        return SamplerOutput(sampled_token_ids=tokens, logprobs=None)
 
     def _sampling_metadata(self, logits: torch.Tensor, idx: np.ndarray) -> SamplingMetadata:
         """The sampling parameters of the rows at req_state indices `idx`."""
@@ -837,6 +845,10 @@ class PendingSample:
         p._resolved = sampled
         return p
 
+    def ready(self) -> bool:
+        """Whether `result()` would return without waiting for the device."""
+        return self._event is None or self._event.query()
+
     def _token_list(self) -> list[int]:
         if self._tokens is None:
             if self._event is not None:
@@ -857,6 +869,17 @@ class PendingSample:
         for rid, i, pos, tok in zip(self.req_ids, self.rows, self.positions, self._token_list()):
             if st.req_ids[i] == rid and pos < width:
                 st.token_ids[i, pos] = tok
+
+    def wire(self) -> tuple[list[str], list[list[int]]] | None:
+        """The step's tokens as (req ids, [token ids]) without building a SampledTokens a row
+        (the worker's reply, `wire.decode_sampled`), or None when it carries logprobs."""
+        if self._resolved is not None or self.prompt_logprobs or (
+                self._host is not None and len(self._host) > 1):
+            return None
+        tokens = self._token_list()
+        if tokens:
+            self.write_host_tokens()
+        return list(self.req_ids), [[t] for t in tokens]
 
     def result(self) -> dict[str, SampledTokens]:
         """Waits for the step's sampled tokens: {req_id: SampledTokens}."""

@@ -25,10 +25,14 @@ def make_model(root, name: str) -> str:
     return make_tiny_hybrid(root / name, name)
 
 
-def run(model_dir: str, preemptions: list | None = None, **kw):
-    """(token ids, chosen-token logprobs) per prompt; counts the scheduler's preemptions."""
+def run(model_dir: str, preemptions: list | None = None, prompts: list = PROMPTS,
+        on_engine=None, params: SamplingParams = PARAMS, **kw):
+    """(token ids, chosen-token logprobs) per prompt; counts the scheduler's preemptions.
+    `on_engine(engine)` runs before generating (a test's probes)."""
     executor_mod.COLLECTIVE_TIMEOUT_S = 60.0  # a stuck collective fails the test fast
     llm = LLM(model_dir, **{**ENGINE, **kw})
+    if on_engine is not None:
+        on_engine(llm.llm_engine)
     sched = llm.llm_engine.scheduler
     if preemptions is not None:
         orig = sched._preempt
@@ -39,11 +43,11 @@ def run(model_dir: str, preemptions: list | None = None, **kw):
 
         sched._preempt = counted
     try:
-        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
     return [(o.outputs[0].token_ids,
-              [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+              [d[t].logprob for d, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)])
             for o in outs]
 
 

@@ -94,6 +94,8 @@ def test_worker_exception_is_raised_by_the_engine(models) -> None:  # noqa: F811
     llm = LLM(models("llama"), **ENGINE, tensor_parallel_size=2)
     ex = llm.llm_engine.executor
     pids = [p.pid for p in ex.procs]
+    rings = _ring_files(ex)
+    assert all(os.path.exists(f) for f in rings)
     ex._call("inject_fault", 3, ranks=[1])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     # the fault, or (a race) worker 0's collective failing on its peer's exit first
@@ -101,6 +103,7 @@ def test_worker_exception_is_raised_by_the_engine(models) -> None:  # noqa: F811
                        r"failed:.*(Connection reset|Connection closed|Read error)"):
         llm.generate(PROMPTS, params, use_tqdm=False)
     assert all(_gone(pid) for pid in pids)
+    assert not any(os.path.exists(f) for f in rings)  # the shared memory is unlinked
     with pytest.raises(WorkerError, match="the workers are stopped"):
         llm.generate(PROMPTS[:1], params, use_tqdm=False)
 
@@ -110,12 +113,19 @@ def test_killed_worker_is_reported(models) -> None:  # noqa: F811
     llm = LLM(models("llama"), **ENGINE, tensor_parallel_size=2)
     ex = llm.llm_engine.executor
     pids = [p.pid for p in ex.procs]
+    rings = _ring_files(ex)
     os.kill(pids[1], signal.SIGKILL)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with pytest.raises(WorkerError, match=r"(?s)worker 1 \(pid \d+\) died with exit code -9|"
                        r"worker 0 failed:.*(Connection reset|Connection closed|Read error)"):
         llm.generate(PROMPTS, params, use_tqdm=False)
     assert all(_gone(pid) for pid in pids)
+    assert not any(os.path.exists(f) for f in rings)
+
+
+def _ring_files(ex) -> list[str]:
+    """The executor's shared-memory rings' files."""
+    return [f"/dev/shm/{r.handle.name}" for r in (ex._requests, ex._results)]
 
 
 _PARENT = """
@@ -124,7 +134,9 @@ from krait import LLM
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2,
               num_kv_blocks=16, max_model_len=32)
-    print(" ".join(str(p.pid) for p in llm.llm_engine.executor.procs), flush=True)
+    ex = llm.llm_engine.executor
+    print(" ".join(str(p.pid) for p in ex.procs), flush=True)
+    print(" ".join(r.handle.name for r in (ex._requests, ex._results)), flush=True)
     os.kill(os.getpid(), 9)
 """
 
@@ -136,6 +148,13 @@ def test_workers_exit_when_the_parent_dies(models, tmp_path) -> None:  # noqa: F
     out = subprocess.run([sys.executable, str(script), models("llama")], capture_output=True,
                          text=True, env=env, timeout=180)
     assert out.returncode == -9, out.stderr[-2000:]
-    pids = [int(p) for p in out.stdout.split()]
+    pid_line, ring_line = out.stdout.splitlines()[:2]
+    pids = [int(p) for p in pid_line.split()]
     assert len(pids) == 2
     assert all(_gone(pid) for pid in pids)
+    # multiprocessing's resource tracker unlinks the rings of an engine that died
+    deadline = time.monotonic() + 10.0
+    rings = [f"/dev/shm/{name}" for name in ring_line.split()]
+    while any(os.path.exists(f) for f in rings) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f) for f in rings)

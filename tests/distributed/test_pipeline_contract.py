@@ -1,13 +1,17 @@
 """Invariant 7's data contract on a pipeline stage that is not the last (the case that shipped
-broken in vLLM): the stage samples nothing itself, takes the last stage's tokens, and its state
-updates scatter through an int32 `idx_mapping` whose -1 rows are skipped; a chunked-prefill
-step that sampled nothing records the neutral accepted count 1.
+broken in vLLM): the stage samples nothing itself, takes the last stage's tokens (the engine
+sends them with the request's next step), and its state updates scatter through an int32
+`idx_mapping` whose -1 rows are skipped; a chunked-prefill step that sampled nothing records
+the neutral accepted count 1.
 
-The stage runs in this process: stage 0 of 2 of a GraniteMoeHybrid (Mamba + attention + MoE),
-its send and the last stage's broadcast replaced by recorders, under ngram speculation so that
-the accepted counts exist."""
+The stage runs in this process: stage 0 of 2 of a GraniteMoeHybrid (Mamba + attention + MoE)
+under an engine configured for PP=2 (its batch queue, one micro-batch at a time), its send
+replaced by a recorder and the output rank's result by LAST_STAGE_TOKEN, under ngram
+speculation so that the accepted counts exist."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -17,6 +21,8 @@ from krait.config import EngineConfig
 from krait.distributed import parallel_state as ps
 from krait.distributed import pipeline
 from krait.engine.engine import LLMEngine
+from krait.engine.scheduler import SampledTokens
+from krait.runner.model_runner import PendingSample
 from tests.distributed.common import models  # noqa: F401
 
 SENTINEL = 9
@@ -30,18 +36,27 @@ def stage0_engine(models, monkeypatch):  # noqa: F811
         model, device="cpu", dtype="float32", max_num_batched_tokens=4, block_size=4,
         num_kv_blocks=16, max_model_len=32, max_num_seqs=4,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    # the engine of a PP=2 deployment (synchronous: one micro-batch in flight), its one rank
+    # in this process (the "uni" executor the options chose)
+    config = dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, pipeline_parallel_size=2),
+        scheduler=dataclasses.replace(config.scheduler, async_scheduling=False))
     sent: list[torch.Tensor] = []
     monkeypatch.setattr(ps, "pp_send", lambda x, to: sent.append(x.clone()))
-
-    def broadcast(x):  # the last stage's sampled tokens
-        x.fill_(LAST_STAGE_TOKEN)
-        return x
-
-    monkeypatch.setattr(ps, "pp_broadcast_from_last", broadcast)
     old = ps.set_state(ps.ParallelState(pp_size=2, pp_rank=0, pp_ranks=(0, 1)))
     pipeline.set_stage(pipeline.StageContext(0, 2, 64, torch.float32, torch.device("cpu")))
     try:
         engine = LLMEngine(config)
+        launch = engine.executor.execute_model
+
+        def with_output_rank(sched):  # the last stage samples LAST_STAGE_TOKEN
+            launch(sched)
+            reqs = engine.scheduler.requests
+            return PendingSample.resolved({
+                rid: SampledTokens([LAST_STAGE_TOKEN]) for rid in sched.num_scheduled_tokens
+                if rid in reqs and reqs[rid].num_inflight})
+
+        engine.executor.execute_model = with_output_rank
         yield engine, sent
     finally:
         pipeline.set_stage(None)
@@ -79,7 +94,10 @@ def test_invariant_7_non_last_stage_chunk_without_sampling(stage0_engine) -> Non
     assert [tuple(t.shape) for t in sent] == [(2, 4, 64), (2, 4, 64)]
     outs = engine.step()  # chunk 3 (2 tokens) reaches the prompt's end: the last stage samples
     assert [o.outputs[0].token_ids for o in outs] == [[LAST_STAGE_TOKEN]]
+    assert runner.states.num_tokens[row] == 11  # the stage counted the token it did not see
+    engine.step()  # the decode step reads the token: the engine sent it with the step
     assert runner.states.token_ids[row, 10] == LAST_STAGE_TOKEN  # the tables stay in step
+    assert tuple(sent[-1].shape) == (2, 1, 64)
 
 
 def test_invariant_7_idx_mapping_minus_one_rows_skipped(stage0_engine) -> None:

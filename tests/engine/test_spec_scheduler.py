@@ -116,7 +116,7 @@ def test_async_verify_steps_plan_ahead_with_optimistic_counts() -> None:
     assert req.num_computed_tokens == 11 and req.num_inflight == 1 + 4
     sched.update_from_output(prefill, {"a": SampledTokens([9], num_drafts=3)})
     n2 = sched.schedule()  # n1 in flight: planned as if its 3 drafts were accepted
-    assert n2.cached_reqs[0].num_computed_tokens == 11 and n2.num_scheduled_tokens == {"a": 4}
+    assert n2.cached_reqs.num_computed_tokens == [11] and n2.num_scheduled_tokens == {"a": 4}
     # n1: one draft accepted, then 8; its 2 rejected positions come off the counters
     sched.update_from_output(n1, {"a": SampledTokens([4, 8], num_drafts=0)})
     assert req.output_token_ids == [9, 4, 8]
