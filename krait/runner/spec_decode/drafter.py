@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from krait.config import EngineConfig, SpeculativeConfig
 from krait.runner.penalties import uses_penalties
@@ -42,15 +43,21 @@ class NgramDrafter:
         """Stateless: nothing to drop."""
 
 
-def create_drafter(spec: SpeculativeConfig, config: EngineConfig) -> Drafter:
+def create_drafter(spec: SpeculativeConfig, config: EngineConfig,
+                   target: torch.nn.Module | None = None) -> Drafter:
     """The drafter of `spec.method` (ngram: prompt lookup; draft_model: a second checkpoint,
-    loaded here with its own caches: krait/runner/spec_decode/draft_model.py)."""
+    loaded here with its own caches: krait/runner/spec_decode/draft_model.py; eagle, eagle3: a
+    head over the `target` model's hidden states: krait/runner/spec_decode/eagle.py)."""
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "draft_model":
         from krait.runner.spec_decode.draft_model import DraftModelDrafter  # noqa: PLC0415
 
         return DraftModelDrafter(spec, config)
+    if spec.method in ("eagle", "eagle3"):
+        from krait.runner.spec_decode.eagle import EagleDrafter  # noqa: PLC0415
+
+        return EagleDrafter(spec, config, target)
     raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
 
 
