@@ -197,10 +197,25 @@ def _check_proposals(method: str, head: str, target: Reference, seen: list) -> i
     return checked
 
 
+def _scripted(target: Reference, tokens: list[int], step: int) -> list[int]:
+    """HF's next K tokens after `tokens`, the first `step % (K + 1)` right, the rest wrong."""
+    i = next(i for i, p in enumerate(PROMPTS)
+             if tokens[: len(p)] == p and len(tokens) > len(p))
+    out = len(tokens) - len(PROMPTS[i])
+    want = (target.tokens[i] + [0] * (K + 1))[out : out + K]
+    right = step % (K + 1)
+    return want[:right] + [(t + 1) % 500 for t in want[right:]]
+
+
+@pytest.mark.parametrize("verified", ["head", "scripted"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("method", list(ARCHS))
 def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: str,
-                                                         config: str) -> None:
+                                                         config: str, verified: str) -> None:
+    """verified="head": the target verifies the head's drafts (random heads': nearly all
+    rejected). "scripted": it verifies HF's continuation instead, right for 0..K tokens in turn,
+    so the head catches up after partly accepted verify steps; its own proposals are still
+    recorded and checked."""
     llm = make_llm(target, method, heads[method], **CONFIGS[config])
     drafter = llm.llm_engine.runner.drafter
     seen: list[tuple[list[int], list[int]]] = []
@@ -210,7 +225,11 @@ def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: 
         drafts, counts = propose(token_table, rows, num_tokens, max_drafts)
         for j, (row, n) in enumerate(zip(rows, num_tokens)):
             if counts[j]:
-                seen.append((token_table[row, :n].tolist(), drafts[j, : counts[j]].tolist()))
+                tokens = token_table[row, :n].tolist()
+                seen.append((tokens, drafts[j, : counts[j]].tolist()))
+                if verified == "scripted":
+                    drafts = drafts.copy()
+                    drafts[j, : counts[j]] = _scripted(target, tokens, len(seen))[: counts[j]]
         return drafts, counts
 
     drafter.propose = recording
@@ -221,7 +240,11 @@ def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: 
         assert_matches(target, i, out.outputs[0], n=MAX_NEW)
     engine = llm.llm_engine
     stats = engine.get_stats()
-    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert stats["spec_decode_num_drafts"] > 0 and drafted > 0
+    if verified == "scripted":
+        assert 0 < accepted < drafted, (accepted, drafted)
+    assert drafter.num_lost == 0
     assert _check_proposals(method, heads[method], target, seen) >= len(PROMPTS) * K
     if config != "defaults":  # catch-ups split by the budget
         assert drafter.num_catch_up_steps > len(PROMPTS)

@@ -141,6 +141,7 @@ class EagleDrafter:
         self._next_id = 0
         self.num_catch_up_steps = 0  # tallies (tests, diagnostics)
         self.num_reused_first_drafts = 0
+        self.num_lost = 0  # head sequences that lost positions (never, through the runner)
 
     # -- the target's hidden states -------------------------------------------------------
     def observe(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
@@ -172,6 +173,8 @@ class EagleDrafter:
                 self._lose(row)
 
     def _lose(self, row: int) -> None:
+        logger.warning("EAGLE head: request row %d lost hidden states; it drafts no more", row)
+        self.num_lost += 1
         self._lost.add(row)
         self._pending.pop(row, None)
         seq = self._seqs.pop(row, None)
