@@ -39,6 +39,8 @@ CONFIGS = {
     "chunked_7_seqs_3": dict(max_num_batched_tokens=7, max_num_seqs=3),
     # a verify row of 1 + K tokens takes the whole budget: the other row waits, drafted already
     "budget_4_seqs_2": dict(max_num_batched_tokens=K + 1, max_num_seqs=2),
+    # a pool too small for every request at once: the target preempts and recomputes
+    "preemption": dict(block_size=4, num_kv_blocks=14, max_model_len=56),
 }
 ARCHS = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
 
@@ -233,6 +235,9 @@ def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: 
         return drafts, counts
 
     drafter.propose = recording
+    added = []
+    add = llm.llm_engine.scheduler.add_request
+    llm.llm_engine.scheduler.add_request = lambda r: (added.append(r), add(r))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
                             logprobs=NUM_LOGPROBS)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -246,7 +251,9 @@ def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: 
         assert 0 < accepted < drafted, (accepted, drafted)
     assert drafter.num_lost == 0
     assert _check_proposals(method, heads[method], target, seen) >= len(PROMPTS) * K
-    if config != "defaults":  # catch-ups split by the budget
+    if config == "preemption":
+        assert sum(r.num_preemptions for r in added) > 0, "the pool was meant to force preemption"
+    elif config != "defaults":  # catch-ups split by the budget
         assert drafter.num_catch_up_steps > len(PROMPTS)
     if config == "budget_4_seqs_2":  # rows skipped by the scheduler reuse their first draft
         assert drafter.num_reused_first_drafts > 0

@@ -124,9 +124,9 @@ class EagleDrafter:
                                     f"{tc.hidden_size}; they must be equal")
         if self.eagle3:
             layers = aux_layer_ids(hc, tc.num_hidden_layers)
-            if len(layers) != 3 or not all(0 < i < tc.num_hidden_layers for i in layers):
+            if len(layers) != 3 or not all(0 <= i < tc.num_hidden_layers for i in layers):
                 raise _refuse(spec, f"auxiliary hidden-state layers {list(layers)} are not three"
-                                    f" layers in 1..{tc.num_hidden_layers - 1} of the target")
+                                    f" layers in 0..{tc.num_hidden_layers - 1} of the target")
             target.aux_hidden_layers = layers
         self.target = target
         self.runner = ModelRunner(self.config)
