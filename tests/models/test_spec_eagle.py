@@ -262,6 +262,17 @@ def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: 
     assert drafter.kv.num_free_blocks == drafter.kv.num_usable_blocks
 
 
+def test_eagle1_head_named_by_its_base_architecture(target, tmp_path) -> None:
+    """The EAGLE-1 releases' config.json names LlamaForCausalLM: with method "eagle" that is
+    the EAGLE-1 head."""
+    head = make_head(tmp_path / "base_arch", "eagle", arch="LlamaForCausalLM")
+    llm = make_llm(target, "eagle", head)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == target.tokens[:2]
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens"] > 0
+
+
 def test_eagle3_target_keeps_aux_hidden_only_when_asked(target, heads) -> None:
     llm = make_llm(target, "eagle3", heads["eagle3"])
     assert llm.llm_engine.runner.model.aux_hidden_layers == (2, 3, 4)

@@ -112,6 +112,9 @@ class EagleDrafter:
         self.eagle3 = method == "eagle3"
         self.config = draft_engine_config(spec, config)
         hc, tc = self.config.model.hf_config, config.model.hf_config
+        if not self.eagle3 and list(getattr(hc, "architectures", None) or []) == [
+                "LlamaForCausalLM"]:
+            hc.architectures = ["EagleLlamaForCausalLM"]  # EAGLE-1 releases name their base's
         want = Eagle3LlamaForCausalLM if self.eagle3 else EagleLlamaForCausalLM
         if get_model_class(hc) is not want:
             raise _refuse(spec, f"architecture {hc.architectures[0]!r} is not an {method!r} head "
