@@ -13,6 +13,11 @@ from krait.sampling_params import SamplingParams
 
 
 class Drafter(Protocol):
+    """What the runner calls after each read-back step. A drafter that reads the target's
+    hidden states (EAGLE, spec_decode/eagle.py) also has `observe(rows, starts, counts, first,
+    hidden)`, which the runner calls after every target step (its graphs are off then), and
+    `catches_up_every_call = True`: `propose` is called even when no row may draft."""
+
     def propose(self, token_table: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
                 max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """token_table int32 [max_reqs, max_model_len] (the host token table), the rows
