@@ -46,7 +46,8 @@ ARCHS = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
 
 
 def make_head(path: Path, method: str, seed: int = 1, hidden_size: int = H,
-              vocab_size: int = TINY_VOCAB, arch: str | None = None) -> str:
+              vocab_size: int = TINY_VOCAB, arch: str | None = None,
+              max_position_embeddings: int = 256) -> str:
     """A random head in the public layout; no embed_tokens (the target's), EAGLE-1 no lm_head."""
     import transformers as tf
     from safetensors.torch import save_file
@@ -56,7 +57,7 @@ def make_head(path: Path, method: str, seed: int = 1, hidden_size: int = H,
     cfg = tf.LlamaConfig(
         architectures=[arch or ARCHS[method]], vocab_size=vocab_size, hidden_size=hidden_size,
         intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
     path.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(path)
@@ -264,8 +265,10 @@ def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: 
 
 def test_eagle1_head_named_by_its_base_architecture(target, tmp_path) -> None:
     """The EAGLE-1 releases' config.json names LlamaForCausalLM: with method "eagle" that is
-    the EAGLE-1 head."""
-    head = make_head(tmp_path / "base_arch", "eagle", arch="LlamaForCausalLM")
+    the EAGLE-1 head. Its positional limit (16 here) does not cap the target's max_model_len:
+    the head is used past it."""
+    head = make_head(tmp_path / "base_arch", "eagle", arch="LlamaForCausalLM",
+                     max_position_embeddings=16)
     llm = make_llm(target, "eagle", head)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)

@@ -49,13 +49,13 @@ graph pools (several times a forward's activations at max_num_batched_tokens) wo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from krait.config import EngineConfig, SpeculativeConfig
+from krait.config import EngineConfig, SpeculativeConfig, _positional_limit, read_hf_config
 from krait.engine.kv_cache_manager import KVCacheManager, cdiv
 from krait.engine.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
 from krait.runner.input_batch import host_to_device
@@ -79,20 +79,27 @@ class _DraftSeq:
     state_slots: list[int] = field(default_factory=list)  # [A, B] for hybrid drafts
 
 
-def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> EngineConfig:
+def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig,
+                        past_positional_limit: bool = False) -> EngineConfig:
     """The draft runner's configuration: the target's device, dtype, lengths, block size and
     batch limits, no speculation. ValueError (naming speculative_config.model) for a missing
-    checkpoint, a vocabulary other than the target's or a positional limit below max_model_len."""
+    checkpoint, a vocabulary other than the target's or a positional limit below max_model_len
+    (allowed with `past_positional_limit`: EAGLE heads, whose rotary positions follow the
+    target's, are used past their config's max_position_embeddings; drafts stay lossless)."""
     path = spec.model
     if not path or not Path(path).is_dir():
         raise ValueError(f"speculative_config.model={path!r}: no such directory")
     tc = target
+    max_len = tc.model.max_model_len
+    if past_positional_limit:
+        limit = _positional_limit(read_hf_config(path))
+        max_len = min(max_len, limit or max_len)
     try:
         cfg = EngineConfig.from_kwargs(
             model=str(path),
             dtype=tc.model.dtype,
             device=tc.device,
-            max_model_len=tc.model.max_model_len,
+            max_model_len=max_len,
             max_num_seqs=tc.scheduler.max_num_seqs,
             max_num_batched_tokens=tc.scheduler.max_num_batched_tokens,
             block_size=tc.cache.block_size,
@@ -108,6 +115,8 @@ def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> Engine
         )
     except ValueError as e:
         raise ValueError(f"speculative_config.model={path!r}: {e}") from e
+    if max_len != tc.model.max_model_len:
+        cfg = replace(cfg, model=replace(cfg.model, max_model_len=tc.model.max_model_len))
     if cfg.model.vocab_size != tc.model.vocab_size:
         raise ValueError(
             f"speculative_config.model={path!r}: the draft's vocab_size is "

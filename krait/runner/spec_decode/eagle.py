@@ -110,7 +110,7 @@ class EagleDrafter:
                 f"(Llama, Mistral, Qwen2, Qwen3); the target is {type(target).__name__}")
         self.k = spec.num_speculative_tokens
         self.eagle3 = method == "eagle3"
-        self.config = draft_engine_config(spec, config)
+        self.config = draft_engine_config(spec, config, past_positional_limit=True)
         hc, tc = self.config.model.hf_config, config.model.hf_config
         if not self.eagle3 and list(getattr(hc, "architectures", None) or []) == [
                 "LlamaForCausalLM"]:
