@@ -276,6 +276,16 @@ def test_eagle1_head_named_by_its_base_architecture(target, tmp_path) -> None:
     assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens"] > 0
 
 
+def test_sampled_rows_verify_eagle_drafts(target, heads) -> None:
+    """Temperature rows verify the head's drafts through the rejection sampler (point masses)."""
+    llm = make_llm(target, "eagle3", heads["eagle3"])
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=MAX_NEW,
+                            ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens"] > 0
+
+
 def test_eagle3_target_keeps_aux_hidden_only_when_asked(target, heads) -> None:
     llm = make_llm(target, "eagle3", heads["eagle3"])
     assert llm.llm_engine.runner.model.aux_hidden_layers == (2, 3, 4)
