@@ -170,20 +170,19 @@ class SpeculativeConfig:
                 f"speculative_config.num_speculative_tokens must be an integer >= 1; got {k!r}")
         if k > 16:
             raise ValueError(f"speculative_config.num_speculative_tokens is at most 16; got {k}")
-        if method in ("eagle", "eagle3"):
-            raise ValueError(
-                f"speculative_config.method={method!r}: EAGLE heads are not supported yet "
-                "(ngram and draft_model are)")
         if method in ("mtp", "qwen3_next_mtp"):
             raise ValueError(
                 f"speculative_config.method={method!r}: multi-token-prediction heads are not "
-                "built (a checkpoint's mtp.* weights are ignored); ngram and draft_model are")
-        if method == "draft_model":
+                "built (a checkpoint's mtp.* weights are ignored); ngram, draft_model, eagle and "
+                "eagle3 are")
+        if method in ("draft_model", "eagle", "eagle3"):
             if not self.model:
-                raise ValueError("speculative_config.model: the draft_model method needs a draft "
+                what = "a draft checkpoint" if method == "draft_model" else "an EAGLE head's"
+                raise ValueError(f"speculative_config.model: the {method} method needs {what} "
                                  "checkpoint directory")
         elif self.model:
-            raise ValueError(f"speculative_config.model is only for draft_model, not {method!r}")
+            raise ValueError("speculative_config.model is only for draft_model, eagle and "
+                             f"eagle3, not {method!r}")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 is supported")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -299,10 +298,15 @@ class EngineConfig:
         if speculative_config is not None and pipeline_parallel_size > 1:
             raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported yet (tensor parallelism is)")
-        if (speculative_config is not None and speculative_config.method == "draft_model"
-                and tensor_parallel_size > 1):
-            raise ValueError("speculative_config.method='draft_model' with tensor_parallel_size"
+        method = speculative_config.method if speculative_config is not None else None
+        if method in ("draft_model", "eagle", "eagle3") and tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.method={method!r} with tensor_parallel_size"
                              " > 1 is not supported yet (ngram is)")
+        if method in ("eagle", "eagle3") and enable_prefix_caching:
+            # the head's KV at a prefix hit would need the target hidden states of the cached
+            # positions, which no step computed
+            raise ValueError(f"speculative_config.method={method!r} with enable_prefix_caching"
+                             " is not supported yet")
         vocab_size = getattr(hf_config, "vocab_size", None)
         if vocab_size is None:
             raise ValueError("model: config.json has no vocab_size")

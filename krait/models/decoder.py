@@ -40,6 +40,22 @@ def run_layers(
     return pre_norm(final_norm, x, residual, x_scale)[0]
 
 
+def run_layers_keeping(
+    layers: torch.nn.ModuleList, final_norm: RMSNorm, x: torch.Tensor, positions: torch.Tensor,
+    meta: StepMetadata, keep: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """run_layers (one stage), also returning the input hidden states (x + residual) of the
+    layers in `keep`, concatenated in that order: [T, len(keep) * hidden] (HF's
+    `output_hidden_states[i]` for each i; EAGLE-3 heads read them)."""
+    kept: dict[int, torch.Tensor] = {}
+    residual = None
+    for i, layer in enumerate(layers):
+        if i in keep:
+            kept[i] = x if residual is None else x + residual
+        x, residual = layer(positions, x, residual, meta)
+    return pre_norm(final_norm, x, residual)[0], torch.cat([kept[i] for i in keep], dim=-1)
+
+
 class _TiedEmbedding(VocabParallelEmbedding):
     """The embedding's weight held by a later pipeline stage only for its tied LM head: the
     stage receives its input, so the lookup returns nothing."""

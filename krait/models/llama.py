@@ -12,22 +12,29 @@ from krait.layers.attention import Attention
 from krait.layers.linear import RowParallelLinear, gate_up_parallel, gated_silu_mlp, qkv_parallel
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
-from krait.models.decoder import embedding_for, lm_head_for, pre_norm, run_layers
+from krait.models.decoder import (
+    embedding_for,
+    lm_head_for,
+    pre_norm,
+    run_layers,
+    run_layers_keeping,
+)
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.runner.attention_metadata import StepMetadata
 
 
 class LlamaAttention(torch.nn.Module):
     def __init__(self, cfg: Any, qkv_bias: bool, qk_norm: bool, sliding_window: int | None,
-                 reduce_output: bool = True) -> None:
+                 reduce_output: bool = True, input_size: int | None = None) -> None:
         """Under TP the heads are split across ranks (`qkv_parallel`); `reduce_output=False`
-        leaves o_proj's all-reduce to the caller (a layer summing two branches first)."""
+        leaves o_proj's all-reduce to the caller (a layer summing two branches first).
+        `input_size`: q/k/v's input width when it is not hidden_size (an EAGLE-3 head's 2H)."""
         super().__init__()
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
-            cfg.hidden_size, heads, kv_heads, self.head_dim, qkv_bias)
+            input_size or cfg.hidden_size, heads, kv_heads, self.head_dim, qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size,
                                         bias=getattr(cfg, "attention_bias", False),
@@ -98,6 +105,10 @@ class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.config = cfg
+        # EAGLE-3 (set by its drafter only): the layers whose input hidden states each forward
+        # keeps in `aux_hidden` ([T, len * hidden], concatenated in this order)
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
         qkv_bias = self.qkv_bias or getattr(cfg, "attention_bias", False)
         self.embed_tokens = embedding_for(cfg)
         self.layers = make_layers(
@@ -110,6 +121,10 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if self.aux_hidden_layers:
+            hidden, self.aux_hidden = run_layers_keeping(
+                self.layers, self.norm, x, positions, meta, self.aux_hidden_layers)
+            return hidden
         return run_layers(self.layers, self.norm, x, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

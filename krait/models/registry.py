@@ -15,6 +15,11 @@ _MODELS = {
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    # EAGLE heads (speculative_config method "eagle" / "eagle3"), not models of their own
+    "EagleLlamaForCausalLM": ("eagle", "EagleLlamaForCausalLM"),
+    "LlamaForCausalLMEagle": ("eagle", "EagleLlamaForCausalLM"),
+    "Eagle3LlamaForCausalLM": ("eagle", "Eagle3LlamaForCausalLM"),
+    "LlamaForCausalLMEagle3": ("eagle", "Eagle3LlamaForCausalLM"),
 }
 
 

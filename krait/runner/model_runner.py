@@ -66,7 +66,9 @@ class ModelRunner:
         self.sampler = Sampler()
         spec = config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
-        self.drafter = create_drafter(spec, config) if spec is not None else None
+        self.drafter = create_drafter(spec, config, self.model) if spec is not None else None
+        # EAGLE: the drafter takes the hidden states of every step's kept positions (`_observe`)
+        self.drafter_observes = hasattr(self.drafter, "observe")
         self.rejection_sampler = RejectionSampler()
         self.states: RequestStates | None = None
         self.num_blocks = 0
@@ -118,6 +120,11 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Decode graphs for every capture size (GPU, unless enforce_eager)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if self.drafter_observes:
+            # an EAGLE drafter needs every step's hidden states (EAGLE-3: three layers'),
+            # which the graphs do not return: the target runs eagerly
+            logger.info("EAGLE speculative decoding: the target captures no CUDA graphs")
             return
         from krait.runner.cuda_graphs import CudaGraphRunner
 
@@ -378,6 +385,8 @@ class ModelRunner:
         hidden = self.forward(batch)
         if not self.is_last_stage:  # a pipeline stage before the last: no logits
             return self._sample_and_update(batch, None)
+        if self.drafter_observes:  # every position of a prefill chunk or decode is kept
+            self._observe(batch, hidden, batch.num_scheduled_tokens_np[: batch.num_reqs])
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         prompt_lps = self._prompt_logprobs(batch, hidden)  # before the tables advance
         pending = self._sample_and_update(batch, logits)
@@ -471,6 +480,8 @@ class ModelRunner:
         new_computed = end.copy()
         dec = ~batch.is_prefilling[rows]
         new_computed[rows[dec]] = computed[rows[dec]] + num_sampled[dec]
+        if self.drafter_observes:
+            self._observe(batch, hidden, new_computed - computed)
         st.num_computed_tokens[idx] = new_computed
         if self.model_state.num_accepted_tokens is not None:
             per_row = np.zeros(n, dtype=np.int32)  # 0 for a prefill chunk that sampled nothing
@@ -480,6 +491,14 @@ class ModelRunner:
         for rid, entries in prompt_lps.items():
             sampled.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
         return PendingSample.resolved(sampled)
+
+    def _observe(self, batch: InputBatch, hidden: torch.Tensor, kept: np.ndarray) -> None:
+        """Hands an observing drafter (EAGLE) the step's hidden states: `kept[r]` positions of
+        row r from its first computed one (a verify row's: 1 + its accepted drafts)."""
+        n = batch.num_reqs
+        self.drafter.observe(batch.idx_mapping_np[:n], batch.num_computed_tokens_np[:n],
+                             np.asarray(kept, dtype=np.int64), batch.query_start_loc_np[:n],
+                             hidden)
 
     def _rejections(self) -> tuple[torch.Tensor, np.ndarray] | None:
         """What build_input_batch corrects the rows' counters by (asynchronous speculation)."""
@@ -596,7 +615,7 @@ class ModelRunner:
         ok = np.array([drafts_allowed(st.params[i], st.num_tokens[i] - st.num_prompt_tokens[i]
                                       + st.num_output_offset[i]) for i in idx], dtype=bool)
         max_drafts = np.where(decoding & ok, np.maximum(room, 0), 0).astype(np.int32)
-        if not max_drafts.any():
+        if not max_drafts.any() and not getattr(self.drafter, "catches_up_every_call", False):
             return {}
         drafts, counts = self.drafter.propose(st.token_ids, idx, st.num_tokens[idx], max_drafts)
         if self.verify_graphs is not None:

@@ -49,13 +49,13 @@ graph pools (several times a forward's activations at max_num_batched_tokens) wo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from krait.config import EngineConfig, SpeculativeConfig
+from krait.config import EngineConfig, SpeculativeConfig, _positional_limit, read_hf_config
 from krait.engine.kv_cache_manager import KVCacheManager, cdiv
 from krait.engine.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
 from krait.runner.input_batch import host_to_device
@@ -79,20 +79,27 @@ class _DraftSeq:
     state_slots: list[int] = field(default_factory=list)  # [A, B] for hybrid drafts
 
 
-def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> EngineConfig:
+def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig,
+                        past_positional_limit: bool = False) -> EngineConfig:
     """The draft runner's configuration: the target's device, dtype, lengths, block size and
     batch limits, no speculation. ValueError (naming speculative_config.model) for a missing
-    checkpoint, a vocabulary other than the target's or a positional limit below max_model_len."""
+    checkpoint, a vocabulary other than the target's or a positional limit below max_model_len
+    (allowed with `past_positional_limit`: EAGLE heads, whose rotary positions follow the
+    target's, are used past their config's max_position_embeddings; drafts stay lossless)."""
     path = spec.model
     if not path or not Path(path).is_dir():
         raise ValueError(f"speculative_config.model={path!r}: no such directory")
     tc = target
+    max_len = tc.model.max_model_len
+    if past_positional_limit:
+        limit = _positional_limit(read_hf_config(path))
+        max_len = min(max_len, limit or max_len)
     try:
         cfg = EngineConfig.from_kwargs(
             model=str(path),
             dtype=tc.model.dtype,
             device=tc.device,
-            max_model_len=tc.model.max_model_len,
+            max_model_len=max_len,
             max_num_seqs=tc.scheduler.max_num_seqs,
             max_num_batched_tokens=tc.scheduler.max_num_batched_tokens,
             block_size=tc.cache.block_size,
@@ -108,6 +115,8 @@ def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> Engine
         )
     except ValueError as e:
         raise ValueError(f"speculative_config.model={path!r}: {e}") from e
+    if max_len != tc.model.max_model_len:
+        cfg = replace(cfg, model=replace(cfg.model, max_model_len=tc.model.max_model_len))
     if cfg.model.vocab_size != tc.model.vocab_size:
         raise ValueError(
             f"speculative_config.model={path!r}: the draft's vocab_size is "
@@ -151,6 +160,31 @@ def draft_cache_size(per_block: int, per_slot: int, slots_per_request: int, max_
     return int(blocks), int(slots)
 
 
+def init_draft_pool(runner, target: EngineConfig, slots_per_request: int) -> KVCacheManager:
+    """Sizes and allocates a drafter's own runner's caches (`draft_cache_size` under
+    `_cache_budget(target)`) and returns the KVCacheManager that hands them out."""
+    cfg = runner.config
+    ms = runner.model_state
+    per_block, per_slot = ms.kv_bytes_per_block(), ms.state_bytes_per_slot()
+    num_blocks, num_slots = draft_cache_size(
+        per_block, per_slot, slots_per_request, cfg.scheduler.max_num_seqs,
+        cfg.model.max_model_len, cfg.cache.block_size, _cache_budget(target))
+    runner.initialize_cache(num_blocks, num_slots)
+    logger.info("draft %s: %d KV blocks of %d tokens, %d state slots (%.1f MiB)",
+                cfg.model.model, max(num_blocks - 1, 0), cfg.cache.block_size, num_slots,
+                (num_blocks * per_block + num_slots * per_slot) / 2**20)
+    return KVCacheManager(num_blocks, cfg.cache.block_size, num_slots, slots_per_request)
+
+
+def sched_output(num_scheduled: dict[str, int], new: list[NewRequestData],
+                 cached: list[CachedRequestData], finished: set[str]) -> SchedulerOutput:
+    """A drafter runner's step: the tokens each of its requests computes."""
+    return SchedulerOutput(
+        new_reqs=new, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        finished_req_ids=finished, preempted_req_ids=set())
+
+
 class DraftModelDrafter:
     """Proposes greedy drafts with a draft checkpoint run by its own ModelRunner (see the
     module doc)."""
@@ -161,34 +195,21 @@ class DraftModelDrafter:
         self.k = spec.num_speculative_tokens
         self.config = draft_engine_config(spec, config)
         self.runner = ModelRunner(self.config)
-        ms = self.runner.model_state
-        self.hybrid = bool(getattr(ms, "mamba_layers", None))
-        slots_per_request = 2 if self.hybrid else 0  # A (verified) and B (drafting)
-        per_block, per_slot = ms.kv_bytes_per_block(), ms.state_bytes_per_slot()
-        sc = self.config.scheduler
-        num_blocks, num_slots = draft_cache_size(
-            per_block, per_slot, slots_per_request, sc.max_num_seqs,
-            self.config.model.max_model_len, self.config.cache.block_size,
-            _cache_budget(config))
-        self.runner.initialize_cache(num_blocks, num_slots)
+        self.hybrid = bool(getattr(self.runner.model_state, "mamba_layers", None))
+        # hybrid drafts: slots A (verified) and B (drafting)
+        self.kv = init_draft_pool(self.runner, config, 2 if self.hybrid else 0)
         if self.config.device.type == "cuda" and not self.config.enforce_eager:
             from krait.runner.cuda_graphs import CudaGraphRunner  # noqa: PLC0415
 
             self.runner.cuda_graphs = CudaGraphRunner(self.runner)  # decode graphs only
             self.runner.cuda_graphs.capture_all()
-        self.kv = KVCacheManager(num_blocks, self.config.cache.block_size, num_slots,
-                                 slots_per_request)
-        self.max_batched = sc.max_num_batched_tokens
+        self.max_batched = self.config.scheduler.max_num_batched_tokens
         self._seqs: dict[int, _DraftSeq] = {}  # target req_state index -> its draft sequence
         self._finished: set[str] = set()  # draft ids to drop in the draft runner's next step
         self._next_id = 0
         # tallies (tests, diagnostics): catch-up steps run, and rows whose draft 1 was reused
         self.num_catch_up_steps = 0
         self.num_reused_first_drafts = 0
-        logger.info(
-            "draft model %s: %d KV blocks of %d tokens, %d state slots (%.1f MiB)",
-            self.config.model.model, max(num_blocks - 1, 0), self.config.cache.block_size,
-            num_slots, (num_blocks * per_block + num_slots * per_slot) / 2**20)
 
     # -- requests leaving -----------------------------------------------------------------
     def on_requests_removed(self, rows: list[int]) -> None:
@@ -294,7 +315,7 @@ class DraftModelDrafter:
                 catch_up[rid] -= t
                 if catch_up[rid] == 0:
                     del catch_up[rid]
-            pending.append(self.runner.execute_model(self._sched(
+            pending.append(self.runner.execute_model(sched_output(
                 sched_tokens, new_reqs if first else [], cached if first else [],
                 finished if first else set())))
             first = False
@@ -306,7 +327,7 @@ class DraftModelDrafter:
         if longest > 1 and self.hybrid:
             self._to_scratch([seq for _, seq, _, m in plan if m > 1])
         for s in range(1, longest):
-            pending.append(self.runner.execute_model(self._sched(
+            pending.append(self.runner.execute_model(sched_output(
                 {seq.request_id: 1 for _, seq, _, m in plan if m > s}, [], [], set())))
         for p in pending:  # read back once, after every step was launched
             for rid, sampled in p.result().items():
@@ -325,14 +346,6 @@ class DraftModelDrafter:
             if self.hybrid:
                 st.state_slots[i, 0] = seq.state_slots[0]  # back to A
         return drafts, counts
-
-    @staticmethod
-    def _sched(num_scheduled: dict[str, int], new: list[NewRequestData],
-               cached: list[CachedRequestData], finished: set[str]) -> SchedulerOutput:
-        return SchedulerOutput(
-            new_reqs=new, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=finished, preempted_req_ids=set())
 
     def _to_scratch(self, seqs: list[_DraftSeq]) -> None:
         """Copies slot A's conv and SSM state into slot B for every Mamba layer (one gather and

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from krait.config import EngineConfig, SpeculativeConfig
 from krait.runner.penalties import uses_penalties
@@ -12,6 +13,11 @@ from krait.sampling_params import SamplingParams
 
 
 class Drafter(Protocol):
+    """What the runner calls after each read-back step. A drafter that reads the target's
+    hidden states (EAGLE, spec_decode/eagle.py) also has `observe(rows, starts, counts, first,
+    hidden)`, which the runner calls after every target step (its graphs are off then), and
+    `catches_up_every_call = True`: `propose` is called even when no row may draft."""
+
     def propose(self, token_table: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
                 max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """token_table int32 [max_reqs, max_model_len] (the host token table), the rows
@@ -42,15 +48,21 @@ class NgramDrafter:
         """Stateless: nothing to drop."""
 
 
-def create_drafter(spec: SpeculativeConfig, config: EngineConfig) -> Drafter:
+def create_drafter(spec: SpeculativeConfig, config: EngineConfig,
+                   target: torch.nn.Module | None = None) -> Drafter:
     """The drafter of `spec.method` (ngram: prompt lookup; draft_model: a second checkpoint,
-    loaded here with its own caches: krait/runner/spec_decode/draft_model.py)."""
+    loaded here with its own caches: krait/runner/spec_decode/draft_model.py; eagle, eagle3: a
+    head over the `target` model's hidden states: krait/runner/spec_decode/eagle.py)."""
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "draft_model":
         from krait.runner.spec_decode.draft_model import DraftModelDrafter  # noqa: PLC0415
 
         return DraftModelDrafter(spec, config)
+    if spec.method in ("eagle", "eagle3"):
+        from krait.runner.spec_decode.eagle import EagleDrafter  # noqa: PLC0415
+
+        return EagleDrafter(spec, config, target)
     raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
 
 
