@@ -103,8 +103,11 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int):
     tokens, lps, rows = [], [], []
     with torch.no_grad():
         for p in prompts:
+            ids = torch.tensor([p])
             out = model.generate(
-                torch.tensor([p]),
+                ids,
+                # explicit: generate otherwise masks every prompt token equal to pad_token_id
+                attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens,
                 do_sample=False,

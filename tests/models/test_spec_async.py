@@ -19,7 +19,6 @@ from tests.utils import hf_greedy, make_tiny_hybrid, make_tiny_llama
 K = 3
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}
-# (no token 2 in a prompt: the HF oracle takes it for padding)
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 4, 11, 30, 3], [12, 13] * 4 + [40]]
 MAX_NEW = 9
 
