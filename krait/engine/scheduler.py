@@ -237,10 +237,18 @@ class Scheduler:
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
         if n != 1 or req.num_inflight or req.num_computed_tokens != num_tokens - 1:
             return []  # not a plain decode step
+        return req.spec_token_ids[: self._draft_room(req, budget)]
+
+    def _draft_room(self, req: Request, budget: int) -> int:
+        """The most drafts a decode step of `req` may verify: each accepted draft and the token
+        after it must fit the token budget, max_model_len and max_tokens, counting the tokens
+        in flight at their most."""
+        extra = req.num_inflight
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids) + extra
         room = min(budget - 1, self.max_model_len - num_tokens - 1)
         if req.params.max_tokens is not None:
-            room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
-        return req.spec_token_ids[: max(room, 0)]
+            room = min(room, req.params.max_tokens - len(req.output_token_ids) - extra - 1)
+        return max(room, 0)
 
     def _num_device_drafts(self, req: Request, n: int, budget: int) -> int:
         """Asynchronous speculation: how many of the drafts the device wrote after `req`'s
@@ -253,11 +261,7 @@ class Scheduler:
             return 0  # not a decode step
         if not drafts_allowed(req.params, len(req.output_token_ids)) or not req.num_found_drafts:
             return 0  # (or the drafter found nothing the last time the host heard)
-        room = min(self.num_spec_tokens, budget - 1, self.max_model_len - num_tokens - 1)
-        if req.params.max_tokens is not None:
-            room = min(room, req.params.max_tokens - len(req.output_token_ids)
-                       - req.num_inflight - 1)
-        return max(room, 0)
+        return min(self.num_spec_tokens, self._draft_room(req, budget))
 
     def _reserve_snapshot(self, req: Request, n: int, saves: list[tuple[int, int]]) -> None:
         """A step of `n` tokens ending on a state boundary leaves a snapshot there."""

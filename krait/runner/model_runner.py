@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -401,55 +402,14 @@ class ModelRunner:
         host tables advance by them."""
         st = self.states
         spec = sched.scheduled_spec_decode_tokens
-        per_row = 1 + self.num_spec_tokens
-        size = None
-        if self.verify_graphs is not None and all(t == per_row for t in num_scheduled):
-            size = self.verify_graphs.size_for(len(req_ids))  # every row a full verify row
-        ndraft = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int32)
-        if size is not None:
-            into = self.verify_graphs.captured_batch(size) if self.tables is not None else None
-            batch = build_input_batch(
-                st, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables,
-                num_reqs_padded=size, num_tokens_padded=size * per_row, pad_decode=True,
-                pad_tokens_per_row=per_row, into=into)
-            batch.num_draft_tokens_per_req = np.full(size, self.num_spec_tokens, np.int32)
-            graph_logits, _ = self.verify_graphs.run(batch)
-            hidden = None
-        else:
-            batch = build_input_batch(st, req_ids, num_scheduled, self.block_size, self.device,
-                                      tables=self.tables)
-            batch.num_draft_tokens_per_req = ndraft
-            hidden = self.forward(batch)
+        v = self._verify(sched, req_ids, num_scheduled, None)
+        batch, hidden, rows, computed, end = v.batch, v.hidden, v.rows, v.computed, v.end
         n = batch.num_reqs
         idx = batch.idx_mapping_np[:n]
-        prompt_lps = self._prompt_logprobs(batch, hidden) if hidden is not None else {}
-        computed = batch.num_computed_tokens_np[:n]
-        end = computed + batch.num_scheduled_tokens_np[:n]
-        samples = end >= st.num_tokens[idx]  # every decode row; prefill rows at their end
-        rows = np.nonzero(samples)[0]
-        qsl = batch.query_start_loc_np
-        # logits: every position of a decode row, the last one of a sampling prefill row
-        first = np.where(batch.is_prefilling[rows], qsl[rows + 1] - 1, qsl[rows])
-        counts = qsl[rows + 1] - first  # = 1 + drafts
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        if hidden is None:  # a verify graph: the logits of every token, rows in order
-            logits = graph_logits[: n * per_row]
-        else:
-            positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
-            logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
+        prompt_lps = v.prompt_logprobs
         draft_ids = [t for r in rows for t in spec.get(req_ids[r], ())]
-        if self._grammar is not None:  # structured rows draft nothing: one position each
-            self._apply_grammar(logits, [req_ids[r] for r in rows], cu[:-1])
-        if st.plain_greedy[idx[rows]].all():  # no per-row parameters to gather
-            meta = greedy_sampling_metadata(len(rows), logits.device)
-        else:
-            meta = self._sampling_metadata(logits, idx[rows])
-        out = self.rejection_sampler(
-            logits, host_to_device(cu, self.device),
-            host_to_device(np.array(draft_ids, dtype=np.int64), self.device), None, meta,
-            num_draft_tokens=counts - 1,
-        )
+        out = self._reject(v, req_ids, host_to_device(np.array(draft_ids, dtype=np.int64),
+                                                      self.device))
         self.penalties.record(idx[rows], out.output_token_ids[:, 0])  # no drafts with penalties
         tokens = out.output_token_ids.cpu().numpy()  # [rows, 1 + max k]: the step's one sync
         num_sampled = out.num_sampled.cpu().numpy().astype(np.int32)
@@ -492,6 +452,65 @@ class ModelRunner:
             sampled.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
         return PendingSample.resolved(sampled)
 
+    def _verify(self, sched: SchedulerOutput, req_ids: list[str], num_scheduled: list[int],
+                rejections) -> _VerifyStep:
+        """A verify step's forward (its graph when every row is a full verify row) and the
+        logits the rejection sampler takes: every position of a decode row, the last one of a
+        sampling prefill row. `rejections`: asynchronous speculation's (build_input_batch)."""
+        st = self.states
+        spec = sched.scheduled_spec_decode_tokens
+        per_row = 1 + self.num_spec_tokens
+        size = None
+        if self.verify_graphs is not None and all(t == per_row for t in num_scheduled):
+            size = self.verify_graphs.size_for(len(req_ids))  # every row a full verify row
+        if size is not None:
+            into = self.verify_graphs.captured_batch(size) if self.tables is not None else None
+            batch = build_input_batch(
+                st, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables,
+                num_reqs_padded=size, num_tokens_padded=size * per_row, pad_decode=True,
+                pad_tokens_per_row=per_row, into=into, rejections=rejections)
+            batch.num_draft_tokens_per_req = np.full(size, self.num_spec_tokens, np.int32)
+            graph_logits, _ = self.verify_graphs.run(batch)
+            hidden = None
+        else:
+            batch = build_input_batch(st, req_ids, num_scheduled, self.block_size, self.device,
+                                      tables=self.tables, rejections=rejections)
+            batch.num_draft_tokens_per_req = np.array(
+                [len(spec.get(r, ())) for r in req_ids], dtype=np.int32)
+            hidden = self.forward(batch)
+        n = batch.num_reqs
+        idx = batch.idx_mapping_np[:n]
+        prompt_lps = self._prompt_logprobs(batch, hidden) if hidden is not None else {}
+        computed = batch.num_computed_tokens_np[:n]
+        end = computed + batch.num_scheduled_tokens_np[:n]
+        rows = np.nonzero(end >= st.num_tokens[idx])[0]  # every decode row; prefills at their end
+        qsl = batch.query_start_loc_np
+        first = np.where(batch.is_prefilling[rows], qsl[rows + 1] - 1, qsl[rows])
+        counts = (qsl[rows + 1] - first).astype(np.int32)  # = 1 + drafts
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        if hidden is None:  # a verify graph: the logits of every token, rows in order
+            logits = graph_logits[: n * per_row]
+        else:
+            positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
+            logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
+        return _VerifyStep(batch, hidden, logits, prompt_lps, computed, end, rows, first, counts,
+                           cu)
+
+    def _reject(self, v: _VerifyStep, req_ids: list[str], draft_ids: torch.Tensor):
+        """The rejection sampler over a verify step's logits (structured rows masked first:
+        they draft nothing, one position each), given the drafts in row order."""
+        st = self.states
+        rows_i = v.batch.idx_mapping_np[v.rows]
+        if self._grammar is not None:
+            self._apply_grammar(v.logits, [req_ids[r] for r in v.rows], v.cu[:-1])
+        if st.plain_greedy[rows_i].all():  # no per-row parameters to gather
+            meta = greedy_sampling_metadata(len(v.rows), v.logits.device)
+        else:
+            meta = self._sampling_metadata(v.logits, rows_i)
+        return self.rejection_sampler(v.logits, host_to_device(v.cu, self.device), draft_ids,
+                                      None, meta, num_draft_tokens=v.counts - 1)
+
     def _observe(self, batch: InputBatch, hidden: torch.Tensor, kept: np.ndarray) -> None:
         """Hands an observing drafter (EAGLE) the step's hidden states: `kept[r]` positions of
         row r from its first computed one (a verify row's: 1 + its accepted drafts)."""
@@ -533,57 +552,18 @@ class ModelRunner:
         accepted counts when it reads the step back (`PendingVerify.result`), one step late.
         The drafts verified here are the ones the device wrote after each row's last token."""
         st = self.states
-        spec = sched.scheduled_spec_decode_tokens
-        per_row = 1 + self.num_spec_tokens
-        rejections = self._rejections()
-        size = None
-        if self.verify_graphs is not None and all(t == per_row for t in num_scheduled):
-            size = self.verify_graphs.size_for(len(req_ids))
-        if size is not None:
-            into = self.verify_graphs.captured_batch(size)
-            batch = build_input_batch(
-                st, req_ids, num_scheduled, self.block_size, self.device, tables=self.tables,
-                num_reqs_padded=size, num_tokens_padded=size * per_row, pad_decode=True,
-                pad_tokens_per_row=per_row, into=into, rejections=rejections)
-            batch.num_draft_tokens_per_req = np.full(size, self.num_spec_tokens, np.int32)
-            graph_logits, _ = self.verify_graphs.run(batch)
-            hidden = None
-        else:
-            batch = build_input_batch(st, req_ids, num_scheduled, self.block_size, self.device,
-                                      tables=self.tables, rejections=rejections)
-            batch.num_draft_tokens_per_req = np.array(
-                [len(spec.get(r, ())) for r in req_ids], dtype=np.int32)
-            hidden = self.forward(batch)
+        v = self._verify(sched, req_ids, num_scheduled, self._rejections())
+        batch, rows, first, counts, cu, end = v.batch, v.rows, v.first, v.counts, v.cu, v.end
         n = batch.num_reqs
         idx = batch.idx_mapping_np[:n]
-        prompt_lps = self._prompt_logprobs(batch, hidden) if hidden is not None else {}
-        end = batch.num_computed_tokens_np[:n] + batch.num_scheduled_tokens_np[:n]
-        rows = np.nonzero(end >= st.num_tokens[idx])[0]  # every decode row; prefills at their end
-        qsl = batch.query_start_loc_np
-        first = np.where(batch.is_prefilling[rows], qsl[rows + 1] - 1, qsl[rows])
-        counts = (qsl[rows + 1] - first).astype(np.int32)  # 1 + drafts
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        if hidden is None:
-            logits = graph_logits[: n * per_row]
-        else:
-            positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
-            logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
         # the drafts: each decode row's input tokens after its first
         nd = counts - 1
         drafts_before = cu[:-1] - np.arange(len(rows))  # drafts of the rows before each row
         draft_at = np.repeat(first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
         rows_t = host_to_device(rows.astype(np.int64), self.device)
-        draft_ids = batch.input_ids[host_to_device(draft_at.astype(np.int64), self.device)]
-        if self._grammar is not None:
-            self._apply_grammar(logits, [req_ids[r] for r in rows], cu[:-1])
+        out = self._reject(v, req_ids, batch.input_ids[host_to_device(draft_at.astype(np.int64),
+                                                                      self.device)])
         rows_i = idx[rows]
-        if st.plain_greedy[rows_i].all():
-            meta = greedy_sampling_metadata(len(rows), logits.device)
-        else:
-            meta = self._sampling_metadata(logits, rows_i)
-        out = self.rejection_sampler(logits, host_to_device(cu, self.device), draft_ids, None,
-                                     meta, num_draft_tokens=nd)
         self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts with penalties
         start = st.num_tokens[rows_i].astype(np.int32)
         found = self._commit_and_draft(rows_i, start, batch.spec_delta[rows_t],
@@ -597,7 +577,7 @@ class ModelRunner:
             self.model_state.postprocess_state(batch.idx_mapping[:n], per_row, batch.seq_lens[:n])
         pending = PendingVerify(self, [req_ids[r] for r in rows], rows_i, counts, out,
                                 st.wants_logprobs[rows_i], found)
-        pending.prompt_logprobs = prompt_lps
+        pending.prompt_logprobs = v.prompt_logprobs
         return pending
 
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
@@ -795,6 +775,22 @@ class ModelRunner:
         ]
         counts, mask = self.penalties.gather(idx)
         return build_sampling_metadata(rows, logits.shape[-1], logits.device, counts, mask)
+
+
+@dataclass
+class _VerifyStep:
+    """What a verify step's forward leaves for its sampling (ModelRunner._verify)."""
+
+    batch: InputBatch
+    hidden: torch.Tensor | None  # None when a verify graph ran (it returns logits only)
+    logits: torch.Tensor  # [cu[-1], V]: the positions the rejection sampler takes
+    prompt_logprobs: dict
+    computed: np.ndarray  # [num_reqs] the rows' computed counts before the step
+    end: np.ndarray  # [num_reqs] and after it, every scheduled token computed
+    rows: np.ndarray  # batch rows that sample (every decode row; prefill rows at their end)
+    first: np.ndarray  # [len(rows)] each sampling row's first logits position in the batch
+    counts: np.ndarray  # int32 [len(rows)] positions a row verifies: 1 + its drafts
+    cu: np.ndarray  # int64 [len(rows) + 1] cumulative counts
 
 
 class DeferredSample:
