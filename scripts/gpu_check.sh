@@ -56,8 +56,19 @@ case $what in
     timeout 300 python3 -m pytest -q -m gpu tests/ops/test_selective_state_verify.py \
       tests/ops/test_causal_conv1d_verify.py -p no:cacheprovider 2>&1 | tail -15 \
       | tee "$LOG/kernels_spec.log"
-    for m in $TARGETS; do
+    for m in ${SPEC_MODELS:-$TARGETS}; do
       bench_latency $m "_spec" --speculative-config '{"method":"ngram","num_speculative_tokens":3}'
+    done
+    # a foreign random draft model (the target's config cut to 2 layers, random weights: drafts
+    # nearly always rejected), beside the draft's own decode step (its cost) and the plain target
+    for m in ${DRAFT_MODELS:-mamba2-1.3b qwen3-0.6b}; do
+      d=/tmp/krait_draft_$m
+      python3 scripts/draft_config.py "$m" "$d" 2
+      bench_latency $m "_draft" --speculative-config "{\"model\":\"$d\",\"num_speculative_tokens\":3}"
+      bench_latency $m ""
+      timeout 300 python3 -m krait bench latency --model "$d" --load-format dummy --batch-sizes 1,64 \
+        --prompt-lens "" > "$LOG/lat_draftonly_$m.json" 2> "$LOG/lat_draftonly_$m.err"
+      echo "== draft of $m alone"; grep -v Warn "$LOG/lat_draftonly_$m.err" | tail -4; pack
     done
     ;;
   prefix)  # prefix caching on hybrids: 64 requests sharing a 4096-token prefix + 64 distinct,

@@ -1,13 +1,17 @@
 """Where a decode step and one prefill spend their time: wall time vs GPU kernel time, top kernels.
 
 PYTHONPATH=. python3 scripts/profile_decode.py qwen3-0.6b:1:1024 mamba2-1.3b:64:1024 [--prefill 2048]
-    [--mamba-ssm-cache-dtype bfloat16]
+    [--mamba-ssm-cache-dtype bfloat16] [--speculative-config '{"num_speculative_tokens":3}']
+
+With a speculative config the prompts are the repetitive workload (ngram drafts accepted), so the
+profiled steps are verify steps.
 
 Prints a compact table per spec (NAME:BATCH:CONTEXT); full profiler tables go to $OUT/prof_*.txt."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -52,17 +56,19 @@ def _report(tag: str, wall_ms: float, prof, per: int, out_dir: str) -> None:
                                           max_name_column_width=70))
 
 
-def profile_spec(spec: str, prefill: int, out_dir: str, ssm_dtype: str = "float32") -> None:
+def profile_spec(spec: str, prefill: int, out_dir: str, ssm_dtype: str = "float32",
+                 speculative: dict | None = None) -> None:
     name, batch, ctx = spec.split(":")
     batch, ctx = int(batch), int(ctx)
     os.environ.setdefault("KRAIT_ALLOW_LONG_MAX_MODEL_LEN", "1")  # random weights
     eng = LLMEngine(EngineConfig.from_kwargs(
         model=str(CONFIG_DIR / name), load_format="dummy", max_model_len=max(ctx, prefill) + 256,
         max_num_seqs=max(batch, 8), max_num_batched_tokens=max(2048, prefill),
-        mamba_ssm_cache_dtype=ssm_dtype))
+        mamba_ssm_cache_dtype=ssm_dtype, speculative_config=speculative))
     vocab = eng.config.model.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, output_kind="final_only")
-    for i, p in enumerate(_prompts(batch, ctx, vocab, 0)):
+    workload = "repetitive" if speculative else "random"
+    for i, p in enumerate(_prompts(batch, ctx, vocab, 0, workload)):
         eng.add_request(str(i), {"prompt_token_ids": p}, params)
     while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in eng.scheduler.running):
         eng.step()
@@ -78,7 +84,8 @@ def profile_spec(spec: str, prefill: int, out_dir: str, ssm_dtype: str = "float3
         for _ in range(10):
             eng.step()
         _sync()
-    _report(f"{name} decode b{batch} ctx{ctx}", wall, prof, 10, out_dir)
+    _report(f"{name} {'verify' if speculative else 'decode'} b{batch} ctx{ctx}", wall, prof, 10,
+            out_dir)
     _host_decode(eng)
     _find_syncs(eng, None, "three decode steps")
     for rid in list(eng._parents):
@@ -201,10 +208,12 @@ def main() -> None:
     ap.add_argument("specs", nargs="+")
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--mamba-ssm-cache-dtype", default="float32")
+    ap.add_argument("--speculative-config", type=json.loads, default=None)
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
     for spec in args.specs:
-        profile_spec(spec, args.prefill, out_dir, args.mamba_ssm_cache_dtype)
+        profile_spec(spec, args.prefill, out_dir, args.mamba_ssm_cache_dtype,
+                     args.speculative_config)
 
 
 if __name__ == "__main__":

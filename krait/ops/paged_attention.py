@@ -425,11 +425,13 @@ def paged_attention_triton(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
     sliding_window: int | None = None, num_splits: int | None = None,
-    prefetch: bool | None = None,
+    prefetch: bool | None = None, short_rows: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) split each
     row's keys over `num_splits` programs (flash-decoding; chosen from the batch shape when None)
-    when too few (row, kv head) programs would otherwise run. prefetch: see `_decode_split`."""
+    when too few (row, kv head) programs would otherwise run. prefetch: see `_decode_split`.
+    short_rows: `token_rows` of these rows, when the caller computed it once for every layer of
+    the step (otherwise computed here where needed)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -460,8 +462,8 @@ def paged_attention_triton(
         splits = forced_splits or decode_num_splits(num_tokens, num_kv_heads, max_seq_len,
                                                     q.device)
         if splits > 1:
-            tok_qsl, tok_seq_lens, tok_table = token_rows(query_start_loc, seq_lens, block_table,
-                                                          num_tokens)
+            tok_qsl, tok_seq_lens, tok_table = short_rows or token_rows(
+                query_start_loc, seq_lens, block_table, num_tokens)
             _decode_split(q, k_cache, v_cache, out, tok_qsl, tok_seq_lens, tok_table, scale,
                           sliding_window, splits, interpret, prefetch)
             return out
@@ -616,15 +618,19 @@ def paged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor,
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, short_rows: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Varlen causal paged attention; returns [T, Hq, D] in q's dtype.
 
     q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; query_start_loc int32 [B+1];
     seq_lens int32 [B] (total length including this step's tokens); block_table int32
     [B, max_blocks_per_seq]. Rows with q_len 0 or seq_len 0 produce nothing; output tokens that
-    no row covers are zero.
+    no row covers are zero. short_rows: these rows' `token_rows`, computed once a step
+    (`AttentionMetadata.short_rows`), for the Triton path's short query rows.
     """
-    fn = paged_attention_triton if use_triton(q) else paged_attention_ref
-    return fn(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-              max_query_len, max_seq_len, scale, sliding_window)
+    if use_triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                                      max_query_len, max_seq_len, scale, sliding_window,
+                                      short_rows=short_rows)
+    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                               max_query_len, max_seq_len, scale, sliding_window)

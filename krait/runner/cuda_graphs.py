@@ -50,8 +50,10 @@ def copy_tensors(dst, src) -> None:
     """Copies every tensor reachable through dataclass fields (and tuples of tensors in them)
     of src into dst's, except those already built in dst's memory. A block table narrower than
     the captured one fills its leading columns: the kernels read no column past a row's
-    length."""
+    length. Private fields (a step's memos, built inside the graph) are not inputs."""
     for f in dataclasses.fields(dst):
+        if f.name.startswith("_"):
+            continue
         _copy_value(getattr(dst, f.name), getattr(src, f.name))
 
 
