@@ -1,7 +1,8 @@
 """Linear layers (`MergedLinear` fuses several HF projections, q/k/v or gate/up, into one GEMM)
 and the projections they run: on the Triton path one-row decode calls follow
-krait/ops/linear.py's plan (the decode GEMV, the TMA GEMV, their prologues and epilogues), the
-rest is F.linear (cuBLAS)."""
+krait/ops/linear.py's plan (the decode GEMV, the TMA GEMV, their prologues and epilogues), and
+so do CUDA calls of 2-8 rows (a verify step's 1 + k: the multi-row GEMV, krait/ops/gemv_rows.py);
+the rest is F.linear (cuBLAS)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,25 @@ from krait.ops import linear as plan
 from krait.ops._dispatch import num_sms, use_triton
 from krait.ops.activation import silu_and_mul
 from krait.ops.gemv import gemv_triton
+from krait.ops.gemv_rows import gemv_rows
 from krait.ops.gemv_tma import gemv_tma, tma_readable
 
 
 def _one_row(x: Tensor) -> bool:
     """x is one row the Triton kernels take (the shape first: a prefill pays no lookup)."""
     return x.dim() == 2 and x.shape[0] == 1 and use_triton(x)
+
+
+def _few_rows(x: Tensor) -> bool:
+    """x is 2 to 8 rows on CUDA the Triton kernels take (the shape first: a prefill pays no
+    lookup)."""
+    return x.dim() == 2 and 2 <= x.shape[0] <= plan.MULTI_ROW_MAX_ROWS and x.is_cuda and \
+        use_triton(x)
+
+
+def _rows_take(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """The multi-row GEMV can serve x against weight: no bias, one dtype, TMA-readable rows."""
+    return bias is None and x.dtype == weight.dtype and tma_readable(weight)
 
 
 def _tma(x: Tensor, weight: Tensor, bias: Tensor | None, silu_mul_out: bool = False):
@@ -35,6 +49,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if cfg is not None:
             return gemv_tma(x, weight, cfg)
         return gemv_triton(x, weight, bias)
+    if (_few_rows(x) and plan.multi_row_gemv(x.shape[0], *weight.shape)
+            and _rows_take(x, weight, bias)):
+        return gemv_rows(x, weight)
     return F.linear(x, weight, bias)
 
 
@@ -50,23 +67,28 @@ def conv_linear(x: Tensor, weight: Tensor, bias: Tensor | None, conv: tuple) -> 
 
 def silu_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """linear(silu_and_mul(x)) for x [T, 2I]: one GEMV launch, the activation in its prologue,
-    for the one-row calls the plan gives the GEMV."""
+    for the one-row calls the plan gives the GEMV; the rest the activation, then `linear`."""
     if _one_row(x) and plan.row_gemv(1, *weight.shape):
         return gemv_triton(x, weight, bias, silu_mul=True)
-    return F.linear(silu_and_mul(x), weight, bias)
+    return linear(silu_and_mul(x), weight, bias)
 
 
 def silu_mlp(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None = None,
              down_bias: Tensor | None = None) -> Tensor:
     """down(silu_and_mul(gate_up(x))): x [T, H], gate_up [2I, H] (the gate's rows, then the
     up's), down [H, I] -> [T, H]. A row the plan gives the gate_up epilogue runs the gate_up
-    GEMV with the activation in its epilogue, then `linear`; the rest `silu_mul_linear`."""
+    GEMV with the activation in its epilogue, then `linear`, and so do 2-8 rows the plan gives
+    the multi-row GEMV (`multi_row_gate_up`); the rest `silu_mul_linear`."""
     if _one_row(x) and plan.gate_up_epilogue(1, *gate_up.shape):
         cfg = _tma(x, gate_up, gate_up_bias, silu_mul_out=True)
         if cfg is not None:
             act = gemv_tma(x, gate_up, cfg, silu_mul_out=True)  # [1, I]
         else:
             act = gemv_triton(x, gate_up, gate_up_bias, silu_mul_out=True)  # [1, I]
+        return linear(act, down, down_bias)
+    if (_few_rows(x) and plan.multi_row_gate_up(x.shape[0], *gate_up.shape)
+            and gate_up.shape[0] % 2 == 0 and _rows_take(x, gate_up, gate_up_bias)):
+        act = gemv_rows(x, gate_up, silu_mul_out=True)  # [T, I]
         return linear(act, down, down_bias)
     return silu_mul_linear(linear(x, gate_up, gate_up_bias), down, down_bias)
 

@@ -6,7 +6,10 @@ GEMV (krait/ops/gemv_tma.py) where that streams faster; everything else is cuBLA
 At batch 1 a decode step reads every weight once and does little else, so the choice is how
 fast each weight streams; the bounds below are where each kernel measured fastest in the
 batch-1 chains of the benchmarked models on the H200 (docs/benchmarks.md, docs/decode_gemv.md).
-With more rows the GEMV re-reads W per row tile and cuBLAS wins, so only one-row calls come here.
+With more rows gemv.py's FMA loop costs M times the work and cuBLAS wins over it; 2-8 rows (a
+speculative verify step's 1 + k at batch 1) take the multi-row GEMV instead
+(krait/ops/gemv_rows.py: W read once for all rows through TMA into wgmma), up to the bounds
+below; more rows, or bigger weights (the lm_heads), stay on cuBLAS.
 """
 
 from __future__ import annotations
@@ -25,12 +28,32 @@ GATE_UP_GEMV_MAX_ELEMENTS = 64 << 20
 # TMA GEMVs over weights this large load their first box before the PDL wait (EARLY_BOX): it
 # streams while the previous kernel drains; on smaller weights it cost more than it hid
 TMA_EARLY_BOX_MIN_ELEMENTS = 12 << 20
+# calls of 2 to MULTI_ROW_MAX_ROWS rows take the multi-row GEMV (krait/ops/gemv_rows.py) against
+# weights of at most MULTI_ROW_MAX_ELEMENTS elements (the lm_heads stay on cuBLAS), and gated
+# MLPs' gate_up up to MULTI_ROW_GATE_UP_MAX_ELEMENTS with silu-and-mul in its epilogue; the
+# bounds of the one-row path until measured on the H200 (scripts/bench_gemv_rows.py)
+MULTI_ROW_MAX_ROWS = 8
+MULTI_ROW_MAX_ELEMENTS = ROW_GEMV_MAX_ELEMENTS
+MULTI_ROW_GATE_UP_MAX_ELEMENTS = GATE_UP_GEMV_MAX_ELEMENTS
 
 
 def row_gemv(rows: int, n: int, k: int) -> bool:
     """A projection of `rows` input rows against a weight [n, k] through the GEMV: one row,
     at most ROW_GEMV_MAX_ELEMENTS weight elements."""
     return rows == 1 and n * k <= ROW_GEMV_MAX_ELEMENTS
+
+
+def multi_row_gemv(rows: int, n: int, k: int) -> bool:
+    """A projection of `rows` input rows against a weight [n, k] through the multi-row GEMV:
+    2 to MULTI_ROW_MAX_ROWS rows, at most MULTI_ROW_MAX_ELEMENTS weight elements."""
+    return 2 <= rows <= MULTI_ROW_MAX_ROWS and n * k <= MULTI_ROW_MAX_ELEMENTS
+
+
+def multi_row_gate_up(rows: int, n: int, k: int) -> bool:
+    """A gated MLP over `rows` rows with gate_up [n = 2I, k] runs the multi-row GEMV with the
+    activation in its epilogue (then the down projection as `multi_row_gemv` says): 2 to
+    MULTI_ROW_MAX_ROWS rows, at most MULTI_ROW_GATE_UP_MAX_ELEMENTS weight elements."""
+    return 2 <= rows <= MULTI_ROW_MAX_ROWS and n * k <= MULTI_ROW_GATE_UP_MAX_ELEMENTS
 
 
 def gate_up_epilogue(rows: int, n: int, k: int) -> bool:
