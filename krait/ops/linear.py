@@ -28,12 +28,17 @@ GATE_UP_GEMV_MAX_ELEMENTS = 64 << 20
 # TMA GEMVs over weights this large load their first box before the PDL wait (EARLY_BOX): it
 # streams while the previous kernel drains; on smaller weights it cost more than it hid
 TMA_EARLY_BOX_MIN_ELEMENTS = 12 << 20
-# calls of 2 to MULTI_ROW_MAX_ROWS rows take the multi-row GEMV (krait/ops/gemv_rows.py) against
-# weights of at most MULTI_ROW_MAX_ELEMENTS elements (the lm_heads stay on cuBLAS), and gated
-# MLPs' gate_up up to MULTI_ROW_GATE_UP_MAX_ELEMENTS with silu-and-mul in its epilogue; the
-# bounds of the one-row path until measured on the H200 (scripts/bench_gemv_rows.py)
+# calls of 2 to MULTI_ROW_MAX_ROWS rows (speculative verify rows at batch 1) take the multi-row
+# GEMV (krait/ops/gemv_rows.py) only where it measured faster than cuBLAS on the H200
+# (`scripts/bench_gemv_rows.py`, docs/benchmarks.md): narrow outputs, N <= MULTI_ROW_MAX_N
+# (qwen3's o and down: 2.6x and 1.4x at 4 rows, where cuBLAS splits K and adds a reduce
+# kernel), and gate_ups over K <= MULTI_ROW_GATE_UP_MAX_K (qwen3's, 1.06x, silu-and-mul in the
+# epilogue). cuBLAS kept the wide and the big ones (mamba2/granite in_proj 0.82x, out_proj
+# 0.94x, granite gate_up 0.78x, qkv 0.78-0.93x).
 MULTI_ROW_MAX_ROWS = 8
+MULTI_ROW_MAX_N = 1024
 MULTI_ROW_MAX_ELEMENTS = ROW_GEMV_MAX_ELEMENTS
+MULTI_ROW_GATE_UP_MAX_K = 1024
 MULTI_ROW_GATE_UP_MAX_ELEMENTS = GATE_UP_GEMV_MAX_ELEMENTS
 
 
@@ -45,15 +50,19 @@ def row_gemv(rows: int, n: int, k: int) -> bool:
 
 def multi_row_gemv(rows: int, n: int, k: int) -> bool:
     """A projection of `rows` input rows against a weight [n, k] through the multi-row GEMV:
-    2 to MULTI_ROW_MAX_ROWS rows, at most MULTI_ROW_MAX_ELEMENTS weight elements."""
-    return 2 <= rows <= MULTI_ROW_MAX_ROWS and n * k <= MULTI_ROW_MAX_ELEMENTS
+    2 to MULTI_ROW_MAX_ROWS rows, at most MULTI_ROW_MAX_N output columns and
+    MULTI_ROW_MAX_ELEMENTS weight elements."""
+    return (2 <= rows <= MULTI_ROW_MAX_ROWS and n <= MULTI_ROW_MAX_N
+            and n * k <= MULTI_ROW_MAX_ELEMENTS)
 
 
 def multi_row_gate_up(rows: int, n: int, k: int) -> bool:
     """A gated MLP over `rows` rows with gate_up [n = 2I, k] runs the multi-row GEMV with the
     activation in its epilogue (then the down projection as `multi_row_gemv` says): 2 to
-    MULTI_ROW_MAX_ROWS rows, at most MULTI_ROW_GATE_UP_MAX_ELEMENTS weight elements."""
-    return 2 <= rows <= MULTI_ROW_MAX_ROWS and n * k <= MULTI_ROW_GATE_UP_MAX_ELEMENTS
+    MULTI_ROW_MAX_ROWS rows, K at most MULTI_ROW_GATE_UP_MAX_K, at most
+    MULTI_ROW_GATE_UP_MAX_ELEMENTS weight elements."""
+    return (2 <= rows <= MULTI_ROW_MAX_ROWS and k <= MULTI_ROW_GATE_UP_MAX_K
+            and n * k <= MULTI_ROW_GATE_UP_MAX_ELEMENTS)
 
 
 def gate_up_epilogue(rows: int, n: int, k: int) -> bool:
