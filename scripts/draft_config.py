@@ -1,8 +1,11 @@
 """Writes a draft-model checkpoint directory for a bench config: the config cut to its first
-LAYERS layers (random weights under `load_format=dummy`), so the draft shares the target's
-vocabulary but not its predictions (`gpu_check.sh spec`: the always-rejected draft model).
+LAYERS layers (random weights under `load_format=dummy`), sharing the target's vocabulary.
+Under the same seed such a draft shares the target's embedding and first layers, and its drafts
+are often accepted; `--foreign` also halves the widths (hidden, intermediate, heads), so every
+weight differs and nearly every draft is rejected: the always-rejected draft model of
+`gpu_check.sh spec`.
 
-python3 scripts/draft_config.py NAME OUT_DIR [LAYERS]"""
+python3 scripts/draft_config.py NAME OUT_DIR [LAYERS] [--foreign]"""
 
 from __future__ import annotations
 
@@ -14,9 +17,17 @@ from krait.bench.offline import CONFIG_DIR
 
 
 def main() -> None:
-    name, out = sys.argv[1], Path(sys.argv[2])
-    layers = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    args = [a for a in sys.argv[1:] if a != "--foreign"]
+    name, out = args[0], Path(args[1])
+    layers = int(args[2]) if len(args) > 2 else 2
     cfg = json.loads((CONFIG_DIR / name / "config.json").read_text())
+    if "--foreign" in sys.argv:
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads"):
+            if isinstance(cfg.get(key), int) and cfg[key] % 2 == 0:
+                cfg[key] //= 2
+        # head_dim stays; Mamba2 heads follow the halved width (expand * hidden / head_dim)
+        if "num_heads" in cfg and "head_dim" in cfg and cfg.get("model_type") == "mamba2":
+            cfg["num_heads"] = cfg.get("expand", 2) * cfg["hidden_size"] // cfg["head_dim"]
     cfg["num_hidden_layers"] = layers
     for key in ("layer_types", "layers_block_type"):
         if isinstance(cfg.get(key), list):

@@ -59,11 +59,12 @@ case $what in
     for m in ${SPEC_MODELS:-$TARGETS}; do
       bench_latency $m "_spec" --speculative-config '{"method":"ngram","num_speculative_tokens":3}'
     done
-    # a foreign random draft model (the target's config cut to 2 layers, random weights: drafts
-    # nearly always rejected), beside the draft's own decode step (its cost) and the plain target
+    # a foreign random draft model (the target's config cut to 2 layers at half the width,
+    # random weights: drafts nearly always rejected), beside the draft's own decode step (its
+    # cost) and the plain target
     for m in ${DRAFT_MODELS:-mamba2-1.3b qwen3-0.6b}; do
       d=/tmp/krait_draft_$m
-      python3 scripts/draft_config.py "$m" "$d" 2
+      python3 scripts/draft_config.py "$m" "$d" 2 --foreign
       bench_latency $m "_draft" --speculative-config "{\"model\":\"$d\",\"num_speculative_tokens\":3}"
       bench_latency $m ""
       timeout 300 python3 -m krait bench latency --model "$d" --load-format dummy --batch-sizes 1,64 \
