@@ -170,19 +170,15 @@ class SpeculativeConfig:
                 f"speculative_config.num_speculative_tokens must be an integer >= 1; got {k!r}")
         if k > 16:
             raise ValueError(f"speculative_config.num_speculative_tokens is at most 16; got {k}")
-        if method in ("mtp", "qwen3_next_mtp"):
-            raise ValueError(
-                f"speculative_config.method={method!r}: multi-token-prediction heads are not "
-                "built (a checkpoint's mtp.* weights are ignored); ngram, draft_model, eagle and "
-                "eagle3 are")
         if method in ("draft_model", "eagle", "eagle3"):
             if not self.model:
                 what = "a draft checkpoint" if method == "draft_model" else "an EAGLE head's"
                 raise ValueError(f"speculative_config.model: the {method} method needs {what} "
                                  "checkpoint directory")
-        elif self.model:
-            raise ValueError("speculative_config.model is only for draft_model, eagle and "
-                             f"eagle3, not {method!r}")
+        elif self.model and method not in ("mtp", "qwen3_next_mtp"):
+            # mtp: the target's own checkpoint unless `model` names another copy of it
+            raise ValueError("speculative_config.model is only for draft_model, eagle, eagle3 "
+                             f"and mtp, not {method!r}")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 is supported")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -299,10 +295,11 @@ class EngineConfig:
             raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported yet (tensor parallelism is)")
         method = speculative_config.method if speculative_config is not None else None
-        if method in ("draft_model", "eagle", "eagle3") and tensor_parallel_size > 1:
+        if (method in ("draft_model", "eagle", "eagle3", "mtp", "qwen3_next_mtp")
+                and tensor_parallel_size > 1):
             raise ValueError(f"speculative_config.method={method!r} with tensor_parallel_size"
                              " > 1 is not supported yet (ngram is)")
-        if method in ("eagle", "eagle3") and enable_prefix_caching:
+        if method in ("eagle", "eagle3", "mtp", "qwen3_next_mtp") and enable_prefix_caching:
             # the head's KV at a prefix hit would need the target hidden states of the cached
             # positions, which no step computed
             raise ValueError(f"speculative_config.method={method!r} with enable_prefix_caching"

@@ -249,3 +249,26 @@ def make_tiny_qwen3_next(path: str | Path, seed: int = 0, **overrides) -> str:
             elif name.endswith("mlp.gate.weight"):  # spread router logits: no near-ties that
                 p.mul_(4.0)  # a 1e-6 batching difference could flip
     return _save(model, Path(path))
+
+
+def record_proposals(drafter, replace=None) -> list[tuple[list[int], list[int]]]:
+    """Wraps `drafter.propose` so that every row's proposal is recorded as (the row's tokens,
+    its drafts); returns the (growing) list. `replace(tokens, step)`, when given, returns the
+    drafts the target verifies instead (step: the count recorded so far), the head's own still
+    recorded."""
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = drafter.propose
+
+    def recording(token_table, rows, num_tokens, max_drafts):
+        drafts, counts = propose(token_table, rows, num_tokens, max_drafts)
+        for j, (row, n) in enumerate(zip(rows, num_tokens)):
+            if counts[j]:
+                tokens = token_table[row, :n].tolist()
+                seen.append((tokens, drafts[j, : counts[j]].tolist()))
+                if replace is not None:
+                    drafts = drafts.copy()
+                    drafts[j, : counts[j]] = replace(tokens, len(seen))[: counts[j]]
+        return drafts, counts
+
+    drafter.propose = recording
+    return seen

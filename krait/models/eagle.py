@@ -59,14 +59,16 @@ class _EagleHead(torch.nn.Module):
     """What both heads share: the side input, the shared target modules, the loading."""
 
     has_own_lm_head_always = False
+    owns_embedding = True  # False: always the target's (share_target), never allocated here
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.config = cfg
         self.input_hidden: torch.Tensor | None = None  # set by the drafter before each forward
         self.output_hidden: torch.Tensor | None = None  # the last forward's output, kept for it
-        self.embed_tokens: torch.nn.Module = VocabParallelEmbedding(cfg.vocab_size,
-                                                                    cfg.hidden_size)
+        self.embed_tokens: torch.nn.Module = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.owns_embedding
+            else MissingModule())
 
     def share_target(self, target: torch.nn.Module) -> None:
         """Takes the target's embedding (and lm_head) where the checkpoint had none."""

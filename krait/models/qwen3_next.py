@@ -2,7 +2,8 @@
 attention (`full_attention`) layers, each followed by a sparse MoE with a sigmoid-gated shared
 expert (or a dense MLP on `mlp_only_layers`). Its RMSNorms are zero-centred (HF scales by
 1 + w): the weights are stored as 1 + w at load time, so the ordinary RMSNorm kernels apply.
-Multi-token-prediction weights (`mtp.*`) are not used."""
+The multi-token-prediction weights (`mtp.*`) are not the target's: the MTP head
+(krait/models/qwen3_next_mtp.py, speculative method "mtp") reads them from the same checkpoint."""
 
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ _MODELS = {
     "LlamaForCausalLMEagle": ("eagle", "EagleLlamaForCausalLM"),
     "Eagle3LlamaForCausalLM": ("eagle", "Eagle3LlamaForCausalLM"),
     "LlamaForCausalLMEagle3": ("eagle", "Eagle3LlamaForCausalLM"),
+    # Qwen3-Next's multi-token-prediction head (method "mtp"), read from the target's checkpoint
+    "Qwen3NextMTP": ("qwen3_next_mtp", "Qwen3NextMTP"),
 }
 
 

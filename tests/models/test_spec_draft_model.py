@@ -14,7 +14,13 @@ import torch
 import krait.runner.spec_decode.draft_model as draft_model
 from krait import LLM, SamplingParams
 from tests.models.test_spec_decode_parity import Reference, assert_matches
-from tests.utils import device_options, hf_greedy, make_tiny_hybrid, make_tiny_llama
+from tests.utils import (
+    device_options,
+    hf_greedy,
+    make_tiny_hybrid,
+    make_tiny_llama,
+    record_proposals,
+)
 
 MAX_NEW = 16
 NUM_LOGPROBS = 2
@@ -133,17 +139,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(references, tmp_path, a
     draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
     llm = make_llm(ref, draft_dir, **CONFIGS[config])
     drafter = llm.llm_engine.runner.drafter
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = drafter.propose
-
-    def recording(token_table, rows, num_tokens, max_drafts):
-        drafts, counts = propose(token_table, rows, num_tokens, max_drafts)
-        for j, (row, n) in enumerate(zip(rows, num_tokens)):
-            if counts[j]:
-                seen.append((token_table[row, :n].tolist(), drafts[j, : counts[j]].tolist()))
-        return drafts, counts
-
-    drafter.propose = recording
+    seen = record_proposals(drafter)
     rate = run_and_check(llm, ref)
     assert 0.3 < rate < 0.95, rate  # accepted and rejected drafts alike
     hf = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()

@@ -12,6 +12,7 @@ the head's KV across calls and the feeding back of its own outputs are all right
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,14 @@ import torch
 from krait import LLM, SamplingParams
 from krait.config import EngineConfig
 from tests.models.test_spec_decode_parity import NUM_LOGPROBS, Reference, assert_matches
-from tests.utils import TINY_VOCAB, device_options, hf_greedy, make_tiny_hybrid, make_tiny_llama
+from tests.utils import (
+    TINY_VOCAB,
+    device_options,
+    hf_greedy,
+    make_tiny_hybrid,
+    make_tiny_llama,
+    record_proposals,
+)
 
 MAX_NEW = 10
 K = 3
@@ -221,21 +229,7 @@ def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: 
     recorded and checked."""
     llm = make_llm(target, method, heads[method], **CONFIGS[config])
     drafter = llm.llm_engine.runner.drafter
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = drafter.propose
-
-    def recording(token_table, rows, num_tokens, max_drafts):
-        drafts, counts = propose(token_table, rows, num_tokens, max_drafts)
-        for j, (row, n) in enumerate(zip(rows, num_tokens)):
-            if counts[j]:
-                tokens = token_table[row, :n].tolist()
-                seen.append((tokens, drafts[j, : counts[j]].tolist()))
-                if verified == "scripted":
-                    drafts = drafts.copy()
-                    drafts[j, : counts[j]] = _scripted(target, tokens, len(seen))[: counts[j]]
-        return drafts, counts
-
-    drafter.propose = recording
+    seen = record_proposals(drafter, partial(_scripted, target) if verified == "scripted" else None)
     added = []
     add = llm.llm_engine.scheduler.add_request
     llm.llm_engine.scheduler.add_request = lambda r: (added.append(r), add(r))

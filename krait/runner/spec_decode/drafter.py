@@ -52,14 +52,15 @@ def create_drafter(spec: SpeculativeConfig, config: EngineConfig,
                    target: torch.nn.Module | None = None) -> Drafter:
     """The drafter of `spec.method` (ngram: prompt lookup; draft_model: a second checkpoint,
     loaded here with its own caches: krait/runner/spec_decode/draft_model.py; eagle, eagle3: a
-    head over the `target` model's hidden states: krait/runner/spec_decode/eagle.py)."""
+    head over the `target` model's hidden states, mtp: Qwen3-Next's own such head:
+    krait/runner/spec_decode/eagle.py)."""
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "draft_model":
         from krait.runner.spec_decode.draft_model import DraftModelDrafter  # noqa: PLC0415
 
         return DraftModelDrafter(spec, config)
-    if spec.method in ("eagle", "eagle3"):
+    if spec.method in ("eagle", "eagle3", "mtp", "qwen3_next_mtp"):
         from krait.runner.spec_decode.eagle import EagleDrafter  # noqa: PLC0415
 
         return EagleDrafter(spec, config, target)

@@ -42,7 +42,7 @@ that request; the target is unaffected. Requests leaving the target leave the he
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ from krait.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _GREEDY = SamplingParams(temperature=0.0)
+MTP_METHODS = ("mtp", "qwen3_next_mtp")  # Qwen3-Next's own head (krait/models/qwen3_next_mtp.py)
 
 
 @dataclass
@@ -88,7 +89,9 @@ def _refuse(spec: SpeculativeConfig, why: str) -> ValueError:
 
 
 class EagleDrafter:
-    """Greedy drafts from an EAGLE-1 or EAGLE-3 head (see the module doc)."""
+    """Greedy drafts from an EAGLE-1 or EAGLE-3 head, or from Qwen3-Next's MTP head (method
+    "mtp": the target's own checkpoint, read as EAGLE-1 is: the target's final hidden states,
+    the head's output fed back; see the module doc)."""
 
     catches_up_every_call = True  # the runner calls propose even when no row may draft
 
@@ -100,11 +103,21 @@ class EagleDrafter:
             aux_layer_ids,
         )
         from krait.models.llama import LlamaForCausalLM  # noqa: PLC0415
+        from krait.models.qwen3_next import Qwen3NextForCausalLM  # noqa: PLC0415
+        from krait.models.qwen3_next_mtp import Qwen3NextMTP, mtp_layer_count  # noqa: PLC0415
         from krait.models.registry import get_model_class  # noqa: PLC0415
         from krait.runner.model_runner import ModelRunner  # noqa: PLC0415 (imports this module)
 
         method = spec.method
-        if not isinstance(target, LlamaForCausalLM):
+        mtp = method in MTP_METHODS
+        if mtp:
+            if not isinstance(target, Qwen3NextForCausalLM):
+                raise ValueError(
+                    f"speculative_config.method={method!r}: multi-token-prediction heads run on "
+                    f"Qwen3-Next targets (their checkpoint's mtp.* tensors); the target is "
+                    f"{type(target).__name__}")
+            spec = replace(spec, model=spec.model or config.model.model)
+        elif not isinstance(target, LlamaForCausalLM):
             raise ValueError(
                 f"speculative_config.method={method!r}: EAGLE heads run on Llama-family targets "
                 f"(Llama, Mistral, Qwen2, Qwen3); the target is {type(target).__name__}")
@@ -112,10 +125,16 @@ class EagleDrafter:
         self.eagle3 = method == "eagle3"
         self.config = draft_engine_config(spec, config, past_positional_limit=True)
         hc, tc = self.config.model.hf_config, config.model.hf_config
-        if not self.eagle3 and list(getattr(hc, "architectures", None) or []) == [
+        if mtp:
+            if mtp_layer_count(hc) != 1:
+                raise _refuse(spec, f"the config declares {mtp_layer_count(hc)} MTP layers "
+                                    "(mtp_num_hidden_layers); a head of one is supported")
+            hc.architectures = ["Qwen3NextMTP"]  # the head, not the target (a config of its own)
+        elif not self.eagle3 and list(getattr(hc, "architectures", None) or []) == [
                 "LlamaForCausalLM"]:
             hc.architectures = ["EagleLlamaForCausalLM"]  # EAGLE-1 releases name their base's
-        want = Eagle3LlamaForCausalLM if self.eagle3 else EagleLlamaForCausalLM
+        want = (Qwen3NextMTP if mtp else Eagle3LlamaForCausalLM if self.eagle3
+                else EagleLlamaForCausalLM)
         if get_model_class(hc) is not want:
             raise _refuse(spec, f"architecture {hc.architectures[0]!r} is not an {method!r} head "
                                 "(EagleLlamaForCausalLM / LlamaForCausalLMEagle for eagle, "
