@@ -106,12 +106,14 @@ def capture_window(cuda: bool):
 
 class _Graph:
     def __init__(self, graph, batch: InputBatch, meta, logits: torch.Tensor,
-                 greedy: torch.Tensor) -> None:
+                 greedy: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         self.graph = graph
         self.batch = batch
         self.meta = meta
         self.logits = logits  # [N, V]
         self.greedy = greedy  # int64 [N]: argmax of each row's logits
+        self.hidden = hidden  # [N, H]: the model's output (an EAGLE or MTP drafter reads it)
+        self.aux = aux  # [N, 3H] or None: the EAGLE-3 layers' inputs the target keeps
 
 
 class CudaGraphRunner:
@@ -130,6 +132,8 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(runner.config.scheduler.max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
+        # the model's output of the last `run` (its graph's buffer: valid until the next run)
+        self.last_hidden: torch.Tensor | None = None
 
     def size_for(self, num_reqs: int) -> int | None:
         fitting = [s for s in self.sizes if s >= num_reqs]
@@ -185,19 +189,22 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, greedy = self._body(batch, meta)
+            body = self._body(batch, meta)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[n] = _Graph(graph, batch, meta, logits, greedy)
+        self.graphs[n] = _Graph(graph, batch, meta, *body)
 
-    def _body(self, batch: InputBatch, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, batch: InputBatch, meta) -> tuple:
+        """(logits, greedy, hidden, aux): see `_Graph`."""
         r = self.runner
-        logits = r.model.compute_logits(r.model(batch.input_ids, batch.positions, meta))
+        hidden = r.model(batch.input_ids, batch.positions, meta)
+        logits = r.model.compute_logits(hidden)
         greedy = argmax(logits)
         if r.tables is not None and self.tokens_per_row == 1:
             # each row's token goes at its sequence length
             write_tokens(r.tables.token_ids, batch.idx_mapping, batch.seq_lens, greedy)
-        return logits, greedy
+        aux = r.model.aux_hidden if getattr(r.model, "aux_hidden_layers", ()) else None
+        return logits, greedy, hidden, aux
 
     def captured_batch(self, size: int) -> InputBatch:
         """The input buffers of the graph of `size` rows (`build_input_batch(into=...)`)."""
@@ -213,7 +220,10 @@ class CudaGraphRunner:
             g.batch.positions.copy_(batch.positions)
         copy_tensors(g.meta, meta)
         if g.graph is None:  # record=False
-            g.logits, g.greedy = self._body(g.batch, g.meta)
+            g.logits, g.greedy, g.hidden, g.aux = self._body(g.batch, g.meta)
         else:
             g.graph.replay()
+        self.last_hidden = g.hidden
+        if g.aux is not None:  # the model's attribute named an eager step's tensor since
+            self.runner.model.aux_hidden = g.aux
         return g.logits, g.greedy

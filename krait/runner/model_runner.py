@@ -122,11 +122,6 @@ class ModelRunner:
         """Decode graphs for every capture size (GPU, unless enforce_eager)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        if self.drafter_observes:
-            # an EAGLE drafter needs every step's hidden states (EAGLE-3: three layers'),
-            # which the graphs do not return: the target runs eagerly
-            logger.info("EAGLE speculative decoding: the target captures no CUDA graphs")
-            return
         from krait.runner.cuda_graphs import CudaGraphRunner
 
         self.cuda_graphs = CudaGraphRunner(self)
@@ -135,6 +130,11 @@ class ModelRunner:
             self.verify_graphs = CudaGraphRunner(self, tokens_per_row=1 + self.num_spec_tokens)
             self.verify_graphs.pool = self.cuda_graphs.pool
             self.verify_graphs.capture_all()
+        if self.drafter_observes:
+            # an EAGLE or MTP drafter reads every step's hidden states (EAGLE-3: three layers'
+            # inputs): the decode and verify graphs keep theirs; prefill steps run eagerly
+            logger.info("EAGLE/MTP speculative decoding: no piecewise or prefill graphs")
+            return
         tokens = self.piecewise_max_tokens()
         if tokens:
             self.piecewise = PiecewiseGraphs(self.model, tokens, self.device)
@@ -373,6 +373,8 @@ class ModelRunner:
             )
             logits, greedy = self.cuda_graphs.run(batch)
             n = batch.num_reqs
+            if self.drafter_observes:  # one kept position a row
+                self._observe(batch, self.cuda_graphs.last_hidden, np.ones(n, dtype=np.int64))
             # the graph wrote the greedy tokens into the device token table already
             return self._sample_and_update(batch, logits[:n], greedy[:n], self.tables is not None)
         # prefill rows alone: tokens and rows padded to a captured prefill graph's
@@ -471,7 +473,8 @@ class ModelRunner:
                 pad_tokens_per_row=per_row, into=into, rejections=rejections)
             batch.num_draft_tokens_per_req = np.full(size, self.num_spec_tokens, np.int32)
             graph_logits, _ = self.verify_graphs.run(batch)
-            hidden = None
+            # the graph's output, kept for an observing drafter (EAGLE, MTP)
+            hidden = self.verify_graphs.last_hidden if self.drafter_observes else None
         else:
             batch = build_input_batch(st, req_ids, num_scheduled, self.block_size, self.device,
                                       tables=self.tables, rejections=rejections)
@@ -480,7 +483,7 @@ class ModelRunner:
             hidden = self.forward(batch)
         n = batch.num_reqs
         idx = batch.idx_mapping_np[:n]
-        prompt_lps = self._prompt_logprobs(batch, hidden) if hidden is not None else {}
+        prompt_lps = self._prompt_logprobs(batch, hidden) if size is None else {}
         computed = batch.num_computed_tokens_np[:n]
         end = computed + batch.num_scheduled_tokens_np[:n]
         rows = np.nonzero(end >= st.num_tokens[idx])[0]  # every decode row; prefills at their end
@@ -489,7 +492,7 @@ class ModelRunner:
         counts = (qsl[rows + 1] - first).astype(np.int32)  # = 1 + drafts
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
-        if hidden is None:  # a verify graph: the logits of every token, rows in order
+        if size is not None:  # a verify graph: the logits of every token, rows in order
             logits = graph_logits[: n * per_row]
         else:
             positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
@@ -782,7 +785,7 @@ class _VerifyStep:
     """What a verify step's forward leaves for its sampling (ModelRunner._verify)."""
 
     batch: InputBatch
-    hidden: torch.Tensor | None  # None when a verify graph ran (it returns logits only)
+    hidden: torch.Tensor | None  # a verify graph's: only with an observing drafter, else None
     logits: torch.Tensor  # [cu[-1], V]: the positions the rejection sampler takes
     prompt_logprobs: dict
     computed: np.ndarray  # [num_reqs] the rows' computed counts before the step

@@ -313,3 +313,38 @@ def test_refusals_name_the_field(target, heads, tmp_path) -> None:
             speculative_config=spec(model=make_head(tmp_path / "v520", "eagle", vocab_size=520)))
     with pytest.raises(ValueError, match=r"speculative_config\.model.*not an 'eagle3' head"):
         LLM(target.model_dir, **device_options(), speculative_config=spec("eagle3"))
+
+
+def use_graphs(llm: LLM) -> list[int]:
+    """The target's decode and verify graphs in their record=False form (the captured bodies
+    run eagerly over the captured buffers: the graph dataflow without a GPU); returns the
+    verify-graph replays' row counts as they happen."""
+    from krait.runner.cuda_graphs import CudaGraphRunner
+
+    runner = llm.llm_engine.runner
+    runner.cuda_graphs = CudaGraphRunner(runner, record=False)
+    runner.cuda_graphs.capture_all()
+    runner.verify_graphs = CudaGraphRunner(runner, record=False, tokens_per_row=1 + K)
+    runner.verify_graphs.capture_all()
+    replays: list[int] = []
+    real = runner.verify_graphs.run
+    runner.verify_graphs.run = lambda b: (replays.append(b.num_reqs), real(b))[1]
+    return replays
+
+
+@pytest.mark.parametrize("method", list(ARCHS))
+def test_eagle_through_verify_graphs(target, heads, method: str) -> None:
+    """With the target's steps in decode and verify graphs, the head still gets every kept
+    position's hidden states (the graph's output; EAGLE-3 the layers' inputs it keeps): the
+    outputs stay HF's and every proposal is the reference head's."""
+    llm = make_llm(target, method, heads[method])
+    replays = use_graphs(llm)
+    seen = record_proposals(llm.llm_engine.runner.drafter)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+                            logprobs=NUM_LOGPROBS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert_matches(target, i, out.outputs[0], n=MAX_NEW)
+    assert replays, "expected verify steps through the graphs"
+    assert llm.llm_engine.runner.drafter.num_lost == 0
+    assert _check_proposals(method, heads[method], target, seen) >= len(PROMPTS) * K

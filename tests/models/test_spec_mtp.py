@@ -23,7 +23,7 @@ from krait import LLM, SamplingParams
 from krait.config import SpeculativeConfig
 from tests.models.test_spec_decode_parity import NUM_LOGPROBS, Reference, assert_matches
 from tests.models.test_spec_eagle import CONFIGS as EAGLE_CONFIGS
-from tests.models.test_spec_eagle import MAX_NEW, PROMPTS, K, _scripted
+from tests.models.test_spec_eagle import MAX_NEW, PROMPTS, K, _scripted, use_graphs
 from tests.utils import (
     device_options,
     hf_greedy,
@@ -179,3 +179,18 @@ def test_mtp_refusals_name_the_field(target, tmp_path) -> None:
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLM(target.model_dir, **device_options(), speculative_config=spec,
             enable_prefix_caching=True)
+
+
+def test_mtp_through_verify_graphs(target) -> None:
+    """The target's decode and verify graphs (record=False) hand the head their hidden states:
+    outputs stay HF's and every proposal is the reference head's."""
+    llm = make_llm(target)
+    replays = use_graphs(llm)
+    seen = record_proposals(llm.llm_engine.runner.drafter)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+                            logprobs=NUM_LOGPROBS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert_matches(target, i, out.outputs[0], n=MAX_NEW)
+    assert replays, "expected verify steps through the graphs"
+    assert _check_proposals(target, seen) >= len(PROMPTS) * K
