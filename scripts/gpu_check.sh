@@ -81,13 +81,16 @@ case $what in
     done
     ;;
   gdn)  # Qwen3-Next's Gated DeltaNet: its kernels at Qwen3-Next-80B's sizes against the torch
-    # references; the 8-layer config's decode at batch 1 and 64 (roofline ratio) and an 8k
-    # prefill; the prefill kernel beside fla's chunk_gated_delta_rule at 8k tokens when wheels/
+    # references; the 8-layer config's decode at batch 1 and 64 (roofline ratio), an 8k
+    # prefill and MTP drafting; the prefill kernel beside fla's chunk_gated_delta_rule at 8k tokens when wheels/
     # (fla-core, einops: carry=["wheels"]) is there. Fits one 600 s call: each part time-boxed
     timeout ${GDN_TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/ops/test_gated_delta_rule.py \
       -p no:cacheprovider 2>&1 | tail -15 | tee "$LOG/kernels_gdn.log"
     pack
     LAT_TIMEOUT=${LAT_TIMEOUT:-300} bench_latency qwen3-next-80b-a3b-8l "" --prompt-lens 8192
+    # its MTP head drafting (random weights: drafts rejected; the head's and the graphs' cost)
+    LAT_TIMEOUT=${LAT_TIMEOUT:-300} bench_latency qwen3-next-80b-a3b-8l "_mtp" \
+      --speculative-config '{"method":"mtp","num_speculative_tokens":3}'
     if [ -d wheels ]; then  # installed beside, not into, the environment: only this run sees fla
       python3 -m pip install -q --no-deps --no-index --target /tmp/krait_wheels wheels/*.whl \
         2>&1 | tail -3
