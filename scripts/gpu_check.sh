@@ -82,8 +82,8 @@ case $what in
     ;;
   gdn)  # Qwen3-Next's Gated DeltaNet: its kernels at Qwen3-Next-80B's sizes against the torch
     # references; the 8-layer config's decode at batch 1 and 64 (roofline ratio), an 8k
-    # prefill and MTP drafting; the prefill kernel beside fla's chunk_gated_delta_rule at 8k tokens when wheels/
-    # (fla-core, einops: carry=["wheels"]) is there. Fits one 600 s call: each part time-boxed
+    # prefill and MTP drafting; the prefill kernel beside fla's chunk_gated_delta_rule at 8k
+    # tokens when wheels/ (fla-core, einops: carry=["wheels"]) is there. Fits one 600 s call: each part time-boxed
     timeout ${GDN_TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/ops/test_gated_delta_rule.py \
       -p no:cacheprovider 2>&1 | tail -15 | tee "$LOG/kernels_gdn.log"
     pack
