@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from krait.ops._dispatch import cdiv
+
 
 def arrival_counters(pool: dict[torch.device, Tensor], device: torch.device, n: int) -> Tensor:
     """At least n zeroed int32 counters on `device`, allocated once and grown when needed."""
@@ -17,3 +19,19 @@ def arrival_counters(pool: dict[torch.device, Tensor], device: torch.device, n: 
         c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
         pool[device] = c
     return c
+
+
+def split_k_scratch(pool: dict[torch.device, Tensor], split: int, shape: tuple[int, ...],
+                    tiles: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(partials float32 [split, *shape], arrival counters for `tiles` column tiles) of a
+    split-K launch on `like`'s device; with split 1 the kernel reads neither, and both are
+    `like`."""
+    if split == 1:
+        return like, like
+    part = torch.empty(split, *shape, dtype=torch.float32, device=like.device)  # [S, *shape]
+    return part, arrival_counters(pool, like.device, tiles)
+
+
+def slice_width(k: int, split: int, block_k: int) -> int:
+    """Columns of K each of a split-K launch's `split` slices streams: whole `block_k` tiles."""
+    return cdiv(cdiv(k, split), block_k) * block_k

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, next_pow2, num_sms
-from krait.ops.arrival import arrival_counters
+from krait.ops.arrival import slice_width, split_k_scratch
 from krait.ops.causal_conv1d import conv_apply, conv_operands, store_conv_state
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
@@ -350,15 +350,11 @@ def gemv_triton(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     split = cfg["SPLIT_K"]
-    k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    if split > 1:
-        part = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)  # [S, M, W]
-        counters = arrival_counters(_COUNTERS, x.device, tiles)
-    else:
-        part = counters = y
+    k_slice = slice_width(k, split, cfg["BLOCK_K"])
+    part, counters = split_k_scratch(_COUNTERS, split, (m, rows), tiles, y)  # [S, M, W]
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, y, part, counters,
-        m, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        m, n, k, k_slice, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, PROLOGUE=prologue,
         EPILOGUE=SILU_MUL if silu_mul_out else (CONV if conv is not None else PLAIN),
         **norm_args, **conv_kwargs, **pdl_args(pdl), **cfg,
@@ -390,8 +386,8 @@ def norm_one_group(k: int, group_size: int, cfg: dict[str, int]) -> bool:
     """Does every program of a NORM-prologue GEMV with config `cfg` stream columns of one norm
     group only? The prologue needs it: each program loads its group's partials once and scales
     its dots at the end."""
-    k_per_split = cdiv(cdiv(k, cfg.get("SPLIT_K", 1)), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    return group_size >= k or group_size % k_per_split == 0
+    return group_size >= k or group_size % slice_width(k, cfg.get("SPLIT_K", 1),
+                                                       cfg["BLOCK_K"]) == 0
 
 
 def _rowwise(t: Tensor) -> Tensor:

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, interpreting, next_pow2, num_sms
-from krait.ops.arrival import arrival_counters
+from krait.ops.arrival import slice_width, split_k_scratch
 from krait.ops.gemv import finish_tile
 from krait.ops.gemv_tma import _descriptor, _first_box, tma_readable
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
@@ -222,15 +222,11 @@ def gemv_rows(x: Tensor, weight: Tensor, config: dict | None = None,
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     tiles = cdiv(n, cfg["BLOCK_N"])
-    k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    k_slice = slice_width(k, split, cfg["BLOCK_K"])
     desc = _descriptor(weight, cfg["BLOCK_N"], cfg["BLOCK_K"])
-    if split > 1:
-        part = torch.empty(split, m, rows, dtype=torch.float32, device=x.device)  # [S, M, W]
-        counters = arrival_counters(_COUNTERS, x.device, tiles)
-    else:
-        part = counters = y
+    part, counters = split_k_scratch(_COUNTERS, split, (m, rows), tiles, y)  # [S, M, W]
     _gemv_rows_kernel[(tiles, split)](
-        x, desc, weight, y, part, counters, m, n, k, k_per_split, x.stride(0), y.stride(0),
+        x, desc, weight, y, part, counters, m, n, k, k_slice, x.stride(0), y.stride(0),
         SPLIT_K=split, BLOCK_M=BLOCK_M, SILU_MUL=silu_mul_out,
         IEEE=x.dtype == torch.float32 or interpreting(), **pdl_args(use_pdl(x)), **cfg,
         **timeline_args("gemv_rows", (tiles, split), x.device))

@@ -33,7 +33,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from krait.ops._dispatch import cdiv
-from krait.ops.arrival import arrival_counters
+from krait.ops.arrival import slice_width, split_k_scratch
 from krait.ops.gemv import conv_args, conv_tile_finish, conv_tile_operands, finish_tile
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.timeline import ENTRY, EXIT, LOOPED, WAITED, stamp, timeline_args
@@ -244,15 +244,11 @@ def gemv_tma(x: Tensor, weight: Tensor, config: dict | None = None,
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     tiles = cdiv(n, cfg["BLOCK_N"])
-    k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    k_slice = slice_width(k, split, cfg["BLOCK_K"])
     desc = _descriptor(weight, cfg["BLOCK_N"], cfg["BLOCK_K"])
-    if split > 1:
-        part = torch.empty(split, n, dtype=torch.float32, device=x.device)  # [S, N]
-        counters = arrival_counters(_COUNTERS, x.device, tiles)
-    else:
-        part = counters = y
+    part, counters = split_k_scratch(_COUNTERS, split, (n,), tiles, y)  # [S, N]
     _gemv_tma_kernel[(tiles, split)](
-        x, desc, weight, y, part, counters, n, k, k_per_split,
+        x, desc, weight, y, part, counters, n, k, k_slice,
         SPLIT_K=split, SILU_MUL=silu_mul_out, **extra, **pdl_args(use_pdl(x)), **cfg,
         **timeline_args("gemv_tma", (tiles, split), x.device))
     return y

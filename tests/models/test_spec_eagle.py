@@ -113,6 +113,15 @@ def heads(tmp_path_factory) -> dict[str, str]:
     return {m: make_head(root / m, m) for m in ARCHS}
 
 
+def generate_and_match(llm: LLM, target: Reference) -> None:
+    """Greedy generation of PROMPTS (MAX_NEW tokens, logprobs): HF's tokens, logprobs close."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
+                            logprobs=NUM_LOGPROBS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert_matches(target, i, out.outputs[0], n=MAX_NEW)
+
+
 def make_llm(target: Reference, method: str, head: str, **options) -> LLM:
     spec = {"method": method, "model": head, "num_speculative_tokens": K}
     return LLM(target.model_dir, **device_options(), speculative_config=spec, **options)
@@ -233,11 +242,7 @@ def test_eagle_is_lossless_and_proposes_the_heads_drafts(target, heads, method: 
     added = []
     add = llm.llm_engine.scheduler.add_request
     llm.llm_engine.scheduler.add_request = lambda r: (added.append(r), add(r))
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
-                            logprobs=NUM_LOGPROBS)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert_matches(target, i, out.outputs[0], n=MAX_NEW)
+    generate_and_match(llm, target)
     engine = llm.llm_engine
     stats = engine.get_stats()
     drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
@@ -340,11 +345,7 @@ def test_eagle_through_verify_graphs(target, heads, method: str) -> None:
     llm = make_llm(target, method, heads[method])
     replays = use_graphs(llm)
     seen = record_proposals(llm.llm_engine.runner.drafter)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
-                            logprobs=NUM_LOGPROBS)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert_matches(target, i, out.outputs[0], n=MAX_NEW)
+    generate_and_match(llm, target)
     assert replays, "expected verify steps through the graphs"
     assert llm.llm_engine.runner.drafter.num_lost == 0
     assert _check_proposals(method, heads[method], target, seen) >= len(PROMPTS) * K

@@ -19,11 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from krait import LLM, SamplingParams
+from krait import LLM
 from krait.config import SpeculativeConfig
-from tests.models.test_spec_decode_parity import NUM_LOGPROBS, Reference, assert_matches
+from tests.models.test_spec_decode_parity import Reference
 from tests.models.test_spec_eagle import CONFIGS as EAGLE_CONFIGS
-from tests.models.test_spec_eagle import MAX_NEW, PROMPTS, K, _scripted, use_graphs
+from tests.models.test_spec_eagle import (
+    MAX_NEW,
+    PROMPTS,
+    K,
+    _scripted,
+    generate_and_match,
+    use_graphs,
+)
 from tests.utils import (
     device_options,
     hf_greedy,
@@ -148,11 +155,7 @@ def test_mtp_is_lossless_and_proposes_the_heads_drafts(target, config: str,
     llm = make_llm(target, **CONFIGS[config])
     drafter = llm.llm_engine.runner.drafter
     seen = record_proposals(drafter, partial(_scripted, target) if verified == "scripted" else None)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
-                            logprobs=NUM_LOGPROBS)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert_matches(target, i, out.outputs[0], n=MAX_NEW)
+    generate_and_match(llm, target)
     stats = llm.llm_engine.get_stats()
     drafted = stats["spec_decode_num_draft_tokens"]
     accepted = stats["spec_decode_num_accepted_tokens"]
@@ -187,10 +190,6 @@ def test_mtp_through_verify_graphs(target) -> None:
     llm = make_llm(target)
     replays = use_graphs(llm)
     seen = record_proposals(llm.llm_engine.runner.drafter)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
-                            logprobs=NUM_LOGPROBS)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for i, out in enumerate(outs):
-        assert_matches(target, i, out.outputs[0], n=MAX_NEW)
+    generate_and_match(llm, target)
     assert replays, "expected verify steps through the graphs"
     assert _check_proposals(target, seen) >= len(PROMPTS) * K
