@@ -224,6 +224,13 @@ def summary(name: str, m: int, silu: bool, recs: list[dict]) -> dict | None:
                 failed=sum("error" in r or bool(r.get("wrong")) for r in recs))
 
 
+def print_best(best: list[dict], t0: float) -> None:
+    """The sweep's closing lines: each "best" record, then the seconds since t0."""
+    for b in best:
+        print(json.dumps(b), flush=True)
+    print(json.dumps(dict(done=True, seconds=round(time.time() - t0, 1))), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -256,9 +263,7 @@ def main() -> None:
                 best.append(top)
         del weights
         torch.cuda.empty_cache()
-    for b in best:
-        print(json.dumps(b), flush=True)
-    print(json.dumps(dict(done=True, seconds=round(time.time() - t0, 1))), flush=True)
+    print_best(best, t0)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ LAYERS layers (random weights under `load_format=dummy`), sharing the target's v
 Under the same seed such a draft shares the target's embedding and first layers, and its drafts
 are often accepted; `--foreign` also halves the widths (hidden, intermediate, heads), so every
 weight differs and nearly every draft is rejected: the always-rejected draft model of
-`gpu_check.sh spec`.
+`gpu_check.sh spec`. `--eagle` writes an EAGLE-1 head for a Llama-family config instead (one
+decoder layer at the target's widths, `LlamaForCausalLMEagle`; random weights: its drafts are
+rejected, so a bench shows what the head and its graphs cost).
 
-python3 scripts/draft_config.py NAME OUT_DIR [LAYERS] [--foreign]"""
+python3 scripts/draft_config.py NAME OUT_DIR [LAYERS] [--foreign | --eagle]"""
 
 from __future__ import annotations
 
@@ -17,10 +19,14 @@ from krait.bench.offline import CONFIG_DIR
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--foreign"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     name, out = args[0], Path(args[1])
     layers = int(args[2]) if len(args) > 2 else 2
     cfg = json.loads((CONFIG_DIR / name / "config.json").read_text())
+    if "--eagle" in sys.argv:
+        layers = 1
+        cfg["architectures"] = ["LlamaForCausalLMEagle"]
+        cfg["model_type"] = "llama"
     if "--foreign" in sys.argv:
         for key in ("hidden_size", "intermediate_size", "num_attention_heads"):
             if isinstance(cfg.get(key), int) and cfg[key] % 2 == 0:

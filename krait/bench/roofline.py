@@ -78,7 +78,7 @@ def model_bytes(model: torch.nn.Module, model_state) -> ModelBytes:
     for m in moe_layers:
         e = m.w13.shape[0]
         per = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
-        k = int(getattr(m, "top_k", 1))
+        k = int(m.top_k)
         experts.append((e, k, per))
         params += k * (m.w13[0].numel() + m.w2[0].numel())
     attn = [m for m in model.modules() if isinstance(m, Attention)]

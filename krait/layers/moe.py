@@ -28,13 +28,17 @@ class FusedMoE(torch.nn.Module):
     partial sum the caller all-reduces (once, with a shared expert's partial output)."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
+        top_k: int = 1,
     ) -> None:
+        """top_k: the routes a token takes (what its router picks; the decode roofline counts
+        the experts a step touches from it: krait/bench/roofline.py)."""
         super().__init__()
         if activation not in ("silu", "relu2"):
             raise ValueError(f"FusedMoE: activation {activation!r} is not silu or relu2")
         tp = ps.get_tp_size()
         self.num_experts = num_experts
+        self.top_k = top_k
         self.full_intermediate = intermediate_size
         intermediate_size //= tp
         self.intermediate_size = intermediate_size

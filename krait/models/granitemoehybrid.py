@@ -94,7 +94,8 @@ class GraniteMoE(torch.nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.router = Linear(cfg.hidden_size, cfg.num_local_experts)
-        self.experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
+        self.experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
+                                top_k=self.top_k)
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' output [T, H], plus `add` (the shared MLP's output) when given."""

@@ -155,7 +155,8 @@ class NemotronHMoE(torch.nn.Module):
         latent = getattr(cfg, "moe_latent_size", None)
         self.gate = NemotronHRouter(cfg)
         self.experts = FusedMoE(
-            cfg.n_routed_experts, latent or cfg.hidden_size, cfg.moe_intermediate_size, act
+            cfg.n_routed_experts, latent or cfg.hidden_size, cfg.moe_intermediate_size, act,
+            top_k=cfg.num_experts_per_tok,
         )
         self.shared_experts = NemotronHMLP(
             cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, bias, act

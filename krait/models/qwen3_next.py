@@ -90,7 +90,8 @@ class Qwen3NextMoE(torch.nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = bool(cfg.norm_topk_prob)
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
-        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                top_k=self.top_k)
         self.shared_expert = LlamaMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, num_sms, use_triton
+from krait.ops.arrival import arrival_counters
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
@@ -181,69 +182,126 @@ def _route_up_kernel(
 
 @triton.jit
 def _route_down_kernel(
-    mid_ptr, w_ptr, ids_ptr, tw_ptr, add_ptr, out_ptr, N, K,
+    mid_ptr, w_ptr, ids_ptr, tw_ptr, add_ptr, out_ptr, part_ptr, count_ptr, N, K,
     stride_mid, stride_we, stride_wn, stride_add, stride_out,
-    TOPK: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    TOPK: tl.constexpr, HAS_ADD: tl.constexpr, SPLIT_ROUTES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (t, n): token t's output columns [n * BLOCK_N, +BLOCK_N), its TOPK routes in turn.
+    # SPLIT_ROUTES: program (r, n) of route r = t * TOPK + j computes its weighted route alone,
+    # stores it in float32 partials [T * TOPK, N] and bumps the (t, n) counter; the last of the
+    # token's TOPK programs to arrive sums the partials in route order (as the loop does).
     pdl_trigger(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
     pdl_wait(PDL)
     dtype = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        r = t * TOPK + j
-        expert = tl.load(ids_ptr + r).to(tl.int64)
-        routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0,
-                                  mid_ptr + r * stride_mid, N, K, BLOCK_N, BLOCK_K)
-        routed = routed.to(dtype).to(tl.float32)
-        total += (routed * tl.load(tw_ptr + r)).to(dtype).to(tl.float32)
-    out = total.to(dtype)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    t = pid
+    if SPLIT_ROUTES:
+        t = pid // TOPK
+        expert = tl.load(ids_ptr + pid).to(tl.int64)
+        routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0,
+                                  mid_ptr + pid * stride_mid, N, K, BLOCK_N, BLOCK_K)
+        routed = routed.to(dtype).to(tl.float32)
+        tl.store(part_ptr + pid * N + offs_n,
+                 (routed * tl.load(tw_ptr + pid)).to(dtype).to(tl.float32), mask=n_ok)
+        counter = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(counter, 1)  # acq_rel: orders the store above
+        if arrived == TOPK - 1:
+            for j in tl.static_range(TOPK):
+                total += tl.load(part_ptr + (t * TOPK + j) * N + offs_n, mask=n_ok, other=0.0,
+                                 cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)
+            _route_down_store(total, t, offs_n, n_ok, add_ptr, out_ptr, stride_add,
+                              stride_out, HAS_ADD)
+    else:
+        for j in tl.static_range(TOPK):
+            r = t * TOPK + j
+            expert = tl.load(ids_ptr + r).to(tl.int64)
+            routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0,
+                                      mid_ptr + r * stride_mid, N, K, BLOCK_N, BLOCK_K)
+            routed = routed.to(dtype).to(tl.float32)
+            total += (routed * tl.load(tw_ptr + r)).to(dtype).to(tl.float32)
+        _route_down_store(total, t, offs_n, n_ok, add_ptr, out_ptr, stride_add, stride_out,
+                          HAS_ADD)
+
+
+@triton.jit
+def _route_down_store(total, t, offs_n, n_ok, add_ptr, out_ptr, stride_add, stride_out,
+                      HAS_ADD: tl.constexpr):
+    """Token t's routes' float32 sum rounded to the output's dtype, plus `add`, stored."""
+    dtype = out_ptr.dtype.element_ty
+    out = total.to(dtype)
     if HAS_ADD:
         add = tl.load(add_ptr + t * stride_add + offs_n, mask=n_ok, other=0.0)
         out = (out.to(tl.float32) + add.to(tl.float32)).to(dtype)
     tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
 
 
-def _tiles(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): 16 weight rows a program on the GPU (a 1536 x 512 expert gives 96
-    programs per route), K in 256-wide steps; small tiles under the interpreter."""
+_COUNTERS: dict[torch.device, Tensor] = {}  # the split down's arrival counters, back to zero
+
+# the split down projection (one program a route and column tile) while the unsplit grid (one
+# a token and column tile) would cover the SMs fewer than this many times
+SPLIT_ROUTES_BELOW_WAVES = 4
+
+
+def routes_config(T: int, k: int, hidden: int, inter: int, num_sms: int = 132) -> dict:
+    """Tiles of the two launches: {"up": (BLOCK_N, BLOCK_K, num_warps), "down": (BLOCK_N,
+    BLOCK_K, num_warps, split_routes)}; small tiles under the interpreter. On the H200
+    (`scripts/bench_moe_routes.py`, docs/benchmarks.md) the up launch streams fastest with 8
+    gate and 8 up rows a program at 8 warps, K 512 wide for one token, 256 for more; the down
+    launch with 16 rows, K 256 wide, split by route while few tokens leave the SMs idle."""
     if interpreting():
-        return min(16, next_pow2(n)), min(32, next_pow2(k))
-    return 16, min(256, next_pow2(k))
+        up_bn, up_bk = min(16, next_pow2(inter)), min(32, next_pow2(hidden))
+        dn_bn, dn_bk = min(16, next_pow2(hidden)), min(32, next_pow2(inter))
+        return dict(up=(up_bn, up_bk, 4), down=(dn_bn, dn_bk, 4, T < 3))
+    split = T * cdiv(hidden, 16) < SPLIT_ROUTES_BELOW_WAVES * num_sms and k > 1
+    return dict(up=(8, min(512 if T == 1 else 256, next_pow2(hidden)), 8),
+                down=(16, min(256, next_pow2(inter)), 4, split))
 
 
 def moe_routes_triton(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: int,
-    add: Tensor | None = None,
+    add: Tensor | None = None, config: dict | None = None,
 ) -> Tensor:
     """`fused_moe` (plus `add`) through the per-route GEMVs: two launches. act: 1 gated SiLU
-    (w13 holds gate rows then up rows), 2 relu2."""
+    (w13 holds gate rows then up rows), 2 relu2. config: `routes_config`'s form (its choice by
+    default)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     inter = w2.shape[2]
     out = torch.empty_like(x)  # [T, H]
     if T == 0:
         return out
+    cfg = config or routes_config(T, k, H, inter, num_sms(x.device))
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32)  # [T*k] (reshape(-1) has unit stride)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     mid = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     pdl = pdl_args(use_pdl(x))
-    bn, bk = _tiles(inter, H)
+    bn, bk, nw = cfg["up"]
     _route_up_kernel[(T * k, cdiv(inter, bn))](
         x, w13, ids, mid, inter, H, x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
-        TOPK=k, ACT=act, BLOCK_N=bn, BLOCK_K=bk, **pdl,
+        TOPK=k, ACT=act, BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
     )
     if add is not None and add.stride(-1) != 1:
         add = add.contiguous()
-    bn, bk = _tiles(H, inter)
-    _route_down_kernel[(T, cdiv(H, bn))](
-        mid, w2, ids, tw, add if add is not None else out, out, H, inter,
+    bn, bk, nw, split = cfg["down"]
+    tiles = cdiv(H, bn)
+    part, counters = out, out
+    if split:
+        part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)  # [T*k, H]
+        counters = arrival_counters(_COUNTERS, x.device, T * tiles)
+    _route_down_kernel[(T * k if split else T, tiles)](
+        mid, w2, ids, tw, add if add is not None else out, out, part, counters, H, inter,
         mid.stride(0), w2.stride(0), w2.stride(1), add.stride(0) if add is not None else 0,
-        out.stride(0), TOPK=k, HAS_ADD=add is not None, BLOCK_N=bn, BLOCK_K=bk, **pdl,
+        out.stride(0), TOPK=k, HAS_ADD=add is not None, SPLIT_ROUTES=bool(split),
+        BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
     )
     return out
+
+
+def _warps(x: Tensor, num_warps: int) -> dict:
+    return {} if x.device.type == "cpu" else {"num_warps": num_warps}

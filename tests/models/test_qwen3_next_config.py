@@ -73,6 +73,8 @@ def test_decode_roofline_counts_the_gdn_state(monkeypatch):
     assert mb.state_bytes_per_seq == per_seq  # 12.1 MiB: 2 MiB of state a layer
     # the KV of the 2 attention layers (2 KV heads of 256) a token
     assert mb.kv_bytes_per_token == 2 * 2 * 2 * 256 * 2
+    # each of the 8 MoE layers: 512 experts, 10 routes a token (the router's top-k)
+    assert [(e, k) for e, k, _ in mb.expert_bytes_per_layer] == [(512, 10)] * 8
     no_state = type(mb)(**{**mb.__dict__, "state_bytes_per_seq": 0})
     for batch in (1, 64):  # read and written every step
         assert decode_bytes(mb, batch, 1024) - decode_bytes(no_state, batch, 1024) == (

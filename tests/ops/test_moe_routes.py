@@ -107,3 +107,19 @@ def test_gpu_routes_real_sizes(activation, T):
     w_ref, i_ref = route_topk_ref(logits, 6, True)
     assert torch.equal(i, i_ref)
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_split_down_equals_the_route_loop(T):
+    """The split down projection (one program a route, the last arrival sums) gives the loop's
+    bits, and leaves its arrival counters at zero for the next launch (graph-safe)."""
+    x, w13, w2, tw, ids = make_case(T=T, H=64, inter=32, E=8, k=3, activation="silu", seed=3,
+                                    dtype=torch.bfloat16)
+    add = torch.randn(T, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    base = moe_routes.routes_config(T, 3, 64, 32)
+    outs = []
+    for split in (False, True, True):  # twice split: the counters were reset by the first
+        cfg = dict(base, down=(*base["down"][:3], split))
+        outs.append(moe_routes_triton(x, w13, w2, tw, ids, 1, add, config=cfg))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    assert not moe_routes._COUNTERS[x.device].any()
