@@ -59,11 +59,14 @@ class FusedMoE(torch.nn.Module):
             set_spec(self.w2, self._specs["w2"])
 
     def forward(
-        self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, add: Tensor | None = None
+        self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, add: Tensor | None = None,
+        add_gate: Tensor | None = None,
     ) -> Tensor:
         """The routed experts' output, plus `add` [T, H] when given (a shared expert's output:
-        added inside the last launch on the few-route path)."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.activation, add)
+        added inside the last launch on the few-route path), times sigmoid(add_gate) [T, 1]
+        when that is given."""
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.activation, add,
+                         add_gate)
 
     def load_expert(self, name_kind: str, expert: int | None, tensor: Tensor) -> None:
         """Copies one checkpoint tensor into place.

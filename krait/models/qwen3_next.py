@@ -96,10 +96,11 @@ class Qwen3NextMoE(torch.nn.Module):
         self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))  # [T, H]
         weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize,
                                   round_to_dtype=True)
-        return self.experts(x, weights, ids, shared)
+        # shared_expert(x) * sigmoid(shared_expert_gate(x)), the gate applied by the experts
+        return self.experts(x, weights, ids, self.shared_expert(x),
+                            add_gate=self.shared_expert_gate(x))
 
 
 def is_moe_layer(cfg: Any, i: int) -> bool:

@@ -182,10 +182,11 @@ def _route_up_kernel(
 
 @triton.jit
 def _route_down_kernel(
-    mid_ptr, w_ptr, ids_ptr, tw_ptr, add_ptr, out_ptr, part_ptr, count_ptr, N, K,
-    stride_mid, stride_we, stride_wn, stride_add, stride_out,
-    TOPK: tl.constexpr, HAS_ADD: tl.constexpr, SPLIT_ROUTES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    mid_ptr, w_ptr, ids_ptr, tw_ptr, add_ptr, gate_ptr, out_ptr, part_ptr, count_ptr, N, K,
+    stride_mid, stride_we, stride_wn, stride_add, stride_gate, stride_out,
+    TOPK: tl.constexpr, HAS_ADD: tl.constexpr, ADD_GATE: tl.constexpr,
+    SPLIT_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (t, n): token t's output columns [n * BLOCK_N, +BLOCK_N), its TOPK routes in turn.
     # SPLIT_ROUTES: program (r, n) of route r = t * TOPK + j computes its weighted route alone,
@@ -214,8 +215,8 @@ def _route_down_kernel(
                 total += tl.load(part_ptr + (t * TOPK + j) * N + offs_n, mask=n_ok, other=0.0,
                                  cache_modifier=".cg")
             tl.atomic_xchg(counter, 0)
-            _route_down_store(total, t, offs_n, n_ok, add_ptr, out_ptr, stride_add,
-                              stride_out, HAS_ADD)
+            _route_down_store(total, t, offs_n, n_ok, add_ptr, gate_ptr, out_ptr, stride_add,
+                              stride_gate, stride_out, HAS_ADD, ADD_GATE)
     else:
         for j in tl.static_range(TOPK):
             r = t * TOPK + j
@@ -224,19 +225,23 @@ def _route_down_kernel(
                                       mid_ptr + r * stride_mid, N, K, BLOCK_N, BLOCK_K)
             routed = routed.to(dtype).to(tl.float32)
             total += (routed * tl.load(tw_ptr + r)).to(dtype).to(tl.float32)
-        _route_down_store(total, t, offs_n, n_ok, add_ptr, out_ptr, stride_add, stride_out,
-                          HAS_ADD)
+        _route_down_store(total, t, offs_n, n_ok, add_ptr, gate_ptr, out_ptr, stride_add,
+                          stride_gate, stride_out, HAS_ADD, ADD_GATE)
 
 
 @triton.jit
-def _route_down_store(total, t, offs_n, n_ok, add_ptr, out_ptr, stride_add, stride_out,
-                      HAS_ADD: tl.constexpr):
-    """Token t's routes' float32 sum rounded to the output's dtype, plus `add`, stored."""
+def _route_down_store(total, t, offs_n, n_ok, add_ptr, gate_ptr, out_ptr, stride_add,
+                      stride_gate, stride_out, HAS_ADD: tl.constexpr, ADD_GATE: tl.constexpr):
+    """Token t's routes' float32 sum rounded to the output's dtype, plus `add` (times
+    sigmoid(its gate logit), each rounded to the dtype as torch's ops would), stored."""
     dtype = out_ptr.dtype.element_ty
     out = total.to(dtype)
     if HAS_ADD:
-        add = tl.load(add_ptr + t * stride_add + offs_n, mask=n_ok, other=0.0)
-        out = (out.to(tl.float32) + add.to(tl.float32)).to(dtype)
+        add = tl.load(add_ptr + t * stride_add + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if ADD_GATE:
+            g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
+            add = (add * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        out = (out.to(tl.float32) + add).to(dtype)
     tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
 
 
@@ -264,11 +269,11 @@ def routes_config(T: int, k: int, hidden: int, inter: int, num_sms: int = 132) -
 
 def moe_routes_triton(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: int,
-    add: Tensor | None = None, config: dict | None = None,
+    add: Tensor | None = None, config: dict | None = None, add_gate: Tensor | None = None,
 ) -> Tensor:
-    """`fused_moe` (plus `add`) through the per-route GEMVs: two launches. act: 1 gated SiLU
-    (w13 holds gate rows then up rows), 2 relu2. config: `routes_config`'s form (its choice by
-    default)."""
+    """`fused_moe` (plus `add`, times sigmoid(`add_gate`) when given) through the per-route
+    GEMVs: two launches. act: 1 gated SiLU (w13 holds gate rows then up rows), 2 relu2.
+    config: `routes_config`'s form (its choice by default)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -295,9 +300,11 @@ def moe_routes_triton(
         part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)  # [T*k, H]
         counters = arrival_counters(_COUNTERS, x.device, T * tiles)
     _route_down_kernel[(T * k if split else T, tiles)](
-        mid, w2, ids, tw, add if add is not None else out, out, part, counters, H, inter,
+        mid, w2, ids, tw, add if add is not None else out,
+        add_gate if add_gate is not None else out, out, part, counters, H, inter,
         mid.stride(0), w2.stride(0), w2.stride(1), add.stride(0) if add is not None else 0,
-        out.stride(0), TOPK=k, HAS_ADD=add is not None, SPLIT_ROUTES=bool(split),
+        add_gate.stride(0) if add_gate is not None else 0, out.stride(0), TOPK=k,
+        HAS_ADD=add is not None, ADD_GATE=add_gate is not None, SPLIT_ROUTES=bool(split),
         BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
     )
     return out

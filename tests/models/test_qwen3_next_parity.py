@@ -125,6 +125,26 @@ def test_gdn_triton_kernels_match_hf(ref: Reference, monkeypatch) -> None:
             assert abs(entry[tok].logprob - ref.logprobs[i][step, tok].item()) < 1e-3
 
 
+def test_moe_few_route_kernels_match_hf(ref: Reference, monkeypatch) -> None:
+    """Decode steps' MoE through the few-route kernels (interpreted): top-k routes, the
+    split-by-route down projection and the shared expert's sigmoid gate in its last launch."""
+    from krait.ops import fused_moe, moe_routes
+
+    ran = []
+    monkeypatch.setattr(moe_routes, "use_triton", lambda t: True)
+    run = fused_moe.moe_routes_triton
+    monkeypatch.setattr(fused_moe, "moe_routes_triton",
+                        lambda *a, **kw: ran.append(kw.get("add_gate") is not None) or run(*a, **kw))
+    n = 4
+    llm = LLM(ref.model_dir, device="cpu", dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+    got = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0]
+    assert ran and all(ran)  # every decode step's MoE layers, each with the shared gate
+    assert got.token_ids == ref.tokens[2][:n]
+    for step, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+        assert abs(entry[tok].logprob - ref.logprobs[2][step, tok].item()) < 1e-3
+
+
 @pytest.fixture(scope="module")
 def spec_ref(ref: Reference) -> spec.Reference:
     tokens, _, rows = hf_greedy(ref.model_dir, spec.PROMPTS, spec.MAX_NEW)

@@ -123,3 +123,25 @@ def test_split_down_equals_the_route_loop(T):
         outs.append(moe_routes_triton(x, w13, w2, tw, ids, 1, add, config=cfg))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
     assert not moe_routes._COUNTERS[x.device].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+def test_gated_add_matches_torch(T, dtype):
+    """add_gate: the shared expert's output times sigmoid(its gate logit), added in the last
+    launch (Qwen3-Next), as torch computes it (bf16: within rounding; the interpreter's casts
+    do not round as CUDA's do)."""
+    x, w13, w2, tw, ids = make_case(T=T, H=64, inter=32, E=8, k=2, activation="silu", seed=7,
+                                    dtype=dtype)
+    g = torch.Generator().manual_seed(8)
+    add = torch.randn(T, 64, generator=g).to(dtype)
+    gate = torch.randn(T, 1, generator=g).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    out = moe_routes_triton(x, w13, w2, tw, ids, 1, add, add_gate=gate)
+    routed = moe_routes_triton(x, w13, w2, tw, ids, 1)
+    torch.testing.assert_close(out.float(), (routed + add * torch.sigmoid(gate)).float(), **tol)
+    torch.testing.assert_close(fused_moe(x, w13, w2, tw, ids, "silu", add, gate).float(),
+                               (fused_moe_ref(x, w13, w2, tw, ids)
+                                + add * torch.sigmoid(gate)).float(), **tol)
+    with pytest.raises(ValueError, match="add_gate"):
+        fused_moe(x, w13, w2, tw, ids, "silu", None, gate)
