@@ -89,18 +89,20 @@ class Qwen3NextMoE(torch.nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = bool(cfg.norm_topk_prob)
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts)
+        self.num_experts = cfg.num_experts
+        # the router (`gate`) and the shared expert's gate (`shared_expert_gate`) in one weight
+        self.router = MergedLinear(cfg.hidden_size, [cfg.num_experts, 1])
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 top_k=self.top_k)
         self.shared_expert = LlamaMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize,
+        logits = self.router(x)  # [T, E + 1]: expert logits, then the shared gate's
+        weights, ids = route_topk(logits[:, : self.num_experts], self.top_k, self.renormalize,
                                   round_to_dtype=True)
-        # shared_expert(x) * sigmoid(shared_expert_gate(x)), the gate applied by the experts
+        # shared_expert(x) * sigmoid(shared gate logit), the gate applied by the experts
         return self.experts(x, weights, ids, self.shared_expert(x),
-                            add_gate=self.shared_expert_gate(x))
+                            add_gate=logits[:, self.num_experts :])
 
 
 def is_moe_layer(cfg: Any, i: int) -> bool:
@@ -157,6 +159,8 @@ class Qwen3NextForCausalLM(torch.nn.Module):
         **QKV_GATE_UP_SHARDS,
         ".in_proj_qkvz.": (".in_proj.", 0),
         ".in_proj_ba.": (".in_proj.", 1),
+        ".mlp.gate.": (".mlp.router.", 0),
+        ".mlp.shared_expert_gate.": (".mlp.router.", 1),
     }
 
     def __init__(self, cfg: Any) -> None:
