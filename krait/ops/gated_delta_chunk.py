@@ -328,10 +328,10 @@ def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> di
     fast enough); the sequential pass over BV = 32 state columns (one long sequence: 32 heads
     x 4 blocks = 128 programs; 64 columns measured 0.233 against 0.190 ms at 8k tokens on the
     H200), its next chunks' loads issued early (STATE_STAGES); the prep and output kernels over
-    V in blocks of 64, their registers capped (*_MAXNREG: ptxas takes all 255 uncapped and
-    spills nothing at 128, so that two prep and four output programs share an SM), the output
-    kernel with 8 warps (0.388 against 0.716 ms with 4). LOWP: scratch in the activations'
-    dtype (bf16 / fp16 inputs, compiled), float32 otherwise. PRECISION: float32 products (tf32
+    V in blocks of 64 at 4 warps, their registers left to ptxas (*_MAXNREG None; at 8k tokens
+    on the H200 the output kernel took 0.234 ms so against 0.392 at 8 warps capped at 128
+    registers, the prep kernel 0.357 against 0.406: docs/benchmarks.md). LOWP: scratch in the
+    activations' dtype (bf16 / fp16 inputs, compiled), float32 otherwise. PRECISION: float32 products (tf32
     for bf16 / fp16 inputs, ieee for float32 ones; 'upcast' interpreted: `_dot`);
     SOLVE_PRECISION: the triangular solve's merge products (tf32 for bf16 / fp16 inputs: 0.401
     against 0.674 ms for tf32x3, outputs as close to fla's, 0.52%, as with tf32x3; the
@@ -339,9 +339,9 @@ def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> di
     lowp = dtype in (torch.bfloat16, torch.float16) and not interp
     half = dtype != torch.float32
     cfg = dict(BT=64, BC=16, BK=_tile(K), BV=min(_tile(V), 32), BV_PREP=min(_tile(V), 64),
-               BV_OUT=min(_tile(V), 64), DIAG_WARPS=1, PREP_WARPS=8, PREP_MAXNREG=128,
-               STATE_WARPS=4, STATE_STAGES=3 if lowp else 2, OUT_WARPS=8, OUT_STAGES=2,
-               OUT_MAXNREG=128, LOWP=lowp, PRECISION="tf32" if half else "ieee",
+               BV_OUT=min(_tile(V), 64), DIAG_WARPS=1, PREP_WARPS=4, PREP_MAXNREG=None,
+               STATE_WARPS=4, STATE_STAGES=3 if lowp else 2, OUT_WARPS=4, OUT_STAGES=2,
+               OUT_MAXNREG=None, LOWP=lowp, PRECISION="tf32" if half else "ieee",
                SOLVE_PRECISION="tf32" if half else "ieee")
     if interp:
         cfg.update(BT=32, PRECISION="upcast", SOLVE_PRECISION="upcast")
