@@ -71,6 +71,13 @@ case $what in
         --prompt-lens "" > "$LOG/lat_draftonly_$m.json" 2> "$LOG/lat_draftonly_$m.err"
       echo "== draft of $m alone"; grep -v Warn "$LOG/lat_draftonly_$m.err" | tail -4; pack
     done
+    # an EAGLE-1 head at the target's widths (random weights: drafts rejected; what the head,
+    # its runner and the verify graphs cost)
+    for m in ${EAGLE_MODELS:-qwen3-0.6b}; do
+      d=/tmp/krait_eagle_$m
+      python3 scripts/draft_config.py "$m" "$d" --eagle
+      bench_latency $m "_eagle" --speculative-config "{\"method\":\"eagle\",\"model\":\"$d\",\"num_speculative_tokens\":3}"
+    done
     ;;
   prefix)  # prefix caching on hybrids: 64 requests sharing a 4096-token prefix + 64 distinct,
     # 32 out; TTFT cold vs warm, throughput with caching on / off, distinct prompts' cost
@@ -81,11 +88,14 @@ case $what in
     done
     ;;
   gdn)  # Qwen3-Next's Gated DeltaNet: its kernels at Qwen3-Next-80B's sizes against the torch
-    # references; the 8-layer config's decode at batch 1 and 64 (roofline ratio), an 8k
-    # prefill and MTP drafting; the prefill kernel beside fla's chunk_gated_delta_rule at 8k
-    # tokens when wheels/ (fla-core, einops: carry=["wheels"]) is there. Fits one 600 s call: each part time-boxed
+    # references; its MoE's few-route kernels; the 8-layer config's decode at batch 1 and 64
+    # (roofline ratio), an 8k prefill and MTP drafting; the prefill kernel beside fla's
+    # chunk_gated_delta_rule at 8k tokens when wheels/ (fla-core, einops: carry=["wheels"]) is
+    # there. Fits one 600 s call: each part time-boxed
     timeout ${GDN_TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/ops/test_gated_delta_rule.py \
       -p no:cacheprovider 2>&1 | tail -15 | tee "$LOG/kernels_gdn.log"
+    timeout 90 python3 scripts/bench_moe_routes.py --quick > "$LOG/moe_routes.jsonl" 2>&1
+    echo "== moe few-route kernels (us a call)"; grep best "$LOG/moe_routes.jsonl"
     pack
     LAT_TIMEOUT=${LAT_TIMEOUT:-300} bench_latency qwen3-next-80b-a3b-8l "" --prompt-lens 8192
     # its MTP head drafting (random weights: drafts rejected; the head's and the graphs' cost)
