@@ -11,6 +11,7 @@ from torch import Tensor
 from krait.distributed import parallel_state as ps
 from krait.distributed.sharding import ShardSpec, materialize, read_shard, set_spec
 from krait.ops.fused_moe import fused_moe
+from krait.ops.moe_routes import use_moe_routes
 
 _GATE_UP = ("w13", "gate_up")
 _GATE = ("w1", "gate")
@@ -60,13 +61,33 @@ class FusedMoE(torch.nn.Module):
 
     def forward(
         self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor, add: Tensor | None = None,
-        add_gate: Tensor | None = None,
+        add_gate: Tensor | None = None, shared_expert: torch.nn.Module | None = None,
     ) -> Tensor:
         """The routed experts' output, plus `add` [T, H] when given (a shared expert's output:
         added inside the last launch on the few-route path), times sigmoid(add_gate) [T, 1]
-        when that is given."""
+        when that is given. `shared_expert` (instead of `add`): a gated-SiLU MLP module
+        (`gate_up_proj`, `down_proj`) whose output is the add; on the few-route path, where
+        it has no biases and the experts' intermediate size, it runs as one more route a
+        token inside the experts' two launches."""
+        if shared_expert is not None:
+            weights = self._shared_route(shared_expert)
+            if weights is not None and use_moe_routes(x, topk_ids.numel(), self.num_experts):
+                return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
+                                 self.activation, add_gate=add_gate, shared=weights)
+            add = shared_expert(x)
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.activation, add,
                          add_gate)
+
+    def _shared_route(self, mlp: torch.nn.Module) -> tuple[Tensor, Tensor] | None:
+        """(gate_up [2I, H], down [H, I]) of a shared expert the few-route kernels can run as
+        a route (gated SiLU experts, one rank, no biases, this layer's I and H), else None."""
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        if (not self.gated or ps.get_tp_size() > 1 or gate_up.bias is not None
+                or down.bias is not None
+                or gate_up.weight.shape != self.w13.shape[1:]
+                or down.weight.shape != self.w2.shape[1:]):
+            return None
+        return gate_up.weight, down.weight
 
     def load_expert(self, name_kind: str, expert: int | None, tensor: Tensor) -> None:
         """Copies one checkpoint tensor into place.

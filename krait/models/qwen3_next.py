@@ -101,8 +101,8 @@ class Qwen3NextMoE(torch.nn.Module):
         weights, ids = route_topk(logits[:, : self.num_experts], self.top_k, self.renormalize,
                                   round_to_dtype=True)
         # shared_expert(x) * sigmoid(shared gate logit), the gate applied by the experts
-        return self.experts(x, weights, ids, self.shared_expert(x),
-                            add_gate=logits[:, self.num_experts :])
+        return self.experts(x, weights, ids, add_gate=logits[:, self.num_experts :],
+                            shared_expert=self.shared_expert)
 
 
 def is_moe_layer(cfg: Any, i: int) -> bool:

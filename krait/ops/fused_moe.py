@@ -292,19 +292,25 @@ def fused_moe_ref(
 def fused_moe(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
     activation: str = "silu", add: Tensor | None = None, add_gate: Tensor | None = None,
+    shared: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows) for "silu", [E, I, H] for "relu2";
     w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int32 -> [T, H] in x's dtype,
     plus `add` [T, H] when given (rounded once more, as a separate add would be), first
     multiplied by sigmoid(add_gate) ([T, 1] logits: Qwen3-Next's gated shared expert) when
     that is given. Batches of few routes take `krait.ops.moe_routes` (the add and its gate
-    fused)."""
-    if add_gate is not None and add is None:
+    fused); only they take `shared` = (gate_up [2I, H], down [H, I]): a shared expert run as
+    one more route a token, whose output is the add (`moe_routes_triton`)."""
+    if add_gate is not None and add is None and shared is None:
         raise ValueError("fused_moe: add_gate scales `add`, which is missing")
-    if use_moe_routes(x, topk_ids.numel(), w13.shape[0]):
+    few = use_moe_routes(x, topk_ids.numel(), w13.shape[0])
+    if shared is not None and not few:
+        raise ValueError("fused_moe: a shared expert as a route needs a few-route batch "
+                         "(use_moe_routes)")
+    if few:
         act = _check(x, w13, w2, topk_ids, activation)
         return moe_routes_triton(x, w13, w2, topk_weights, topk_ids, act, add,
-                                 add_gate=add_gate)
+                                 add_gate=add_gate, shared=shared)
     if add_gate is not None:
         add = add * torch.sigmoid(add_gate)
     if use_triton(x):

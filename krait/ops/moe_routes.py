@@ -155,22 +155,28 @@ def _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, row0, x_row, N, K,
 
 @triton.jit
 def _route_up_kernel(
-    x_ptr, w_ptr, ids_ptr, mid_ptr, N, K, stride_x, stride_we, stride_wn, stride_mid,
-    TOPK: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, w_ptr, ids_ptr, mid_ptr, ws_ptr, N, K, num_routes, stride_x, stride_we, stride_wn,
+    stride_wsn, stride_mid,
+    TOPK: tl.constexpr, ACT: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (r, n): route r = token * TOPK + j, intermediate columns [n * BLOCK_N, +BLOCK_N).
+    # SHARED: programs r >= num_routes are token r - num_routes's shared expert (ws [2N, K]).
     pdl_trigger(PDL)
     r = tl.program_id(0).to(tl.int64)
     pdl_wait(PDL)
-    expert = tl.load(ids_ptr + r).to(tl.int64)
-    x_row = x_ptr + (r // TOPK) * stride_x
+    base, expert, row_stride, token = w_ptr, r * 0, stride_wn, r // TOPK
+    if SHARED and r >= num_routes:
+        base, row_stride, token = ws_ptr, stride_wsn, r - num_routes
+    else:
+        expert = tl.load(ids_ptr + r).to(tl.int64)
+    x_row = x_ptr + token * stride_x
     dtype = mid_ptr.dtype.element_ty
     # each projection rounded as F.linear's output
-    h = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0, x_row, N, K, BLOCK_N, BLOCK_K)
+    h = _expert_rows_dot(base, expert, stride_we, row_stride, 0, x_row, N, K, BLOCK_N, BLOCK_K)
     h = h.to(dtype).to(tl.float32)
     if ACT == 1:  # the up rows sit N rows below the gate rows
-        up = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, N, x_row, N, K, BLOCK_N,
+        up = _expert_rows_dot(base, expert, stride_we, row_stride, N, x_row, N, K, BLOCK_N,
                               BLOCK_K)
         h = h / (1.0 + tl.exp(-h)) * up.to(dtype).to(tl.float32)
     else:
@@ -182,16 +188,19 @@ def _route_up_kernel(
 
 @triton.jit
 def _route_down_kernel(
-    mid_ptr, w_ptr, ids_ptr, tw_ptr, add_ptr, gate_ptr, out_ptr, part_ptr, count_ptr, N, K,
-    stride_mid, stride_we, stride_wn, stride_add, stride_gate, stride_out,
-    TOPK: tl.constexpr, HAS_ADD: tl.constexpr, ADD_GATE: tl.constexpr,
+    mid_ptr, w_ptr, ids_ptr, tw_ptr, add_ptr, gate_ptr, out_ptr, part_ptr, count_ptr, ws_ptr,
+    N, K, num_routes, stride_mid, stride_we, stride_wn, stride_add, stride_gate, stride_out,
+    stride_wsn,
+    TOPK: tl.constexpr, HAS_ADD: tl.constexpr, ADD_GATE: tl.constexpr, SHARED: tl.constexpr,
     SPLIT_ROUTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Program (t, n): token t's output columns [n * BLOCK_N, +BLOCK_N), its TOPK routes in turn.
     # SPLIT_ROUTES: program (r, n) of route r = t * TOPK + j computes its weighted route alone,
-    # stores it in float32 partials [T * TOPK, N] and bumps the (t, n) counter; the last of the
-    # token's TOPK programs to arrive sums the partials in route order (as the loop does).
+    # stores it in float32 partials [rows, N] and bumps the (t, n) counter; the last of the
+    # token's programs to arrive sums the routes' partials in route order (as the loop does).
+    # SHARED (split only): program r >= num_routes is token r - num_routes's shared expert
+    # (ws [N, K]), whose partial is the add: its output times sigmoid(gate) with ADD_GATE.
     pdl_trigger(PDL)
     pid = tl.program_id(0).to(tl.int64)
     pdl_wait(PDL)
@@ -202,21 +211,34 @@ def _route_down_kernel(
     t = pid
     if SPLIT_ROUTES:
         t = pid // TOPK
-        expert = tl.load(ids_ptr + pid).to(tl.int64)
-        routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0,
-                                  mid_ptr + pid * stride_mid, N, K, BLOCK_N, BLOCK_K)
-        routed = routed.to(dtype).to(tl.float32)
-        tl.store(part_ptr + pid * N + offs_n,
-                 (routed * tl.load(tw_ptr + pid)).to(dtype).to(tl.float32), mask=n_ok)
+        if SHARED and pid >= num_routes:
+            t = pid - num_routes
+            val = _expert_rows_dot(ws_ptr, 0, 0, stride_wsn, 0, mid_ptr + pid * stride_mid, N,
+                                   K, BLOCK_N, BLOCK_K).to(dtype).to(tl.float32)
+            val = _gated(val, t, gate_ptr, stride_gate, dtype, ADD_GATE)
+        else:
+            expert = tl.load(ids_ptr + pid).to(tl.int64)
+            routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0,
+                                      mid_ptr + pid * stride_mid, N, K, BLOCK_N, BLOCK_K)
+            routed = routed.to(dtype).to(tl.float32)
+            val = (routed * tl.load(tw_ptr + pid)).to(dtype).to(tl.float32)
+        tl.store(part_ptr + pid * N + offs_n, val, mask=n_ok)
         counter = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(counter, 1)  # acq_rel: orders the store above
-        if arrived == TOPK - 1:
+        if arrived == TOPK - 1 + SHARED:
             for j in tl.static_range(TOPK):
                 total += tl.load(part_ptr + (t * TOPK + j) * N + offs_n, mask=n_ok, other=0.0,
                                  cache_modifier=".cg")
             tl.atomic_xchg(counter, 0)
-            _route_down_store(total, t, offs_n, n_ok, add_ptr, gate_ptr, out_ptr, stride_add,
-                              stride_gate, stride_out, HAS_ADD, ADD_GATE)
+            out = total.to(dtype)
+            if SHARED:
+                add = tl.load(part_ptr + (num_routes + t) * N + offs_n, mask=n_ok, other=0.0,
+                              cache_modifier=".cg")
+                out = (out.to(tl.float32) + add).to(dtype)
+            elif HAS_ADD:
+                out = _plus_add(out, t, offs_n, n_ok, add_ptr, gate_ptr, stride_add,
+                                stride_gate, ADD_GATE)
+            tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
     else:
         for j in tl.static_range(TOPK):
             r = t * TOPK + j
@@ -225,24 +247,31 @@ def _route_down_kernel(
                                       mid_ptr + r * stride_mid, N, K, BLOCK_N, BLOCK_K)
             routed = routed.to(dtype).to(tl.float32)
             total += (routed * tl.load(tw_ptr + r)).to(dtype).to(tl.float32)
-        _route_down_store(total, t, offs_n, n_ok, add_ptr, gate_ptr, out_ptr, stride_add,
-                          stride_gate, stride_out, HAS_ADD, ADD_GATE)
+        out = total.to(dtype)
+        if HAS_ADD:
+            out = _plus_add(out, t, offs_n, n_ok, add_ptr, gate_ptr, stride_add, stride_gate,
+                            ADD_GATE)
+        tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
 
 
 @triton.jit
-def _route_down_store(total, t, offs_n, n_ok, add_ptr, gate_ptr, out_ptr, stride_add,
-                      stride_gate, stride_out, HAS_ADD: tl.constexpr, ADD_GATE: tl.constexpr):
-    """Token t's routes' float32 sum rounded to the output's dtype, plus `add` (times
-    sigmoid(its gate logit), each rounded to the dtype as torch's ops would), stored."""
-    dtype = out_ptr.dtype.element_ty
-    out = total.to(dtype)
-    if HAS_ADD:
-        add = tl.load(add_ptr + t * stride_add + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if ADD_GATE:
-            g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
-            add = (add * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        out = (out.to(tl.float32) + add).to(dtype)
-    tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
+def _gated(val, t, gate_ptr, stride_gate, dtype: tl.constexpr, ADD_GATE: tl.constexpr):
+    """val (float32, already in the output's dtype's values) times sigmoid(token t's gate
+    logit) with ADD_GATE, each rounded to the dtype as torch's ops would."""
+    if ADD_GATE:
+        g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
+        val = (val * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return val
+
+
+@triton.jit
+def _plus_add(out, t, offs_n, n_ok, add_ptr, gate_ptr, stride_add, stride_gate,
+              ADD_GATE: tl.constexpr):
+    """out (the routes' sum in the output's dtype) plus token t's `add` row (gated: `_gated`),
+    rounded to the dtype."""
+    add = tl.load(add_ptr + t * stride_add + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    add = _gated(add, t, gate_ptr, stride_gate, out.dtype, ADD_GATE)
+    return (out.to(tl.float32) + add).to(out.dtype)
 
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # the split down's arrival counters, back to zero
@@ -270,42 +299,55 @@ def routes_config(T: int, k: int, hidden: int, inter: int, num_sms: int = 132) -
 def moe_routes_triton(
     x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, act: int,
     add: Tensor | None = None, config: dict | None = None, add_gate: Tensor | None = None,
+    shared: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """`fused_moe` (plus `add`, times sigmoid(`add_gate`) when given) through the per-route
     GEMVs: two launches. act: 1 gated SiLU (w13 holds gate rows then up rows), 2 relu2.
-    config: `routes_config`'s form (its choice by default)."""
+    shared = (gate_up [2I, H], down [H, I]): a gated-SiLU shared expert of the experts'
+    intermediate size run as one more route a token, its output the add (instead of `add`).
+    config: `routes_config`'s form (its choice by default; split by route with `shared`)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     inter = w2.shape[2]
     out = torch.empty_like(x)  # [T, H]
     if T == 0:
         return out
+    if shared is not None and (add is not None or act != 1
+                               or shared[0].shape != (2 * inter, H)
+                               or shared[1].shape != (H, inter)):
+        raise ValueError("moe_routes: a shared expert takes the place of `add` and needs the "
+                         "experts' gated-SiLU shapes")
     cfg = config or routes_config(T, k, H, inter, num_sms(x.device))
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = topk_ids.reshape(-1).to(torch.int32)  # [T*k] (reshape(-1) has unit stride)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
-    mid = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
+    rows = T * k + (T if shared is not None else 0)  # routes, then the shared experts'
+    mid = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # [rows, I]
+    ws13, ws2 = shared if shared is not None else (w13, w2)
     pdl = pdl_args(use_pdl(x))
     bn, bk, nw = cfg["up"]
-    _route_up_kernel[(T * k, cdiv(inter, bn))](
-        x, w13, ids, mid, inter, H, x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
-        TOPK=k, ACT=act, BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
+    _route_up_kernel[(rows, cdiv(inter, bn))](
+        x, w13, ids, mid, ws13, inter, H, T * k, x.stride(0), w13.stride(0), w13.stride(1),
+        ws13.stride(-2), mid.stride(0), TOPK=k, ACT=act, SHARED=shared is not None,
+        BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
     )
     if add is not None and add.stride(-1) != 1:
         add = add.contiguous()
     bn, bk, nw, split = cfg["down"]
+    split = split or shared is not None
     tiles = cdiv(H, bn)
     part, counters = out, out
     if split:
-        part = torch.empty(T * k, H, dtype=torch.float32, device=x.device)  # [T*k, H]
+        part = torch.empty(rows, H, dtype=torch.float32, device=x.device)  # [rows, H]
         counters = arrival_counters(_COUNTERS, x.device, T * tiles)
-    _route_down_kernel[(T * k if split else T, tiles)](
+    _route_down_kernel[(rows if split else T, tiles)](
         mid, w2, ids, tw, add if add is not None else out,
-        add_gate if add_gate is not None else out, out, part, counters, H, inter,
+        add_gate if add_gate is not None else out, out, part, counters, ws2, H, inter, T * k,
         mid.stride(0), w2.stride(0), w2.stride(1), add.stride(0) if add is not None else 0,
-        add_gate.stride(0) if add_gate is not None else 0, out.stride(0), TOPK=k,
-        HAS_ADD=add is not None, ADD_GATE=add_gate is not None, SPLIT_ROUTES=bool(split),
-        BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
+        add_gate.stride(0) if add_gate is not None else 0, out.stride(0), ws2.stride(-2),
+        TOPK=k, HAS_ADD=add is not None, ADD_GATE=add_gate is not None,
+        SHARED=shared is not None, SPLIT_ROUTES=bool(split), BLOCK_N=bn, BLOCK_K=bk, **pdl,
+        **_warps(x, nw),
     )
     return out
 

@@ -125,24 +125,35 @@ def test_gdn_triton_kernels_match_hf(ref: Reference, monkeypatch) -> None:
             assert abs(entry[tok].logprob - ref.logprobs[i][step, tok].item()) < 1e-3
 
 
-def test_moe_few_route_kernels_match_hf(ref: Reference, monkeypatch) -> None:
+@pytest.mark.parametrize("shared_size", [48, 32])
+def test_moe_few_route_kernels_match_hf(ref: Reference, shared_size: int, tmp_path,
+                                        monkeypatch) -> None:
     """Decode steps' MoE through the few-route kernels (interpreted): top-k routes, the
-    split-by-route down projection and the shared expert's sigmoid gate in its last launch."""
+    split-by-route down projection and the shared expert's sigmoid gate in the last launch;
+    a shared expert of the experts' intermediate size (32) runs as one more route, another
+    (the main config's 48) through its own MLP."""
     from krait.ops import fused_moe, moe_routes
 
-    ran = []
+    if shared_size == 48:
+        model_dir, tokens, logprobs = ref.model_dir, ref.tokens[2], ref.logprobs[2]
+    else:
+        model_dir = make_tiny_qwen3_next(tmp_path, shared_expert_intermediate_size=shared_size)
+        toks, _, rows = hf_greedy(model_dir, [PROMPTS[2]], 4)
+        tokens, logprobs = toks[0], rows[0]
+    calls = []
     monkeypatch.setattr(moe_routes, "use_triton", lambda t: True)
     run = fused_moe.moe_routes_triton
     monkeypatch.setattr(fused_moe, "moe_routes_triton",
-                        lambda *a, **kw: ran.append(kw.get("add_gate") is not None) or run(*a, **kw))
+                        lambda *a, **kw: calls.append(kw) or run(*a, **kw))
     n = 4
-    llm = LLM(ref.model_dir, device="cpu", dtype="float32")
+    llm = LLM(model_dir, device="cpu", dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
     got = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0]
-    assert ran and all(ran)  # every decode step's MoE layers, each with the shared gate
-    assert got.token_ids == ref.tokens[2][:n]
+    assert calls and all(kw["add_gate"] is not None for kw in calls)
+    assert all((kw["shared"] is not None) == (shared_size == 32) for kw in calls)
+    assert got.token_ids == tokens[:n]
     for step, (tok, entry) in enumerate(zip(got.token_ids, got.logprobs)):
-        assert abs(entry[tok].logprob - ref.logprobs[2][step, tok].item()) < 1e-3
+        assert abs(entry[tok].logprob - logprobs[step, tok].item()) < 1e-3
 
 
 @pytest.fixture(scope="module")

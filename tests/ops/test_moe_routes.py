@@ -109,6 +109,27 @@ def test_gpu_routes_real_sizes(activation, T):
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 2, 8])
+def test_gpu_qwen3_next_shared_route_real_sizes(T):
+    """Qwen3-Next-80B's experts (512 of 2048 x 512, top-10) with the shared expert as a route
+    and its sigmoid gate, bf16, at the launcher's tiles (split by route), against torch."""
+    from krait.ops.activation import silu_and_mul_ref
+
+    x, w13, w2, tw, ids = make_case(T=T, H=2048, inter=512, E=512, k=10, activation="silu",
+                                    seed=3, device="cuda", dtype=torch.bfloat16)
+    ws13 = (torch.randn(1024, 2048, device="cuda") * 2048 ** -0.5).bfloat16()
+    ws2 = (torch.randn(2048, 512, device="cuda") * 512 ** -0.5).bfloat16()
+    gate = torch.randn(T, 1, device="cuda").bfloat16()
+    out = moe_routes_triton(x, w13, w2, tw, ids, 1, add_gate=gate, shared=(ws13, ws2))
+    F = torch.nn.functional
+    shared = F.linear(silu_and_mul_ref(F.linear(x, ws13)), ws2) * torch.sigmoid(gate)
+    ref = fused_moe_ref(x, w13, w2, tw, ids) + shared
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    assert not moe_routes._COUNTERS[x.device].any()
+
+
 @pytest.mark.parametrize("T", [1, 4])
 def test_split_down_equals_the_route_loop(T):
     """The split down projection (one program a route, the last arrival sums) gives the loop's
@@ -145,3 +166,29 @@ def test_gated_add_matches_torch(T, dtype):
                                 + add * torch.sigmoid(gate)).float(), **tol)
     with pytest.raises(ValueError, match="add_gate"):
         fused_moe(x, w13, w2, tw, ids, "silu", None, gate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3])
+def test_shared_expert_as_a_route_matches_torch(T, dtype):
+    """shared = (gate_up, down): the shared expert runs as one more route a token in the same
+    two launches, its output (times sigmoid(gate)) the add: as the separate MLP computes it."""
+    from krait.ops.activation import silu_and_mul_ref
+
+    x, w13, w2, tw, ids = make_case(T=T, H=64, inter=32, E=8, k=2, activation="silu", seed=11,
+                                    dtype=dtype)
+    g = torch.Generator().manual_seed(12)
+    ws13 = (torch.randn(64, 64, generator=g) * 0.2).to(dtype)  # [2I, H]
+    ws2 = (torch.randn(64, 32, generator=g) * 0.2).to(dtype)  # [H, I]
+    gate = torch.randn(T, 1, generator=g).to(dtype)
+    shared = torch.nn.functional.linear(silu_and_mul_ref(torch.nn.functional.linear(x, ws13)),
+                                        ws2)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for add_gate in (None, gate):
+        out = moe_routes_triton(x, w13, w2, tw, ids, 1, add_gate=add_gate, shared=(ws13, ws2))
+        add = shared if add_gate is None else shared * torch.sigmoid(add_gate)
+        torch.testing.assert_close(out.float(), (fused_moe_ref(x, w13, w2, tw, ids)
+                                                 + add).float(), **tol)
+    assert not moe_routes._COUNTERS[x.device].any()
+    with pytest.raises(ValueError, match="shared expert"):
+        moe_routes_triton(x, w13, w2, tw, ids, 1, add=shared, shared=(ws13, ws2))

@@ -171,20 +171,33 @@ def test_fp8_kv_cache_kernels_compile():
 
 
 
-def test_moe_route_kernels_compile_without_spills():
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_route_kernels_compile_without_spills(shared, monkeypatch):
     """The MoE's few-route path: the router's top-k and the two expert GEMVs at
-    granite-4.0-h-tiny's shapes (64 experts, top-6, 1536 x 512)."""
+    granite-4.0-h-tiny's shapes (64 experts, top-6, 1536 x 512) at the launcher's batch-1
+    tiles: the down projection split by route, with a shared expert as one more route
+    (Qwen3-Next) or an add."""
+    from krait.ops import moe_routes
+
+    monkeypatch.setattr(moe_routes, "interpreting", lambda: False)  # the GPU's tiles
+    cfg = moe_routes.routes_config(1, 6, 1536, 512)
+    assert cfg["down"][3]  # split by route at one token
     r = compile_sm90("krait.ops.moe_routes", "_route_topk_kernel",
                      dict(logits_ptr=BF, w_ptr=F32, ids_ptr=I32),
                      dict(TOPK=6, TOPK_PAD=8, RENORM=True, ROUND_W=True, BLOCK_E=64, PDL=True))
     assert r["pdl"] and r["local"] == 0, r
+    bn, bk, nw = cfg["up"]
     up = compile_sm90("krait.ops.moe_routes", "_route_up_kernel",
-                      dict(x_ptr=BF, w_ptr=BF, ids_ptr=I32, mid_ptr=BF),
-                      dict(TOPK=6, ACT=1, BLOCK_N=16, BLOCK_K=256, PDL=True))
+                      dict(x_ptr=BF, w_ptr=BF, ids_ptr=I32, mid_ptr=BF, ws_ptr=BF),
+                      dict(TOPK=6, ACT=1, SHARED=shared, BLOCK_N=bn, BLOCK_K=bk, PDL=True),
+                      num_warps=nw)
+    bn, bk, nw, split = cfg["down"]
     down = compile_sm90("krait.ops.moe_routes", "_route_down_kernel",
                         dict(mid_ptr=BF, w_ptr=BF, ids_ptr=I32, tw_ptr=F32, add_ptr=BF,
-                             out_ptr=BF),
-                        dict(TOPK=6, HAS_ADD=True, BLOCK_N=16, BLOCK_K=256, PDL=True))
+                             gate_ptr=BF, out_ptr=BF, part_ptr=F32, count_ptr=I32, ws_ptr=BF),
+                        dict(TOPK=6, HAS_ADD=not shared, ADD_GATE=shared, SHARED=shared,
+                             SPLIT_ROUTES=split, BLOCK_N=bn, BLOCK_K=bk, PDL=True),
+                        num_warps=nw)
     for r in (up, down):  # the expert rows stream in 16-byte loads; x is born in their layout
         assert r["pdl"] and r["local"] == 0 and r["vector_loads"] > 0, r
         assert r["loop_barriers"] == 0, r
