@@ -241,8 +241,9 @@ class HeldRows:
 def read_steps(steps: list, where: dict[str, int], got: np.ndarray) -> None:
     """Reads a drafter's launched steps back, after all of them were launched: step (pending,
     col) sampled draft `col` of each of its sampling rows, whose draft runner id `where` maps to
-    a row of `got` ([rows, k]), written there."""
-    for pending, col in steps:
+    a row of `got` ([rows, k]), written there. The last step first: one wait for the device,
+    the steps before it are done by then."""
+    for pending, col in reversed(steps):
         tokens = pending.tokens()
         if tokens:
             got[[where[rid] for rid in pending.req_ids], col] = tokens
