@@ -70,6 +70,17 @@ class _EagleHead(torch.nn.Module):
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.owns_embedding
             else MissingModule())
 
+    @property
+    def input_hidden_width(self) -> int:
+        """The width of the side input a CUDA graph of the head takes (krait/runner/
+        cuda_graphs.py): [T, hidden_size], what `project_hidden` gives."""
+        return self.config.hidden_size
+
+    def project_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states in the form the head's layers read ([T, hidden_size]):
+        as they are, but EAGLE-3's three layers' [T, 3H], which its fc fuses."""
+        return h
+
     def share_target(self, target: torch.nn.Module) -> None:
         """Takes the target's embedding (and lm_head) where the checkpoint had none."""
         if isinstance(self.embed_tokens, MissingModule):
@@ -190,26 +201,39 @@ class Eagle3LlamaForCausalLM(_EagleHead):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
                 ) -> torch.Tensor:
         """-> the pre-norm outputs [T, H] (fed back as they are; logits take their norm)."""
-        h = self._take_hidden(input_ids.shape[0])
-        if h.shape[-1] != self.config.hidden_size:  # the target's three layers: fused by fc
-            h = self.fc(h.to(self.fc.weight.dtype))
+        h = self.project_hidden(self._take_hidden(input_ids.shape[0]))
         self.output_hidden = self.midlayer(positions, self.embed_tokens(input_ids), h, meta)
         return self.output_hidden
+
+    def project_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[-1] != self.config.hidden_size:  # the target's three layers: fused by fc
+            h = self.fc(h.to(self.fc.weight.dtype))
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, vocab_size] logits: the draft vocabulary's at their target ids, -inf elsewhere."""
         logits = self.lm_head(self.norm(hidden))
-        if self.draft_vocab_size == self.config.vocab_size and not self.d2t.any():
+        ids = self._target_ids()
+        if ids is None:
             return logits
-        ids = torch.arange(self.draft_vocab_size, device=logits.device) + self.d2t
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         full[:, ids] = logits
         return full
+
+    def _target_ids(self) -> torch.Tensor | None:
+        """The target id of each draft id (None: the identity), computed once, on the first
+        call (eager, before any graph capture: reading d2t synchronizes with the device)."""
+        if not hasattr(self, "_ids"):
+            identity = self.draft_vocab_size == self.config.vocab_size and not self.d2t.any()
+            self._ids = None if identity else (
+                torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t)
+        return self._ids
 
     def _rename(self, name: str) -> str | None:
         return None if name == "t2d" else name
 
     def _before_load(self, names: set[str], pairs: list) -> None:
+        self.__dict__.pop("_ids", None)  # `_target_ids` reads the loaded d2t
         d2t = [t for n, t in pairs if n == "d2t"]
         pairs[:] = [(n, t) for n, t in pairs if n != "d2t"]
         if d2t:

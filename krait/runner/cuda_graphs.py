@@ -105,11 +105,13 @@ def capture_window(cuda: bool):
 
 
 class _Graph:
-    def __init__(self, graph, batch: InputBatch, meta, logits: torch.Tensor,
-                 greedy: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+    def __init__(self, graph, batch: InputBatch, meta, hidden_in: torch.Tensor | None,
+                 logits: torch.Tensor, greedy: torch.Tensor, hidden: torch.Tensor,
+                 aux: torch.Tensor | None) -> None:
         self.graph = graph
         self.batch = batch
         self.meta = meta
+        self.hidden_in = hidden_in  # [N, W] a drafter head's side input (`input_hidden`), or None
         self.logits = logits  # [N, V]
         self.greedy = greedy  # int64 [N]: argmax of each row's logits
         self.hidden = hidden  # [N, H]: the model's output (an EAGLE or MTP drafter reads it)
@@ -178,25 +180,33 @@ class CudaGraphRunner:
         r = self.runner
         batch = r.dummy_decode_batch(n, self.tokens_per_row)
         meta = r.model_state.prepare_attn(batch, for_capture=True)
+        # a drafter head (krait/models/eagle.py) reads a side input its drafter sets before
+        # each forward: the graph reads it from a buffer of its own, which `run` fills
+        width = getattr(r.model, "input_hidden_width", 0)
+        hidden_in = (torch.zeros(n * self.tokens_per_row, width, dtype=r.config.model.dtype,
+                                 device=r.device) if width else None)
         if not self.record:
-            self.graphs[n] = _Graph(None, batch, meta, *self._body(batch, meta))
+            self.graphs[n] = _Graph(None, batch, meta, hidden_in,
+                                    *self._body(batch, meta, hidden_in))
             return
         stream = warmup_stream(torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: Triton compiles and autotunes outside the graph
-                self._body(batch, meta)
+                self._body(batch, meta, hidden_in)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            body = self._body(batch, meta)
+            body = self._body(batch, meta, hidden_in)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[n] = _Graph(graph, batch, meta, *body)
+        self.graphs[n] = _Graph(graph, batch, meta, hidden_in, *body)
 
-    def _body(self, batch: InputBatch, meta) -> tuple:
+    def _body(self, batch: InputBatch, meta, hidden_in: torch.Tensor | None = None) -> tuple:
         """(logits, greedy, hidden, aux): see `_Graph`."""
         r = self.runner
+        if hidden_in is not None:
+            r.model.input_hidden = hidden_in
         hidden = r.model(batch.input_ids, batch.positions, meta)
         logits = r.model.compute_logits(hidden)
         greedy = argmax(logits)
@@ -219,11 +229,20 @@ class CudaGraphRunner:
             g.batch.input_ids.copy_(batch.input_ids)
             g.batch.positions.copy_(batch.positions)
         copy_tensors(g.meta, meta)
+        model = self.runner.model
+        if g.hidden_in is not None:  # the side input the drafter set for this step's tokens
+            h, model.input_hidden = model.input_hidden, None
+            if h is None or h.shape[0] != batch.num_tokens:
+                raise RuntimeError(f"{type(model).__name__}: the drafter must set input_hidden "
+                                   f"for the step's {batch.num_tokens} tokens")
+            g.hidden_in[: batch.num_tokens].copy_(h)
         if g.graph is None:  # record=False
-            g.logits, g.greedy, g.hidden, g.aux = self._body(g.batch, g.meta)
+            g.logits, g.greedy, g.hidden, g.aux = self._body(g.batch, g.meta, g.hidden_in)
         else:
             g.graph.replay()
         self.last_hidden = g.hidden
+        if g.hidden_in is not None:  # the head's output, as after an eager forward
+            model.output_hidden = g.hidden
         if g.aux is not None:  # the model's attribute named an eager step's tensor since
             self.runner.model.aux_hidden = g.aux
         return g.logits, g.greedy

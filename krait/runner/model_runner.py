@@ -876,6 +876,14 @@ class PendingSample:
             self._tokens = self._host[0].tolist() if self._host is not None else []
         return self._tokens
 
+    def tokens(self) -> list[int]:
+        """Waits for the step's sampled tokens: one a sampling row, in `req_ids` order (what a
+        drafter reads of its own runner's steps: no SampledTokens built a row)."""
+        tokens = self._token_list()
+        if tokens:
+            self.write_host_tokens()
+        return tokens
+
     def write_host_tokens(self) -> None:
         """Stores the sampled values in the host token table, for rows still held by the same
         request (a row may have been handed to another request since the launch)."""

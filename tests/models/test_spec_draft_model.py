@@ -133,8 +133,6 @@ def test_drafts_are_the_draft_models_greedy_continuation(references, tmp_path, a
     """A draft that agrees with the target only in part: every proposal is the draft model's
     own greedy continuation of the verified tokens (HF, recomputed from scratch), so the
     draft's state is right after partial acceptances too; outputs stay exact."""
-    from transformers import AutoModelForCausalLM
-
     ref = references(arch)
     draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
     llm = make_llm(ref, draft_dir, **CONFIGS[config])
@@ -142,6 +140,14 @@ def test_drafts_are_the_draft_models_greedy_continuation(references, tmp_path, a
     seen = record_proposals(drafter)
     rate = run_and_check(llm, ref)
     assert 0.3 < rate < 0.95, rate  # accepted and rejected drafts alike
+    _check_greedy_continuations(draft_dir, seen)
+
+
+def _check_greedy_continuations(draft_dir: str, seen: list) -> None:
+    """Every recorded (tokens, drafts) pair: the drafts are HF's greedy continuation of the
+    tokens under the draft checkpoint."""
+    from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for tokens, drafts in seen:
@@ -225,3 +231,25 @@ def test_bad_draft_models_are_refused(references, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"draft_tensor_parallel_size"):
         LLM(ref.model_dir, **device_options(), speculative_config={
             "model": ref.model_dir, "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2})
+
+
+@pytest.mark.parametrize("arch", ["granitemoehybrid", "llama"])
+def test_one_token_catch_ups_replay_decode_graphs(references, tmp_path, arch: str) -> None:
+    """A draft that agrees with the target in part, through its decode graphs (record=False):
+    a catch-up of one token a row (every draft rejected) is a decode step and replays them, so
+    fewer catch-ups run eagerly than there are; every proposal is still the draft model's
+    greedy continuation (the hybrid's slot A advanced by the decode step as by a chunk)."""
+    ref = references(arch)
+    draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
+    llm = make_llm(ref, draft_dir)
+    drafter = llm.llm_engine.runner.drafter
+    drafter.capture_graphs(record=False)
+    runner = drafter.runner
+    eager = []
+    forward = runner.forward
+    runner.forward = lambda batch: eager.append(batch.num_reqs) or forward(batch)
+    seen = record_proposals(drafter)
+    rate = run_and_check(llm, ref)
+    assert 0.3 < rate < 0.95, rate
+    assert len(eager) < drafter.num_catch_up_steps, (len(eager), drafter.num_catch_up_steps)
+    _check_greedy_continuations(draft_dir, seen)

@@ -337,6 +337,55 @@ def use_graphs(llm: LLM) -> list[int]:
     return replays
 
 
+def use_head_graphs(drafter) -> dict[str, int]:
+    """The head's own decode graphs in their record=False form; returns the tally of its steps
+    as they run: graph replays during the catch-up and during the one-token steps, eager
+    forwards."""
+    drafter.capture_graphs(record=False)
+    runner = drafter.runner
+    tally = {"catch_up": 0, "one_token": 0, "eager": 0}
+    phase = ["one_token"]
+    replay, forward, catch_up = runner.cuda_graphs.run, runner.forward, drafter._catch_up
+
+    def replaying(batch):
+        tally[phase[0]] += 1
+        return replay(batch)
+
+    def eager(batch):
+        tally["eager"] += 1
+        return forward(batch)
+
+    def catching_up(*args):
+        phase[0] = "catch_up"
+        try:
+            return catch_up(*args)
+        finally:
+            phase[0] = "one_token"
+
+    runner.cuda_graphs.run, runner.forward, drafter._catch_up = replaying, eager, catching_up
+    return tally
+
+
+@pytest.mark.parametrize("verified", ["head", "scripted"])
+@pytest.mark.parametrize("method", list(ARCHS))
+def test_head_steps_through_its_decode_graphs(target, heads, method: str, verified: str) -> None:
+    """The head's one-token steps, and its catch-ups of one position a row (every draft
+    rejected), replay the head's decode graphs (record=False: the side input through each
+    graph's buffer); longer catch-ups run eagerly. Outputs stay HF's and every proposal is the
+    reference head's, also after partly accepted verify steps ("scripted")."""
+    llm = make_llm(target, method, heads[method])
+    use_graphs(llm)
+    drafter = llm.llm_engine.runner.drafter
+    tally = use_head_graphs(drafter)
+    seen = record_proposals(drafter, partial(_scripted, target) if verified == "scripted" else None)
+    generate_and_match(llm, target)
+    assert tally["one_token"] > 0 and tally["eager"] > 0, tally  # (prefills run eagerly)
+    if verified == "head":  # every draft rejected: one position a row to catch up
+        assert tally["catch_up"] > 0, tally
+    assert drafter.num_lost == 0
+    assert _check_proposals(method, heads[method], target, seen) >= len(PROMPTS) * K
+
+
 @pytest.mark.parametrize("method", list(ARCHS))
 def test_eagle_through_verify_graphs(target, heads, method: str) -> None:
     """With the target's steps in decode and verify graphs, the head still gets every kept

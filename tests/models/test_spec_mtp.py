@@ -30,6 +30,7 @@ from tests.models.test_spec_eagle import (
     _scripted,
     generate_and_match,
     use_graphs,
+    use_head_graphs,
 )
 from tests.utils import (
     device_options,
@@ -192,4 +193,17 @@ def test_mtp_through_verify_graphs(target) -> None:
     seen = record_proposals(llm.llm_engine.runner.drafter)
     generate_and_match(llm, target)
     assert replays, "expected verify steps through the graphs"
+    assert _check_proposals(target, seen) >= len(PROMPTS) * K
+
+
+def test_mtp_head_through_its_decode_graphs(target) -> None:
+    """The head's one-token steps and one-position catch-ups replay its own decode graphs
+    (record=False): outputs stay HF's and every proposal is the reference head's."""
+    llm = make_llm(target)
+    use_graphs(llm)
+    drafter = llm.llm_engine.runner.drafter
+    tally = use_head_graphs(drafter)
+    seen = record_proposals(drafter)
+    generate_and_match(llm, target)
+    assert tally["catch_up"] > 0 and tally["one_token"] > 0, tally
     assert _check_proposals(target, seen) >= len(PROMPTS) * K

@@ -16,7 +16,9 @@ rejection sampler):
    `num_tokens`, so the rows are prefill rows continuing from their state), split into steps of
    at most `max_num_batched_tokens` tokens. The argmax at the chunk's last position is draft 1.
    A row with nothing to catch up (it was not scheduled since the last call) reuses the draft 1
-   it got then.
+   it got then. A row with one token to catch up (every draft rejected) is a decode row (its
+   `num_prompt_tokens` stays at its computed count): a catch-up of such rows alone replays the
+   draft's decode graph instead of running eagerly.
 2. k - 1 one-token greedy steps (d1 in -> d2 out, ...), all rows in one batch per step, each
    row stopping at its `max_drafts`.
 
@@ -40,7 +42,9 @@ weights loaded), else it takes that fraction. The drafter is built inside the ta
 constructor, before the target's memory profiling (krait/runner/memory.py), which then counts
 the draft's weights and caches as used and sizes the target's pool from what is left. On the
 GPU, unless enforce_eager, the draft runner captures decode CUDA graphs (the k - 1 one-token
-steps replay them); its catch-up chunks run eagerly. A graph pool's free segments are reserved
+steps and one-token catch-ups replay them); longer catch-up chunks run eagerly. The drafts of
+every step are read back once, after the last step was launched, as token arrays
+(`PendingSample.tokens`, `read_steps`). A graph pool's free segments are reserved
 but not allocated memory, which the target's profiling does not count: the draft's decode pool
 (small: max_num_seqs rows of one token) lives in the profiler's reserve; piecewise and prefill
 graph pools (several times a forward's activations at max_num_batched_tokens) would not fit there.
@@ -185,6 +189,75 @@ def sched_output(num_scheduled: dict[str, int], new: list[NewRequestData],
         finished_req_ids=finished, preempted_req_ids=set())
 
 
+class HeldRows:
+    """The rows a drafter's runner holds already and steps this call, as columns (collected a
+    row, written in numpy at once by `write`): its req_state index, its computed count c, the
+    count e it catches up to, the target row its tokens come from, and its draft 1 (used where
+    e == c: the row was not scheduled since the last call)."""
+
+    def __init__(self) -> None:
+        self.index: list[int] = []
+        self.computed: list[int] = []
+        self.end: list[int] = []
+        self.target_row: list[int] = []
+        self.next_token: list[int] = []
+
+    def add(self, index: int, computed: int, end: int, target_row: int, next_token: int) -> None:
+        self.index.append(index)
+        self.computed.append(computed)
+        self.end.append(end)
+        self.target_row.append(target_row)
+        self.next_token.append(next_token)
+
+    def write(self, states, token_table: np.ndarray, shift: int, tables) -> None:
+        """Fills the drafter runner's token tables (host, and `tables` on the device): row
+        position p in [c, e) takes target token p + `shift` (0: a draft model, 1: an EAGLE head,
+        one position on); a row with e == c takes its draft 1 at e. Its counters: num_tokens e
+        (e + 1 for a reused draft 1); num_prompt_tokens e, so the catch-up is a prefill
+        continuation, but c where one token is caught up (every draft rejected): a decode row,
+        which a decode graph serves."""
+        if not self.index:
+            return
+        i = np.array(self.index, dtype=np.int64)
+        c = np.array(self.computed, dtype=np.int64)
+        e = np.array(self.end, dtype=np.int64)
+        n = e - c  # tokens to catch up
+        before = np.cumsum(n) - n
+        pos = np.repeat(c - before, n) + np.arange(int(n.sum()), dtype=np.int64)
+        rows = np.repeat(i, n)
+        toks = token_table[np.repeat(np.array(self.target_row, dtype=np.int64), n), pos + shift]
+        reuse = n == 0
+        if reuse.any():  # draft 1 after the row's last token
+            rows = np.concatenate([rows, i[reuse]])
+            pos = np.concatenate([pos, e[reuse]])
+            toks = np.concatenate([toks, np.array(self.next_token, dtype=toks.dtype)[reuse]])
+        states.token_ids[rows, pos] = toks
+        states.num_prompt_tokens[i] = np.where(n == 1, c, e)
+        states.num_tokens[i] = e + reuse
+        if tables is not None and len(rows):
+            tables.write_sampled(rows, pos, host_to_device(toks.astype(np.int64), tables.device))
+
+
+def read_steps(steps: list, where: dict[str, int], got: np.ndarray) -> None:
+    """Reads a drafter's launched steps back, after all of them were launched: step (pending,
+    col) sampled draft `col` of each of its sampling rows, whose draft runner id `where` maps to
+    a row of `got` ([rows, k]), written there. The last step first: one wait for the device,
+    the steps before it are done by then."""
+    for pending, col in reversed(steps):
+        tokens = pending.tokens()
+        if tokens:
+            got[[where[rid] for rid in pending.req_ids], col] = tokens
+
+
+def check_drafts(got: np.ndarray, expected: np.ndarray, req_ids: list[str]) -> None:
+    """RuntimeError unless row q of `got` holds exactly expected[q] drafts (-1 after them)."""
+    have = (got >= 0).sum(axis=1)
+    bad = np.flatnonzero(have != expected)
+    if len(bad):
+        q = int(bad[0])
+        raise RuntimeError(f"draft row {req_ids[q]}: {have[q]} drafts, expected {expected[q]}")
+
+
 class DraftModelDrafter:
     """Proposes greedy drafts with a draft checkpoint run by its own ModelRunner (see the
     module doc)."""
@@ -199,10 +272,7 @@ class DraftModelDrafter:
         # hybrid drafts: slots A (verified) and B (drafting)
         self.kv = init_draft_pool(self.runner, config, 2 if self.hybrid else 0)
         if self.config.device.type == "cuda" and not self.config.enforce_eager:
-            from krait.runner.cuda_graphs import CudaGraphRunner  # noqa: PLC0415
-
-            self.runner.cuda_graphs = CudaGraphRunner(self.runner)  # decode graphs only
-            self.runner.cuda_graphs.capture_all()
+            self.capture_graphs()  # decode graphs only
         self.max_batched = self.config.scheduler.max_num_batched_tokens
         self._seqs: dict[int, _DraftSeq] = {}  # target req_state index -> its draft sequence
         self._finished: set[str] = set()  # draft ids to drop in the draft runner's next step
@@ -225,6 +295,14 @@ class DraftModelDrafter:
         self._finished.add(seq.request_id)
 
     # -- drafting -------------------------------------------------------------------------
+    def capture_graphs(self, record: bool = True) -> None:
+        """Decode CUDA graphs for the draft runner (its one-token steps, and catch-ups of one
+        token a row, replay them); `record=False`: their dataflow run eagerly (CPU tests)."""
+        from krait.runner.cuda_graphs import CudaGraphRunner  # noqa: PLC0415
+
+        self.runner.cuda_graphs = CudaGraphRunner(self.runner, record=record)
+        self.runner.cuda_graphs.capture_all()
+
     @torch.inference_mode()
     def propose(self, token_table: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
                 max_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -237,13 +315,11 @@ class DraftModelDrafter:
         caps = np.minimum(np.asarray(max_drafts, dtype=np.int64), self.k)
         st = self.runner.states
         new_reqs: list[NewRequestData] = []
-        cached: list[CachedRequestData] = []
+        cached: list[CachedRequestData] = []  # the held rows that got new blocks
         plan: list[tuple[int, _DraftSeq, int, int]] = []  # (output row, seq, tokens, drafts)
         catch_up: dict[str, int] = {}  # draft id -> tokens to catch up
-        got: dict[str, list[int]] = {}  # draft id -> its drafts so far
-        w_rows: list[int] = []  # writes into the draft's device token table
-        w_pos: list[int] = []
-        w_tok: list[int] = []
+        reused: list[tuple[int, int]] = []  # (plan row, its draft 1) of rows not scheduled
+        held = HeldRows()
         for j in np.flatnonzero(caps > 0).tolist():
             row, n, m = int(rows[j]), int(num_tokens[j]), int(caps[j])
             seq = self._seqs.get(row)
@@ -275,31 +351,20 @@ class DraftModelDrafter:
                     state_slots=seq.state_slots[:1], num_computed_tokens=0,
                     num_output_tokens=0, eos_token_ids=[]))
             else:
-                cached.append(CachedRequestData(seq.request_id, new_blocks, c))
-                i = st.index[seq.request_id]
-                if c < n:  # the verified tokens since the last call, as a prefill continuation
-                    st.token_ids[i, c:n] = token_table[row, c:n]
-                    w_rows += [i] * (n - c)
-                    w_pos += range(c, n)
-                    w_tok += token_table[row, c:n].tolist()
-                else:  # not scheduled since the last call: its draft 1 is known
-                    st.token_ids[i, n] = seq.next_token
-                    w_rows.append(i)
-                    w_pos.append(n)
-                    w_tok.append(seq.next_token)
-                    got[seq.request_id] = [seq.next_token]
+                # (the draft runner's computed count is `c` already: only new blocks to send)
+                if new_blocks:
+                    cached.append(CachedRequestData(seq.request_id, new_blocks, c))
+                # the verified tokens since the last call (c < n), or its known draft 1
+                held.add(st.index[seq.request_id], c, n, row, seq.next_token)
+                if c == n:  # not scheduled since the last call
+                    reused.append((len(plan), seq.next_token))
                     self.num_reused_first_drafts += 1
-                st.num_prompt_tokens[i] = n
-                st.num_tokens[i] = n + (c == n)
             if c < n:
                 catch_up[seq.request_id] = n - c
             plan.append((j, seq, n, m))
-        tables = self.runner.tables
-        if tables is not None and w_rows:
-            tables.write_sampled(np.array(w_rows), np.array(w_pos),
-                                 host_to_device(np.array(w_tok, dtype=np.int64), tables.device))
+        held.write(st, token_table, 0, self.runner.tables)
         finished, self._finished = self._finished, set()
-        pending = []
+        steps = []  # (launched step, the draft column its tokens are)
         # 1. catch-up, in steps of at most max_num_batched_tokens (the first one also carries the
         # new, the held and the finished requests)
         first = True
@@ -315,36 +380,38 @@ class DraftModelDrafter:
                 catch_up[rid] -= t
                 if catch_up[rid] == 0:
                     del catch_up[rid]
-            pending.append(self.runner.execute_model(sched_output(
+            steps.append((self.runner.execute_model(sched_output(
                 sched_tokens, new_reqs if first else [], cached if first else [],
-                finished if first else set())))
+                finished if first else set())), 0))
             first = False
             self.num_catch_up_steps += bool(sched_tokens)
         if not plan:
             return drafts, counts
         # 2. the one-token steps from slot B
-        longest = max(m for _, _, _, m in plan)
+        m_of = np.array([m for *_, m in plan], dtype=np.int64)
+        longest = int(m_of.max())
         if longest > 1 and self.hybrid:
             self._to_scratch([seq for _, seq, _, m in plan if m > 1])
         for s in range(1, longest):
-            pending.append(self.runner.execute_model(sched_output(
-                {seq.request_id: 1 for _, seq, _, m in plan if m > s}, [], [], set())))
-        for p in pending:  # read back once, after every step was launched
-            for rid, sampled in p.result().items():
-                got.setdefault(rid, []).extend(sampled.token_ids)
-        for j, seq, n, m in plan:
-            toks = got[seq.request_id]
-            if len(toks) != m:
-                raise RuntimeError(f"draft row {seq.request_id}: {len(toks)} drafts, expected {m}")
-            drafts[j, :m] = toks
-            counts[j] = m
+            steps.append((self.runner.execute_model(sched_output(
+                {seq.request_id: 1 for _, seq, _, m in plan if m > s}, [], [], set())), s))
+        got = np.full((len(plan), self.k), -1, dtype=np.int64)  # each plan row's drafts
+        for q, tok in reused:
+            got[q, 0] = tok
+        read_steps(steps, {seq.request_id: q for q, (_, seq, _, _) in enumerate(plan)}, got)
+        check_drafts(got, m_of, [seq.request_id for _, seq, _, _ in plan])
+        js = np.array([j for j, *_ in plan], dtype=np.int64)
+        drafts[js] = got
+        counts[js] = m_of
+        n_of = np.array([n for _, _, n, _ in plan], dtype=np.int32)
+        ids = np.fromiter((st.index[seq.request_id] for _, seq, _, _ in plan), np.int64, len(plan))
+        for (_, seq, n, _), first_draft in zip(plan, got[:, 0].tolist()):
             seq.num_computed_tokens = n
-            seq.next_token = toks[0]
-            i = st.index[seq.request_id]
-            st.num_computed_tokens[i] = n  # verified tokens only: the drafts are forgotten
-            st.num_tokens[i] = n
-            if self.hybrid:
-                st.state_slots[i, 0] = seq.state_slots[0]  # back to A
+            seq.next_token = first_draft
+        st.num_computed_tokens[ids] = n_of  # verified tokens only: the drafts are forgotten
+        st.num_tokens[ids] = n_of
+        if self.hybrid:  # back to A
+            st.state_slots[ids, 0] = [seq.state_slots[0] for _, seq, _, _ in plan]
         return drafts, counts
 
     def _to_scratch(self, seqs: list[_DraftSeq]) -> None:

@@ -18,7 +18,8 @@ computed and kept: all of a prefill chunk's or a decode's, the 1 + accepted posi
 verify row. EAGLE-1 takes the target model's output (after its final norm); EAGLE-3 the inputs
 of three target layers (`aux_layer_ids`), which the target model keeps in `aux_hidden` only
 when this drafter asked for them (`aux_hidden_layers`). They wait in `_pending` per request
-until the next `propose`.
+(as segments of the tensor each step kept: no tensor op a row) until the next `propose`, which
+gathers each catch-up step's side input from them in one index.
 
 Each `propose` call, for every running request it is given:
 
@@ -26,10 +27,22 @@ Each `propose` call, for every running request it is given:
    chunk (split into steps of at most max_num_batched_tokens tokens), also for requests that
    may not draft now (still in prefill, penalties, ...): the head must have every position's KV
    when they do. Where that reaches the target's last computed position, the argmax there is
-   draft 1, and the head's output there is the hidden state of step 2. A request with nothing
-   pending (not scheduled since the last call) reuses the draft 1 and hidden it got then.
+   draft 1, and the head's output there is the hidden state of step 2 (kept by target row in
+   `_last_hidden`, one scatter a step). A request with nothing pending (not scheduled since
+   the last call) reuses the draft 1 and hidden it got then. A row with one position to catch
+   up (every draft rejected) is a decode row of the head runner (those come first in the
+   step, the order of its batch).
 2. k - 1 one-token greedy steps, each taking the token and the head's own output hidden state
    of the step before (EAGLE-3: its pre-norm output, without fc), all rows in one batch a step.
+
+Graphs: on the GPU, unless enforce_eager, the head runner captures decode CUDA graphs, the side
+input in a buffer of each graph (krait/runner/cuda_graphs.py; EAGLE-3's fc is applied to the
+target's [T, 3H] hidden states before, `project_hidden`, so the side input is [T, H] in every
+step). The one-token steps replay them, and so does a catch-up whose rows all have one position
+(every draft rejected); longer catch-ups run eagerly. A head whose capture fails runs eagerly.
+As with the draft model's decode graphs, their pool (max_num_seqs rows of one token) lives in
+the target's memory profiling reserve.
+Every step's tokens are read back once, after the last step was launched.
 
 KV the head wrote at draft positions needs no rollback: its computed count covers verified
 positions only, and the next catch-up rewrites them before anything reads them. A request the
@@ -51,8 +64,11 @@ from krait.config import EngineConfig, SpeculativeConfig
 from krait.engine.scheduler import CachedRequestData, NewRequestData
 from krait.runner.input_batch import host_to_device
 from krait.runner.spec_decode.draft_model import (
+    HeldRows,
+    check_drafts,
     draft_engine_config,
     init_draft_pool,
+    read_steps,
     sched_output,
 )
 from krait.sampling_params import SamplingParams
@@ -70,18 +86,42 @@ class _HeadSeq:
     request_id: str  # the head runner's id
     num_computed_tokens: int = 0  # head positions computed: 0..c-1
     next_token: int = -1  # the argmax at position c - 1 (a draft 1 when c = n - 1)
-    next_hidden: torch.Tensor | None = None  # the head's output there [H]
+    has_hidden: bool = False  # the head's output there is in EagleDrafter._last_hidden
     block_ids: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _Pending:
-    """Target hidden states a request's head has not consumed: positions start, start + 1, ..."""
+    """Target hidden states a request's head has not consumed: positions start, start + 1, ...,
+    as segments (tensor an observed step kept, first row in it, rows): no tensor op a row."""
 
     start: int
-    chunks: list[torch.Tensor]
+    segs: list[tuple[torch.Tensor, int, int]]
     length: int
+
+
+def _flat_index(pendings: list[_Pending]) -> tuple[torch.Tensor, np.ndarray]:
+    """(source, index): the rows of `source` (the observed tensors the segments lie in, one of
+    them or their concatenation) holding every pending position, the pendings' in order."""
+    bases: dict[int, int] = {}
+    srcs: list[torch.Tensor] = []
+    starts: list[int] = []
+    lens: list[int] = []
+    total = 0
+    for pend in pendings:
+        for t, off, cnt in pend.segs:
+            base = bases.get(id(t))
+            if base is None:
+                base = bases[id(t)] = total
+                srcs.append(t)
+                total += t.shape[0]
+            starts.append(base + off)
+            lens.append(cnt)
+    start, length = np.array(starts, dtype=np.int64), np.array(lens, dtype=np.int64)
+    before = np.cumsum(length) - length
+    index = np.repeat(start - before, length) + np.arange(int(length.sum()), dtype=np.int64)
+    return (srcs[0] if len(srcs) == 1 else torch.cat(srcs)), index
 
 
 def _refuse(spec: SpeculativeConfig, why: str) -> ValueError:
@@ -164,6 +204,26 @@ class EagleDrafter:
         self.num_catch_up_steps = 0  # tallies (tests, diagnostics)
         self.num_reused_first_drafts = 0
         self.num_lost = 0  # head sequences that lost positions (never, through the runner)
+        # [max_num_seqs, H], by target row: the head's output at each sequence's last computed
+        # position (the hidden state of its next step; allocated on first use)
+        self._last_hidden: torch.Tensor | None = None
+        if self.config.device.type == "cuda" and not self.config.enforce_eager:
+            self.capture_graphs()
+
+    def capture_graphs(self, record: bool = True) -> None:
+        """Decode CUDA graphs for the head's runner, its side input in a buffer of each graph
+        (krait/runner/cuda_graphs.py): the one-token steps and the catch-ups of one position a
+        row replay them. `record=False`: their dataflow run eagerly (CPU tests). A head whose
+        capture fails runs eagerly (logged)."""
+        from krait.runner.cuda_graphs import CudaGraphRunner  # noqa: PLC0415
+
+        graphs = CudaGraphRunner(self.runner, record=record)
+        try:
+            graphs.capture_all()
+        except RuntimeError as e:
+            logger.warning("EAGLE head: decode graphs off, their capture failed: %s", e)
+            return
+        self.runner.cuda_graphs = graphs
 
     # -- the target's hidden states -------------------------------------------------------
     def observe(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
@@ -176,21 +236,21 @@ class EagleDrafter:
             return
         rows, starts, counts, first = rows[keep], starts[keep], counts[keep], first[keep]
         src = self.target.aux_hidden if self.eagle3 else hidden
-        before = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        before = np.cumsum(counts) - counts
         at = np.repeat(first - before, counts) + np.arange(int(counts.sum()))
         kept = src[host_to_device(at.astype(np.int64), src.device)]
-        for row, s, chunk in zip(rows.tolist(), starts.tolist(),
-                                 kept.split(counts.tolist())):
+        for row, s, off, cnt in zip(rows.tolist(), starts.tolist(), before.tolist(),
+                                    counts.tolist()):
             pend = self._pending.get(row)
             if pend is None:
                 seq = self._seqs.get(row)
                 if s != (seq.num_computed_tokens if seq is not None else 0):
                     self._lose(row)
                     continue
-                self._pending[row] = _Pending(s, [chunk], len(chunk))
+                self._pending[row] = _Pending(s, [(kept, off, cnt)], cnt)
             elif s == pend.start + pend.length:
-                pend.chunks.append(chunk)
-                pend.length += len(chunk)
+                pend.segs.append((kept, off, cnt))
+                pend.length += cnt
             else:
                 self._lose(row)
 
@@ -229,14 +289,15 @@ class EagleDrafter:
         caps = np.minimum(np.asarray(max_drafts, dtype=np.int64), self.k)
         st = self.runner.states
         new_reqs: list[NewRequestData] = []
-        cached: list[CachedRequestData] = []
+        cached: list[CachedRequestData] = []  # the held rows that got new blocks
         plan: list[tuple[int, _HeadSeq, int, int, bool]] = []  # (row j, seq, end, drafts, ran)
-        catch_up: dict[str, list] = {}  # head id -> [hidden states to consume, consumed]
-        got: dict[str, list[int]] = {}  # head id -> its sampled tokens
-        hid: dict[str, torch.Tensor] = {}  # head id -> its latest output hidden state
-        w_rows: list[int] = []  # writes into the head's device token table
-        w_pos: list[int] = []
-        w_tok: list[int] = []
+        plan_rows: list[int] = []  # each plan row's target row
+        # head id -> the hidden states it consumes now: rows of one position (decode rows)
+        # first, then the others (prefill rows), as the head runner orders a step's rows
+        catch_up: dict[str, _Pending] = {}
+        catch_up_prefill: dict[str, _Pending] = {}
+        reused: list[tuple[int, int]] = []  # (plan row, its draft 1) of rows not scheduled
+        held = HeldRows()
         for j in range(len(rows)):
             row, n, m = int(rows[j]), int(num_tokens[j]), int(caps[j])
             if row in self._lost:
@@ -249,7 +310,7 @@ class EagleDrafter:
                 self._lose(row)
                 continue
             m = m if e == n - 1 else 0  # drafts only from the last verified position
-            if pend is None and (m == 0 or seq is None or seq.next_hidden is None):
+            if pend is None and (m == 0 or seq is None or not seq.has_hidden):
                 continue  # nothing to catch up, nothing to draft
             fresh = seq is None
             if fresh:
@@ -270,91 +331,123 @@ class EagleDrafter:
                     state_slots=[], num_computed_tokens=0, num_output_tokens=0,
                     eos_token_ids=[]))
             else:
-                cached.append(CachedRequestData(rid, new_blocks, c))
-                i = st.index[rid]
-                if e > c:  # the head's tokens: the target's, one position on
-                    toks = token_table[row, c + 1 : e + 1]
-                    st.token_ids[i, c:e] = toks
-                else:  # not scheduled since the last call: its draft 1 is known
-                    toks = np.array([seq.next_token])
-                    st.token_ids[i, e] = seq.next_token
-                    got[rid] = [seq.next_token]
-                    hid[rid] = seq.next_hidden
+                # (the head runner's computed count is `c` already: only new blocks to send)
+                if new_blocks:
+                    cached.append(CachedRequestData(rid, new_blocks, c))
+                # the head's tokens: the target's, one position on (e > c), or its known draft 1
+                held.add(st.index[rid], c, e, row, seq.next_token)
+                if e == c:  # not scheduled since the last call
+                    reused.append((len(plan), seq.next_token))
                     self.num_reused_first_drafts += 1
-                w_rows += [i] * len(toks)
-                w_pos += range(c, c + len(toks))
-                w_tok += toks.tolist()
-                st.num_prompt_tokens[i] = e
-                st.num_tokens[i] = e + (e == c)
             if pend is not None:
                 del self._pending[row]
-                catch_up[rid] = [torch.cat(pend.chunks) if len(pend.chunks) > 1
-                                 else pend.chunks[0], 0]
+                (catch_up if not fresh and e - c == 1 else catch_up_prefill)[rid] = pend
             plan.append((j, seq, e, m, pend is not None))
-        tables = self.runner.tables
-        if tables is not None and w_rows:
-            tables.write_sampled(np.array(w_rows), np.array(w_pos),
-                                 host_to_device(np.array(w_tok, dtype=np.int64), tables.device))
+            plan_rows.append(row)
+        held.write(st, token_table, 1, self.runner.tables)
         finished, self._finished = self._finished, set()
-        pending = []
-        # 1. catch-up, in steps of at most max_num_batched_tokens (the first one also carries the
-        # new, the held and the finished requests)
-        first = True
-        while first or catch_up:
-            sched: dict[str, int] = {}
-            inputs = []
-            ends = []  # (head id, its last token's index in the step) for rows that end here
-            budget = self.max_batched
-            for rid in list(catch_up):
-                if budget == 0:
-                    break
-                h, done = catch_up[rid]
-                t = min(len(h) - done, budget)
-                sched[rid] = t
-                inputs.append(h[done : done + t])
-                budget -= t
-                catch_up[rid][1] += t
-                if done + t == len(h):
-                    del catch_up[rid]
-                    ends.append((rid, self.max_batched - budget - 1))
-            if inputs:
-                self.head.input_hidden = torch.cat(inputs) if len(inputs) > 1 else inputs[0]
-            pending.append(self.runner.execute_model(sched_output(
-                sched, new_reqs if first else [], cached if first else [],
-                finished if first else set())))
-            for rid, at in ends:
-                hid[rid] = self.head.output_hidden[at]
-            first = False
-            self.num_catch_up_steps += bool(sched)
+        catch_up |= catch_up_prefill
+        where = {seq.request_id: q for q, (_, seq, *_) in enumerate(plan)}
+        steps = self._catch_up(catch_up, where, plan_rows, new_reqs, cached, finished)
         if not plan:
             return drafts, counts
-        ended = dict(hid)  # each row's hidden state at its last verified position
-        # 2. the one-token steps, each from the head's own last output
-        longest = max(m for *_, m, _ in plan)
-        for s in range(1, longest):
-            step = [seq.request_id for _, seq, _, m, _ in plan if m > s]
-            self.head.input_hidden = torch.stack([hid[rid] for rid in step])
-            pending.append(self.runner.execute_model(sched_output(
-                dict.fromkeys(step, 1), [], [], set())))
-            out = self.head.output_hidden
-            for q, rid in enumerate(step):
-                hid[rid] = out[q]
-        for p in pending:  # read back once, after every step was launched
-            for rid, sampled in p.result().items():
-                got.setdefault(rid, []).extend(sampled.token_ids)
-        for j, seq, e, m, ran in plan:
-            toks = got[seq.request_id]
-            if len(toks) != max(m, 1):
-                raise RuntimeError(f"head row {seq.request_id}: {len(toks)} tokens, expected "
-                                   f"{max(m, 1)}")
-            if m:
-                drafts[j, :m] = toks
-                counts[j] = m
+        m_of = np.array([m for *_, m, _ in plan], dtype=np.int64)
+        steps += self._one_token_steps(plan, plan_rows, m_of)
+        got = np.full((len(plan), self.k), -1, dtype=np.int64)  # each plan row's tokens
+        for q, tok in reused:
+            got[q, 0] = tok
+        read_steps(steps, where, got)
+        check_drafts(got, np.maximum(m_of, 1), [seq.request_id for _, seq, *_ in plan])
+        js = np.array([j for j, *_ in plan], dtype=np.int64)
+        # (a row that only caught up sampled a token too: the argmax it keeps, not a draft)
+        drafts[js] = np.where(np.arange(self.k) < m_of[:, None], got, -1)
+        counts[js] = m_of
+        for (_, seq, e, _, ran), tok in zip(plan, got[:, 0].tolist()):
             if ran:  # the argmax and output at the last caught-up position
-                seq.next_token = toks[0]
-                seq.next_hidden = ended[seq.request_id]
+                seq.next_token = tok
+                seq.has_hidden = True
             seq.num_computed_tokens = e
-            i = st.index[seq.request_id]
-            st.num_computed_tokens[i] = e  # verified positions only: the drafts are forgotten
-            st.num_tokens[i] = e
+        ids = np.fromiter((st.index[seq.request_id] for _, seq, *_ in plan), np.int64, len(plan))
+        e_of = np.array([e for _, _, e, _, _ in plan], dtype=np.int32)
+        st.num_computed_tokens[ids] = e_of  # verified positions only: the drafts are forgotten
+        st.num_tokens[ids] = e_of
         return drafts, counts
+
+    def _catch_up(self, catch_up: dict[str, _Pending], where: dict[str, int],
+                  plan_rows: list[int], new_reqs: list, cached: list, finished: set) -> list:
+        """Launches the catch-up: the pending hidden states (one gather from the observed
+        tensors a step), in the order of `catch_up` (its decode rows first: the order of the
+        head runner's batch, which the side input follows token by token), in steps of at most
+        max_num_batched_tokens tokens, the first also
+        carrying the new, the held and the finished requests. The head's output at each row's
+        last position goes to `_last_hidden`. Returns [(launched step, 0)]: draft column 0."""
+        order = list(catch_up)
+        lens = [catch_up[rid].length for rid in order]
+        offs = np.cumsum(lens) - lens if lens else []
+        src, flat = _flat_index(list(catch_up.values())) if order else (None, None)
+        steps = []
+        r = done = 0  # the next row to schedule, and its positions scheduled already
+        first = True
+        while first or r < len(order):
+            sched: dict[str, int] = {}
+            pieces = []
+            ends_q, ends_at = [], []  # rows that end in this step: plan row, token in the step
+            budget = self.max_batched
+            taken = 0
+            while r < len(order) and budget > 0:
+                rid = order[r]
+                t = min(lens[r] - done, budget)
+                sched[rid] = t
+                pieces.append(flat[offs[r] + done : offs[r] + done + t])
+                budget -= t
+                taken += t
+                done += t
+                if done == lens[r]:
+                    ends_q.append(where[rid])
+                    ends_at.append(taken - 1)
+                    r, done = r + 1, 0
+            if pieces:
+                index = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+                self.head.input_hidden = self.head.project_hidden(
+                    src[host_to_device(index, src.device)])
+            steps.append((self.runner.execute_model(sched_output(
+                sched, new_reqs if first else [], cached if first else [],
+                finished if first else set())), 0))
+            if ends_q:
+                self._keep_hidden([plan_rows[q] for q in ends_q], ends_at)
+            first = False
+            self.num_catch_up_steps += bool(sched)
+        return steps
+
+    def _keep_hidden(self, target_rows: list[int], at: list[int]) -> None:
+        """`_last_hidden[target_rows[j]]` = the head's output of the last step at token at[j]
+        (one gather and one scatter)."""
+        out = self.head.output_hidden
+        if self._last_hidden is None:
+            self._last_hidden = out.new_zeros((self.config.scheduler.max_num_seqs,
+                                               out.shape[-1]))
+        rows_at = host_to_device(np.array([target_rows, at], dtype=np.int64), out.device)
+        self._last_hidden[rows_at[0]] = out[rows_at[1]]
+
+    def _one_token_steps(self, plan: list, plan_rows: list[int], m_of: np.ndarray) -> list:
+        """Launches steps 2..k: each row's own last output (step 2: `_last_hidden`) and its
+        last draft in, all rows that draft that far in one batch a step. Returns [(launched
+        step, its draft column)]."""
+        steps = []
+        q = np.flatnonzero(m_of > 1)  # plan rows of step 2, in plan order
+        if not len(q):
+            return steps
+        h = self._last_hidden[host_to_device(np.array(plan_rows, dtype=np.int64)[q],
+                                             self._last_hidden.device)]
+        ids = [plan[p][1].request_id for p in q.tolist()]
+        for s in range(1, int(m_of.max())):
+            keep = m_of[q] > s
+            if not keep.all():  # rows that stop here: the others' hidden states, in order
+                h = h[host_to_device(np.flatnonzero(keep), h.device)]
+                q = q[keep]
+                ids = [rid for rid, k in zip(ids, keep.tolist()) if k]
+            self.head.input_hidden = h
+            steps.append((self.runner.execute_model(sched_output(
+                dict.fromkeys(ids, 1), [], [], set())), s))
+            h = self.head.output_hidden[: len(ids)]  # the step's rows are its batch's, in order
+        return steps
