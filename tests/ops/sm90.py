@@ -5,13 +5,17 @@ before spending device time."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 
 import triton
 
@@ -31,15 +35,75 @@ def compile_sm90(module: str, kernel: str, types: dict[str, str], constexprs: di
     PTX; barriers inside innermost loops). `num_stages`: the launch option (Triton's default
     when None; its software pipelining multiplies a loop's shared-memory buffers); `maxnreg`:
     the launch option capping registers a thread (none when None). Runs in a child process: under TRITON_INTERPRET=1
-    (the test suite) kernels are not compilable."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    spec = json.dumps([module, kernel, types, constexprs, num_warps, list(odd), num_stages,
-                       maxnreg])
-    out = subprocess.run([sys.executable, "-m", "tests.ops.sm90", spec], capture_output=True,
-                         text=True, env=env, timeout=600)
-    if out.returncode:
-        raise RuntimeError(f"sm_90 compile of {module}.{kernel} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    (the test suite) kernels are not compilable; one child serves this process's compiles (its
+    start, importing torch and krait, cost more than most compiles)."""
+    spec = [module, kernel, types, constexprs, num_warps, list(odd), num_stages, maxnreg]
+    return _compiler().compile(spec)
+
+
+_RESULT = "sm90-result "
+
+
+class _Compiler:
+    """A `python -m tests.ops.sm90 --serve` child: a JSON spec a line in, a result line out."""
+
+    def __init__(self):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.ops.sm90", "--serve"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, env=env, bufsize=1)
+
+    def compile(self, spec: list, timeout: float = 600) -> dict:
+        self.proc.stdin.write(json.dumps(spec) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([self.proc.stdout], [], [], left)[0]:
+                self.close()
+                raise RuntimeError(f"sm_90 compile of {spec[0]}.{spec[1]} timed out")
+            line = self.proc.stdout.readline()
+            if not line:  # the child died
+                self.close()
+                self.stderr.seek(0)
+                raise RuntimeError(f"sm_90 compile of {spec[0]}.{spec[1]} failed:\n"
+                                   f"{self.stderr.read()[-4000:]}")
+            if _RESULT in line:  # (after whatever the compile printed without a newline)
+                out = json.loads(line[line.index(_RESULT) + len(_RESULT):])
+                if "error" in out:
+                    raise RuntimeError(f"sm_90 compile of {spec[0]}.{spec[1]} failed:\n"
+                                       f"{out['error'][-4000:]}")
+                return out
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_child: _Compiler | None = None
+
+
+def _compiler() -> _Compiler:
+    global _child
+    if _child is None or _child.proc.poll() is not None:
+        _child = _Compiler()
+        atexit.register(_child.close)
+    return _child
+
+
+def _serve() -> None:
+    for line in sys.stdin:
+        try:
+            out = _compile_here(*json.loads(line))
+        except Exception:
+            out = {"error": traceback.format_exc()}
+        print(_RESULT + json.dumps(out), flush=True)
 
 
 def _compile_here(module: str, name: str, types: dict[str, str], constexprs: dict,
@@ -104,4 +168,7 @@ def sm90_available() -> bool:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_compile_here(*json.loads(sys.argv[1]))))
+    if sys.argv[1:] == ["--serve"]:
+        _serve()
+    else:
+        print(json.dumps(_compile_here(*json.loads(sys.argv[1]))))
