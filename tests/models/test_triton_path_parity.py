@@ -60,7 +60,7 @@ def test_triton_kernels_match_hf(arch, tmp_path, monkeypatch):
         engine_args["max_num_seqs"] = 1
         run = fused_moe_mod.moe_routes_triton
         monkeypatch.setattr(fused_moe_mod, "moe_routes_triton",
-                            lambda *a: routes_ran.append(1) or run(*a))
+                            lambda *a, **kw: routes_ran.append(1) or run(*a, **kw))
     if arch.endswith("+gemv"):  # one row a decode step: every decode projection through
         # krait/ops/gemv.py with its fusions (gate_up's activation; mamba2 with one norm group:
         # the conv in in_proj's epilogue, the gated norm in out_proj's prologue), asserted; the

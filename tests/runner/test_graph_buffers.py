@@ -174,7 +174,8 @@ def test_decode_graph_path_matches_eager_on_cpu(arch, tmp_path, monkeypatch):
 
         real_routes = fused_moe_mod.moe_routes_triton
         monkeypatch.setattr(fused_moe_mod, "moe_routes_triton",
-                            lambda *a: routes_rows.append(a[0].shape[0]) or real_routes(*a))
+                            lambda *a, **kw: routes_rows.append(a[0].shape[0])
+                            or real_routes(*a, **kw))
     gdn_steps = []
     if arch == "qwen3next":
         import krait.layers.gated_deltanet as gdn_mod
