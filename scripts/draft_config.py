@@ -2,8 +2,9 @@
 LAYERS layers (random weights under `load_format=dummy`), sharing the target's vocabulary.
 Under the same seed such a draft shares the target's embedding and first layers, and its drafts
 are often accepted; `--foreign` also halves the widths (hidden, intermediate, heads), so every
-weight differs and nearly every draft is rejected: the always-rejected draft model of
-`gpu_check.sh spec`. `--eagle` writes an EAGLE-1 head for a Llama-family config instead (one
+weight differs (on the H200 qwen3-0.6b's foreign draft was still accepted throughout: both
+models' dummy weights settle on the same degenerate tokens; the random EAGLE head below is the
+always-rejected case). `--eagle` writes an EAGLE-1 head for a Llama-family config instead (one
 decoder layer at the target's widths, `LlamaForCausalLMEagle`; random weights: its drafts are
 rejected, so a bench shows what the head and its graphs cost).
 
