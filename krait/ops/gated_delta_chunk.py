@@ -329,7 +329,7 @@ def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> di
     x 4 blocks = 128 programs; 64 columns measured 0.233 against 0.190 ms at 8k tokens on the
     H200), its next chunks' loads issued early (STATE_STAGES); the prep and output kernels over
     V in blocks of 64 at 4 warps, their registers left to ptxas (*_MAXNREG None; at 8k tokens
-    on the H200 the output kernel took 0.234 ms so against 0.392 at 8 warps capped at 128
+    on the H200 the output kernel took 0.234 ms against 0.392 at 8 warps capped at 128
     registers, the prep kernel 0.357 against 0.406: docs/benchmarks.md). LOWP: scratch in the
     activations' dtype (bf16 / fp16 inputs, compiled), float32 otherwise. PRECISION: float32 products (tf32
     for bf16 / fp16 inputs, ieee for float32 ones; 'upcast' interpreted: `_dot`);

@@ -217,11 +217,8 @@ def _route_down_kernel(
                                    K, BLOCK_N, BLOCK_K).to(dtype).to(tl.float32)
             val = _gated(val, t, gate_ptr, stride_gate, dtype, ADD_GATE)
         else:
-            expert = tl.load(ids_ptr + pid).to(tl.int64)
-            routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0,
-                                      mid_ptr + pid * stride_mid, N, K, BLOCK_N, BLOCK_K)
-            routed = routed.to(dtype).to(tl.float32)
-            val = (routed * tl.load(tw_ptr + pid)).to(dtype).to(tl.float32)
+            val = _weighted_route(pid, mid_ptr, w_ptr, ids_ptr, tw_ptr, stride_mid, stride_we,
+                                  stride_wn, N, K, dtype, BLOCK_N, BLOCK_K)
         tl.store(part_ptr + pid * N + offs_n, val, mask=n_ok)
         counter = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(counter, 1)  # acq_rel: orders the store above
@@ -241,17 +238,25 @@ def _route_down_kernel(
             tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
     else:
         for j in tl.static_range(TOPK):
-            r = t * TOPK + j
-            expert = tl.load(ids_ptr + r).to(tl.int64)
-            routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0,
-                                      mid_ptr + r * stride_mid, N, K, BLOCK_N, BLOCK_K)
-            routed = routed.to(dtype).to(tl.float32)
-            total += (routed * tl.load(tw_ptr + r)).to(dtype).to(tl.float32)
+            total += _weighted_route(t * TOPK + j, mid_ptr, w_ptr, ids_ptr, tw_ptr, stride_mid,
+                                     stride_we, stride_wn, N, K, dtype, BLOCK_N, BLOCK_K)
         out = total.to(dtype)
         if HAS_ADD:
             out = _plus_add(out, t, offs_n, n_ok, add_ptr, gate_ptr, stride_add, stride_gate,
                             ADD_GATE)
         tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
+
+
+@triton.jit
+def _weighted_route(r, mid_ptr, w_ptr, ids_ptr, tw_ptr, stride_mid, stride_we, stride_wn, N, K,
+                    dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Route r's down projection of its intermediate row times its routing weight, each
+    rounded to the output's dtype: float32 [BLOCK_N] (this program's columns)."""
+    expert = tl.load(ids_ptr + r).to(tl.int64)
+    routed = _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, 0, mid_ptr + r * stride_mid,
+                              N, K, BLOCK_N, BLOCK_K)
+    routed = routed.to(dtype).to(tl.float32)
+    return (routed * tl.load(tw_ptr + r)).to(dtype).to(tl.float32)
 
 
 @triton.jit
