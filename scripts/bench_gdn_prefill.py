@@ -7,8 +7,8 @@ Warm-up, then CUDA-event timing of each call over --reps reps (median). JSON on 
 difference}; fla_ms null (and "fla": the reason) when `fla` is not importable. --breakdown adds
 "krait_kernels_ms": the median of CUDA events around each of krait's launches (diag_inv, prep,
 state, out; the events themselves cost a little). --config overrides entries of
-`gated_delta_chunk.chunk_config` (e.g. BV=32,STATE_STAGES=2,OUT_WARPS=8; None for an option
-left to Triton); --sweep times more such configs in the same call (krait alone).
+`gated_delta_chunk.chunk_config` (e.g. BV=32,STATE_STAGES=2,OUT_WARPS=8,WU_LOWP=True; None for an
+option left to Triton); --sweep times more such configs in the same call (krait alone).
 
 Usage (device machine, repo root): python3 scripts/bench_gdn_prefill.py [--tokens 8192]
 [--breakdown] [--config KEY=VALUE,...] [--sweep 'K=V,...;K=V,...']
@@ -85,13 +85,15 @@ def fla_call(x: dict):
 
 
 def parse_config(text: str | None) -> dict:
-    """'BV=32,PRECISION=tf32' -> {'BV': 32, 'PRECISION': 'tf32'} (ints where they parse)."""
+    """'BV=32,PRECISION=tf32,WU_LOWP=True' -> {'BV': 32, 'PRECISION': 'tf32', 'WU_LOWP': True}
+    (ints where they parse; None, True, False)."""
     out = {}
+    words = {"None": None, "True": True, "False": False}
     for item in filter(None, (text or "").split(",")):
         key, value = item.split("=", 1)
         value = value.strip()
         out[key.strip()] = (int(value) if value.lstrip("-").isdigit()
-                            else None if value == "None" else value)
+                            else words[value] if value in words else value)
     return out
 
 

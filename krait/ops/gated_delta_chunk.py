@@ -151,11 +151,14 @@ def _gdn_prep_kernel(
     stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_b_t,
     QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    WU_LOWP: tl.constexpr = False,
 ):
     # One program: window c of BT packed tokens, value head h: gamma [BT] (float32),
     # w = Tinv (beta exp(gamma) K) [BT, K] and u = Tinv (beta V) [BT, V] (scratch dtype), for
     # Tinv = (I + A)^-1 from the diagonal blocks' inverses Dinv (`_gdn_diag_inv_kernel`); the
     # first value head of each key head also stores the normed k (kn [T, Hk, K], scratch).
+    # WU_LOWP: the w and u products' operands (Tinv, the scaled k and v) in the scratch dtype
+    # (bf16 products, float32 accumulation, as fla's recompute_w_u), float32 otherwise.
     h = tl.program_id(1)
     hk = h // v_per_k
     offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
@@ -193,8 +196,10 @@ def _gdn_prep_kernel(
         else:
             P = P - Mn
     Tinv = _dot(P, Dinv, SOLVE_PRECISION)  # [BT, BT]
+    wu_dt = w_ptr.dtype.element_ty if WU_LOWP else tl.float32
+    Tinv = Tinv.to(wu_dt)
     k = tl.load(k_ptrs, mask=tk_ok, other=0.0).to(tl.float32)  # again: fewer live registers
-    w = _dot(Tinv, k * (rn * beta * tl.exp(gam))[:, None], DOT_PRECISION)
+    w = _dot(Tinv, (k * (rn * beta * tl.exp(gam))[:, None]).to(wu_dt), DOT_PRECISION)
     tl.store(w_ptr + out_rows[:, None] * key_dim + offs_k[None, :],
              w.to(w_ptr.dtype.element_ty), mask=tk_ok)
     tl.store(gam_ptr + out_rows, gam, mask=t_ok)
@@ -203,7 +208,7 @@ def _gdn_prep_kernel(
         vt_ok = t_ok[:, None] & (offs_v < value_dim)[None, :]
         v = tl.load(v_ptr + rows[:, None] * stride_v_t + h * stride_v_h + offs_v[None, :],
                     mask=vt_ok, other=0.0).to(tl.float32)  # [BT, BV]
-        u = _dot(Tinv, v * beta[:, None], DOT_PRECISION)
+        u = _dot(Tinv, (v * beta[:, None]).to(wu_dt), DOT_PRECISION)
         tl.store(u_ptr + out_rows[:, None] * value_dim + offs_v[None, :],
                  u.to(u_ptr.dtype.element_ty), mask=vt_ok)
 
@@ -335,14 +340,15 @@ def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> di
     for bf16 / fp16 inputs, ieee for float32 ones; 'upcast' interpreted: `_dot`);
     SOLVE_PRECISION: the triangular solve's merge products (tf32 for bf16 / fp16 inputs: 0.401
     against 0.674 ms for tf32x3, outputs as close to fla's, 0.52%, as with tf32x3; the
-    scratch's bf16 rounding dominates)."""
+    scratch's bf16 rounding dominates). WU_LOWP (default off): the prep kernel's w and u
+    products on operands in the scratch dtype (bf16 with LOWP, as fla's), not float32 (tf32)."""
     lowp = dtype in (torch.bfloat16, torch.float16) and not interp
     half = dtype != torch.float32
     cfg = dict(BT=64, BC=16, BK=_tile(K), BV=min(_tile(V), 32), BV_PREP=min(_tile(V), 64),
                BV_OUT=min(_tile(V), 64), DIAG_WARPS=1, PREP_WARPS=4, PREP_MAXNREG=None,
                STATE_WARPS=4, STATE_STAGES=3 if lowp else 2, OUT_WARPS=4, OUT_STAGES=2,
                OUT_MAXNREG=None, LOWP=lowp, PRECISION="tf32" if half else "ieee",
-               SOLVE_PRECISION="tf32" if half else "ieee")
+               SOLVE_PRECISION="tf32" if half else "ieee", WU_LOWP=False)
     if interp:
         cfg.update(BT=32, PRECISION="upcast", SOLVE_PRECISION="upcast")
     return cfg
@@ -397,8 +403,8 @@ def gated_delta_chunk_triton(
         k, v, g, beta, token_seq, state_indices, dinv, kn, w, u, gam, T, nseq, K, V, rep, hv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, SOLVE_PRECISION=cfg["SOLVE_PRECISION"],
-        BT=bt, BC=bc, BK=bk, BV=cfg["BV_PREP"], num_warps=cfg["PREP_WARPS"],
-        maxnreg=cfg["PREP_MAXNREG"],
+        BT=bt, BC=bc, BK=bk, BV=cfg["BV_PREP"], WU_LOWP=bool(cfg["WU_LOWP"]),
+        num_warps=cfg["PREP_WARPS"], maxnreg=cfg["PREP_MAXNREG"],
     )
     ev = _record("prep", ev)
     _gdn_state_kernel[(nseq, hv, cdiv(V, cfg["BV"]))](

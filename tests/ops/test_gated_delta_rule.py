@@ -258,6 +258,35 @@ def test_prefill_blocked_solve_at_the_real_window(lowp):
     assert torch.equal(s_tri[[6, 7]], states[[6, 7]])  # untouched slots
 
 
+@pytest.mark.parametrize("lens,bt", [([20, 7], 32), ([64, 1, 63, 130, 0, 65, 60], 64)])
+def test_prefill_wu_lowp_stays_close_to_the_ref(lens, bt):
+    """WU_LOWP: the prep kernel's w and u products on bf16 operands (Tinv, the scaled k and
+    v), as fla's recompute_w_u, with bf16 scratch: still close to the float32 reference (the
+    interpreter's bf16 casts truncate: loose bounds, a wrong term would be O(1)), and not the
+    float32 products' result (the operands were cast)."""
+    n = len(lens)
+    q, k, v, g, beta, states = _inputs(sum(lens), num_slots=n + 2, dtype=torch.bfloat16, seed=3,
+                                       kd=32, vd=24)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.arange(n, dtype=torch.int32)
+    init = (torch.arange(n) % 2).to(torch.int32)
+    s_ref = states.clone()
+    want = gdc.gated_delta_chunk_ref(q, k, v, g, beta, s_ref, qsl, slots, init).float()
+    got = {}
+    for wu in (False, True):
+        s_tri = states.clone()
+        o = gdc.gated_delta_chunk_triton(q, k, v, g, beta, s_tri, qsl, slots, init,
+                                         config=dict(BT=bt, BC=16, LOWP=True, WU_LOWP=wu))
+        assert o.dtype == torch.bfloat16
+        got[wu] = o.float(), s_tri
+    o, s_tri = got[True]
+    assert not torch.equal(o, got[False][0])
+    assert ((o - want).norm() / want.norm()).item() < 3e-2
+    assert ((s_tri - s_ref).norm() / s_ref.norm()).item() < 1e-2
+    torch.testing.assert_close(o, want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(s_tri, s_ref, atol=3e-2, rtol=3e-2)
+
+
 # ----------------------------------------------------------------------------- GPU, real size
 # Qwen3-Next-80B's GDN: 16 key heads, 32 value heads, K = V = 128; bf16 activations, float32
 # state; the Triton kernels against the torch references on the device (gpu_check.sh gdn and

@@ -313,18 +313,20 @@ def test_gdn_verify_compiles_without_spills():
     assert _fits(r) and r["regs"] <= 128, r
 
 
-@pytest.mark.parametrize("kernel", ["diag_inv", "prep", "state", "out"])
-def test_gdn_prefill_kernels_compile_within_shared_memory(kernel):
+@pytest.mark.parametrize("kernel,variant", [
+    ("diag_inv", {}), ("prep", {}), ("state", {}), ("out", {}), ("prep", {"WU_LOWP": True})])
+def test_gdn_prefill_kernels_compile_within_shared_memory(kernel, variant):
     # the prefill kernels at bf16 with bf16 scratch, at the launcher's tiles and options: the
     # window products on the tensor cores (wgmma; the one-warp diagonal-block inverse on
-    # mma), nothing spilled, the sequential pass's pipelined loads within shared memory
+    # mma), nothing spilled, the sequential pass's pipelined loads within shared memory;
+    # variant: constexprs of chunk_config's options (WU_LOWP)
     import torch
 
     from krait.ops import gated_delta_chunk as gdc
 
     cfg = gdc.chunk_config(GDN_K, GDN_V, torch.bfloat16)
     assert cfg["LOWP"] and cfg["BT"] == 64 and cfg["BV"] == 32
-    tiles = dict(QK_L2NORM=True, BK=cfg["BK"])
+    tiles = dict(QK_L2NORM=True, BK=cfg["BK"], **variant)
     rows = dict(g_ptr=F32, beta_ptr=BF, seq_ptr=I32, slots_ptr=I32)
     mod = "krait.ops.gated_delta_chunk"
     if kernel == "diag_inv":
@@ -341,7 +343,7 @@ def test_gdn_prefill_kernels_compile_within_shared_memory(kernel):
         r = compile_sm90(mod, "_gdn_state_kernel", dict(
             kn_ptr=BF, w_ptr=BF, u_ptr=BF, gam_ptr=F32, h_ptr=BF, state_ptr=F32, qsl_ptr=I32,
             slots_ptr=I32, init_ptr=I32), dict(DOT_PRECISION=cfg["PRECISION"], BT=cfg["BT"],
-                                               BK=cfg["BK"], BV=cfg["BV"]),
+                                               BK=cfg["BK"], BV=cfg["BV"], **variant),
             num_warps=cfg["STATE_WARPS"], num_stages=cfg["STATE_STAGES"])
     else:
         r = compile_sm90(mod, "_gdn_out_kernel", dict(
@@ -350,7 +352,7 @@ def test_gdn_prefill_kernels_compile_within_shared_memory(kernel):
                                                 BT=cfg["BT"], BV=cfg["BV_OUT"]),
             num_warps=cfg["OUT_WARPS"], num_stages=cfg["OUT_STAGES"],
             maxnreg=cfg["OUT_MAXNREG"])
-    print(kernel, r)
+    print(kernel, variant, r)
     assert _fits(r) and (r["wgmma"] or kernel == "diag_inv"), r
 
 
