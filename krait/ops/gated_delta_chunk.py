@@ -82,13 +82,33 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs):
+def seq_of_rows(qsl_ptr, rows, num_seqs, STEPS: tl.constexpr):
+    """The sequence of each packed token of rows (int32), `causal_conv1d.token_to_seq`'s: the
+    last b in [0, num_seqs] with qsl[b] <= row (num_seqs past the last sequence), by a binary
+    search over query_start_loc (int32 [num_seqs + 1], from 0, nondecreasing) in STEPS steps
+    (num_seqs' bit length)."""
+    pos = tl.zeros(rows.shape, tl.int32)
+    for i in tl.static_range(STEPS):
+        cand = pos + (1 << (STEPS - 1 - i))
+        ok = cand <= num_seqs
+        ok = ok & (tl.load(qsl_ptr + cand, mask=ok, other=0) <= rows)
+        pos = tl.where(ok, cand, pos)
+    return pos
+
+
+@triton.jit
+def _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs, SEQ_STEPS: tl.constexpr = 0):
     """(sequence, live) of the window's rows: live rows are tokens of sequences with a slot.
     Only those are read: padding rows (past the last sequence, or of a -1 slot) may hold
     anything, and a NaN there would reach the others' rows through the window's products
-    (0 * NaN) though their entries are masked."""
+    (0 * NaN) though their entries are masked. seq_ptr: token_seq (SEQ_STEPS 0) or
+    query_start_loc, searched in SEQ_STEPS steps (`seq_of_rows`); -1 for rows past
+    num_tokens either way."""
     t_ok = rows < num_tokens
-    seq = tl.load(seq_ptr + rows, mask=t_ok, other=-1)
+    if SEQ_STEPS == 0:
+        seq = tl.load(seq_ptr + rows, mask=t_ok, other=-1)
+    else:
+        seq = tl.where(t_ok, seq_of_rows(seq_ptr, rows, num_seqs, SEQ_STEPS), -1)
     in_seq = t_ok & (seq >= 0) & (seq < num_seqs)
     live = in_seq & (tl.load(slots_ptr + seq, mask=in_seq, other=-1) >= 0)
     return seq, live
@@ -96,13 +116,14 @@ def _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs):
 
 @triton.jit
 def _window_rows(seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT: tl.constexpr,
-                 BK: tl.constexpr):
+                 BK: tl.constexpr, SEQ_STEPS: tl.constexpr):
     """The rows of program_id(0)'s BT-token window: (offs_t, offs_k, rows (int64), their
-    sequences, live rows, live key columns, live [BT, BK] entries)."""
+    sequences, live rows, live key columns, live [BT, BK] entries); seq_ptr, SEQ_STEPS:
+    `_live_rows`'."""
     offs_t = tl.arange(0, BT)
     offs_k = tl.arange(0, BK)
     rows = tl.program_id(0) * BT + offs_t
-    seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs)
+    seq, t_ok = _live_rows(seq_ptr, slots_ptr, rows, num_tokens, num_seqs, SEQ_STEPS)
     k_ok = offs_k < key_dim
     return offs_t, offs_k, rows.to(tl.int64), seq, t_ok, k_ok, t_ok[:, None] & k_ok[None, :]
 
@@ -113,7 +134,7 @@ def _gdn_diag_inv_kernel(
     num_tokens, num_seqs, key_dim, v_per_k, num_heads,
     stride_k_t, stride_k_h, stride_g_t, stride_b_t,
     QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr, SEQ_STEPS: tl.constexpr = 0,
 ):
     # One program (one warp: every reduction stays in it): BC packed tokens, value head h,
     # (I + D)^-1 of the block's D[t, j] = beta_t (k_t . k_j) exp(gamma_t - gamma_j), j < t in
@@ -124,7 +145,7 @@ def _gdn_diag_inv_kernel(
     h = tl.program_id(1)
     hk = h // v_per_k
     offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
-        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BC, BK)
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BC, BK, SEQ_STEPS)
     k = tl.load(k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :],
                 mask=tk_ok, other=0.0)  # [BC, BK]
     g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)
@@ -151,7 +172,7 @@ def _gdn_prep_kernel(
     stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_b_t,
     QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    WU_LOWP: tl.constexpr = False,
+    WU_LOWP: tl.constexpr = False, SEQ_STEPS: tl.constexpr = 0,
 ):
     # One program: window c of BT packed tokens, value head h: gamma [BT] (float32),
     # w = Tinv (beta exp(gamma) K) [BT, K] and u = Tinv (beta V) [BT, V] (scratch dtype), for
@@ -162,7 +183,7 @@ def _gdn_prep_kernel(
     h = tl.program_id(1)
     hk = h // v_per_k
     offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
-        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT, BK)
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT, BK, SEQ_STEPS)
     k_ptrs = k_ptr + rows[:, None] * stride_k_t + hk * stride_k_h + offs_k[None, :]
     k = tl.load(k_ptrs, mask=tk_ok, other=0.0)  # [BT, BK]
     g = tl.load(g_ptr + rows * stride_g_t + h, mask=t_ok, other=0.0).to(tl.float32)  # [BT]
@@ -274,7 +295,7 @@ def _gdn_out_kernel(
     scale, num_tokens, num_seqs, key_dim, value_dim, v_per_k, num_heads,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEQ_STEPS: tl.constexpr = 0,
 ):
     # One program: window c, value head h, all of V in blocks of BV: o = exp(gamma) Q h[piece]
     # + (Q K^T * decay) U, U = u - w h[piece] (each piece of the window its own starting state
@@ -282,7 +303,7 @@ def _gdn_out_kernel(
     h = tl.program_id(1)
     hk = h // v_per_k
     offs_t, offs_k, rows, seq, t_ok, k_ok, tk_ok = _window_rows(
-        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT, BK)
+        seq_ptr, slots_ptr, num_tokens, num_seqs, key_dim, BT, BK, SEQ_STEPS)
     q = tl.load(q_ptr + rows[:, None] * stride_q_t + hk * stride_q_h + offs_k[None, :],
                 mask=tk_ok, other=0.0).to(tl.float32)  # [BT, BK]
     kn = tl.load(kn_ptr + (rows * (num_heads // v_per_k) + hk)[:, None] * key_dim
@@ -341,14 +362,17 @@ def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> di
     SOLVE_PRECISION: the triangular solve's merge products (tf32 for bf16 / fp16 inputs: 0.401
     against 0.674 ms for tf32x3, outputs as close to fla's, 0.52%, as with tf32x3; the
     scratch's bf16 rounding dominates). WU_LOWP (default off): the prep kernel's w and u
-    products on operands in the scratch dtype (bf16 with LOWP, as fla's), not float32 (tf32)."""
+    products on operands in the scratch dtype (bf16 with LOWP, as fla's), not float32 (tf32).
+    SEQ_FROM_QSL: without a token_seq the kernels find each token's sequence by a
+    binary search over query_start_loc (`seq_of_rows`), not a token_to_seq built first (its
+    torch launches)."""
     lowp = dtype in (torch.bfloat16, torch.float16) and not interp
     half = dtype != torch.float32
     cfg = dict(BT=64, BC=16, BK=_tile(K), BV=min(_tile(V), 32), BV_PREP=min(_tile(V), 64),
                BV_OUT=min(_tile(V), 64), DIAG_WARPS=1, PREP_WARPS=4, PREP_MAXNREG=None,
                STATE_WARPS=4, STATE_STAGES=3 if lowp else 2, OUT_WARPS=4, OUT_STAGES=2,
                OUT_MAXNREG=None, LOWP=lowp, PRECISION="tf32" if half else "ieee",
-               SOLVE_PRECISION="tf32" if half else "ieee", WU_LOWP=False)
+               SOLVE_PRECISION="tf32" if half else "ieee", WU_LOWP=False, SEQ_FROM_QSL=True)
     if interp:
         cfg.update(BT=32, PRECISION="upcast", SOLVE_PRECISION="upcast")
     return cfg
@@ -363,7 +387,8 @@ def gated_delta_chunk_triton(
     """Triton launcher of `gated_delta_chunk`: the diagonal-block inverses and the prep kernel
     over every window of the packed batch, the sequential state pass a (sequence, head, V
     block), the output kernel over every window. `token_seq`: `token_to_seq(query_start_loc,
-    n)` for n >= T when the caller has it. chunk_size is fixed by the kernels (`chunk_config`;
+    n)` for n >= T when the caller has it (else the kernels search query_start_loc:
+    SEQ_FROM_QSL). chunk_size is fixed by the kernels (`chunk_config`;
     `config` overrides its entries: tests, benchmarks); the argument is kept for the API."""
     from krait.ops.causal_conv1d import token_to_seq
 
@@ -380,8 +405,12 @@ def gated_delta_chunk_triton(
     for t in (q, k, v):
         assert t.stride(-1) == 1, "gated_delta_chunk: the last dim must be contiguous"
     assert states.stride(-1) == 1
+    seq_steps = 0  # the kernels load token_seq
     if token_seq is None or token_seq.shape[0] < T:
-        token_seq = token_to_seq(query_start_loc, T)
+        if cfg["SEQ_FROM_QSL"]:
+            token_seq, seq_steps = query_start_loc, nseq.bit_length()
+        else:
+            token_seq = token_to_seq(query_start_loc, T)
     sd = v.dtype if cfg["LOWP"] else torch.float32  # scratch
     nw = cdiv(T, bt)
     dev = v.device
@@ -396,7 +425,8 @@ def gated_delta_chunk_triton(
     _gdn_diag_inv_kernel[(cdiv(T, bc), hv)](
         k, g, beta, token_seq, state_indices, dinv, T, nseq, K, rep, hv,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
-        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BC=bc, BK=bk, num_warps=cfg["DIAG_WARPS"],
+        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BC=bc, BK=bk, SEQ_STEPS=seq_steps,
+        num_warps=cfg["DIAG_WARPS"],
     )
     ev = _record("diag_inv", ev)
     _gdn_prep_kernel[(nw, hv)](
@@ -404,7 +434,7 @@ def gated_delta_chunk_triton(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, SOLVE_PRECISION=cfg["SOLVE_PRECISION"],
         BT=bt, BC=bc, BK=bk, BV=cfg["BV_PREP"], WU_LOWP=bool(cfg["WU_LOWP"]),
-        num_warps=cfg["PREP_WARPS"], maxnreg=cfg["PREP_MAXNREG"],
+        SEQ_STEPS=seq_steps, num_warps=cfg["PREP_WARPS"], maxnreg=cfg["PREP_MAXNREG"],
     )
     ev = _record("prep", ev)
     _gdn_state_kernel[(nseq, hv, cdiv(V, cfg["BV"]))](
@@ -419,7 +449,7 @@ def gated_delta_chunk_triton(
         float(scale if scale is not None else K ** -0.5), T, nseq, K, V, rep, hv,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1),
         QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BT=bt, BK=bk, BV=cfg["BV_OUT"],
-        num_warps=cfg["OUT_WARPS"], num_stages=cfg["OUT_STAGES"], maxnreg=cfg["OUT_MAXNREG"],
+        SEQ_STEPS=seq_steps, num_warps=cfg["OUT_WARPS"], num_stages=cfg["OUT_STAGES"], maxnreg=cfg["OUT_MAXNREG"],
     )
     _record("out", ev)
     return o
@@ -513,7 +543,8 @@ def gated_delta_chunk(
     g [T, Hv] float32 log-decay (<= 0); beta [T, Hv]; states [num_slots, Hv, K, V] (final states
     written in place); query_start_loc int32 [B + 1]; state_indices int32 [B] (-1: skip);
     has_initial_state int32/bool [B]. token_seq: int32 [>= T], each packed token's sequence
-    (`causal_conv1d.token_to_seq`; the Triton path builds it when not given).
+    (`causal_conv1d.token_to_seq`; the Triton path finds it from query_start_loc when not
+    given).
     """
     if use_triton(v):
         return gated_delta_chunk_triton(q, k, v, g, beta, states, query_start_loc,

@@ -6,6 +6,8 @@ updates."""
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from krait.ops import gated_delta_chunk as gdc
 from krait.ops import gated_delta_update as gdu
@@ -285,6 +287,59 @@ def test_prefill_wu_lowp_stays_close_to_the_ref(lens, bt):
     assert ((s_tri - s_ref).norm() / s_ref.norm()).item() < 1e-2
     torch.testing.assert_close(o, want, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(s_tri, s_ref, atol=3e-2, rtol=3e-2)
+
+
+@triton.jit
+def _seq_of_rows_kernel(qsl_ptr, out_ptr, num_seqs, n, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.arange(0, BLOCK)
+    tl.store(out_ptr + rows, gdc.seq_of_rows(qsl_ptr, rows, num_seqs, STEPS), mask=rows < n)
+
+
+@pytest.mark.parametrize("lens", [[5], [0, 3, 0, 0, 4, 1, 0], [2, 0, 1, 1, 7, 0, 3, 2, 0]])
+def test_seq_of_rows_is_token_to_seq(lens):
+    """The kernels' binary search over query_start_loc == token_to_seq, tokens past the last
+    sequence (num_seqs) and empty sequences (at the ends, in runs) included."""
+    from krait.ops.causal_conv1d import token_to_seq
+
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(qsl[-1]) + 5
+    out = torch.full((n,), -7, dtype=torch.int32)
+    _seq_of_rows_kernel[(1,)](qsl, out, len(lens), n, STEPS=len(lens).bit_length(), BLOCK=32)
+    assert torch.equal(out, token_to_seq(qsl, n))
+
+
+@pytest.mark.parametrize("bt", [32, 64])
+def test_prefill_without_token_seq_equals_with_it(bt):
+    """SEQ_FROM_QSL (the default without a token_seq): the kernels' search over
+    query_start_loc gives the outputs and states of the loaded token_seq exactly, over
+    sequences with empty ones between and at the ends, a -1 slot and NaN padding after the
+    last sequence; and close to the reference."""
+    from krait.ops.causal_conv1d import token_to_seq
+
+    lens = [0, 3, 40, 0, 0, 17, 5, 70, 1, 0]  # 10 sequences: a 4-step search
+    slots = torch.tensor([0, 1, 2, 3, 4, -1, 5, 6, 7, 8], dtype=torch.int32)
+    init = torch.tensor([1, 0, 1, 1, 0, 1, 0, 1, 1, 0], dtype=torch.int32)
+    T = sum(lens)
+    pad = 9
+    q, k, v, g, beta, states = _inputs(T + pad, num_slots=10, seed=11)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    live = torch.ones(T + pad, dtype=torch.bool)
+    live[qsl[5]:qsl[6]] = False
+    live[T:] = False
+    for t in (q, k, v, g, beta):
+        t[~live] = float("nan")
+    cfg = dict(BT=bt, BC=16)
+    s_seq, s_qsl = states.clone(), states.clone()
+    o_seq = gdc.gated_delta_chunk_triton(q, k, v, g, beta, s_seq, qsl, slots, init,
+                                         token_seq=token_to_seq(qsl, T + pad), config=cfg)
+    o_qsl = gdc.gated_delta_chunk_triton(q, k, v, g, beta, s_qsl, qsl, slots, init,
+                                         config=dict(cfg, SEQ_FROM_QSL=True))
+    assert torch.equal(o_qsl[live], o_seq[live])
+    assert torch.equal(s_qsl, s_seq)
+    s_ref = states.clone()
+    want = gdc.gated_delta_chunk_ref(q, k, v, g, beta, s_ref, qsl, slots, init)
+    torch.testing.assert_close(o_qsl[live], want[live], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(s_qsl, s_ref, atol=1e-4, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- GPU, real size
