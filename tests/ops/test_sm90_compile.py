@@ -316,12 +316,14 @@ def test_gdn_verify_compiles_without_spills():
 @pytest.mark.parametrize("kernel,variant", [
     ("diag_inv", {}), ("prep", {}), ("state", {}), ("out", {}), ("prep", {"WU_LOWP": True}),
     # seq_ptr is query_start_loc, searched in 4 steps (8 to 15 sequences)
-    ("diag_inv", {"SEQ_STEPS": 4}), ("prep", {"SEQ_STEPS": 4}), ("out", {"SEQ_STEPS": 4})])
+    ("diag_inv", {"SEQ_STEPS": 4}), ("prep", {"SEQ_STEPS": 4}), ("out", {"SEQ_STEPS": 4}),
+    ("prep", {"FUSED_DIAG": True}), ("prep", {"FUSED_DIAG": True, "WU_LOWP": True})])
 def test_gdn_prefill_kernels_compile_within_shared_memory(kernel, variant):
     # the prefill kernels at bf16 with bf16 scratch, at the launcher's tiles and options: the
     # window products on the tensor cores (wgmma; the one-warp diagonal-block inverse on
     # mma), nothing spilled, the sequential pass's pipelined loads within shared memory;
-    # variant: constexprs of chunk_config's options (WU_LOWP, SEQ_FROM_QSL's SEQ_STEPS)
+    # variant: constexprs of chunk_config's options (WU_LOWP, SEQ_FROM_QSL's SEQ_STEPS,
+    # FUSED_DIAG)
     import torch
 
     from krait.ops import gated_delta_chunk as gdc
