@@ -8,7 +8,8 @@ difference}; fla_ms null (and "fla": the reason) when `fla` is not importable. -
 "krait_kernels_ms": the median of CUDA events around each of krait's launches (diag_inv, prep,
 state, out; the events themselves cost a little). --config overrides entries of
 `gated_delta_chunk.chunk_config` (e.g. BV=32,STATE_STAGES=2,OUT_WARPS=8,WU_LOWP=True; None for an
-option left to Triton); --sweep times more such configs in the same call (krait alone).
+option left to Triton); --sweep times more such configs in the same call (krait alone; each row's
+outputs and states against the main row's krait: rel_diff_*_main).
 
 Usage (device machine, repo root): python3 scripts/bench_gdn_prefill.py [--tokens 8192]
 [--breakdown] [--config KEY=VALUE,...] [--sweep 'K=V,...;K=V,...']
@@ -141,6 +142,8 @@ def main() -> int:
            "krait_ms": time_ms(krait, args.warmup, args.reps)}
     if args.breakdown:
         out["krait_kernels_ms"] = kernel_breakdown(krait, args.reps)
+    o_k, s_k = krait()
+    o_k, s_k = o_k.clone(), s_k.clone()
     if args.sweep:
         out["sweep"] = []
         for text in args.sweep.split(";"):
@@ -150,11 +153,11 @@ def main() -> int:
                 run = krait_call(x, cfg)
                 row["krait_ms"] = time_ms(run, args.warmup, args.reps)
                 row["krait_kernels_ms"] = kernel_breakdown(run, args.reps)
+                o_c, s_c = run()  # against the main row's krait (numerics of the options)
+                row["rel_diff_out_main"], row["rel_diff_state_main"] = rel(o_c, o_k), rel(s_c, s_k)
             except Exception as e:  # noqa: BLE001 (a config that does not compile: its row says so)
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             out["sweep"].append(row)
-    o_k, s_k = krait()
-    o_k, s_k = o_k.clone(), s_k.clone()
     out.update(fla_ms=None, ratio=None)
     try:
         fla = fla_call(x)
