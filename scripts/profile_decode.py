@@ -47,7 +47,7 @@ def _report(tag: str, wall_ms: float, prof, per: int, out_dir: str) -> None:
     gpu_us, rows = _kernel_rows(prof, per)
     print(f"== {tag}: wall {wall_ms:.3f} ms, GPU kernels {gpu_us / 1e3:.3f} ms "
           f"({sum(r[1] for r in rows):.0f} launches)")
-    for name, calls, us in rows[:14]:
+    for name, calls, us in rows[:24]:
         print(f"   {us:9.1f} us {calls:6.1f}x  {name}")
     with open(os.path.join(out_dir, f"prof_{tag.replace(' ', '_').replace(':', '_')}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,

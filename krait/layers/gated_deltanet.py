@@ -8,15 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
-from krait.layers.linear import Linear, MergedLinear
+from krait.layers.linear import Linear, MergedLinear, conv_linear
 from krait.layers.mamba2 import MambaMetadata
+from krait.ops import linear as plan
+from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.causal_conv1d_verify import causal_conv1d_verify
 from krait.ops.gated_delta_chunk import gated_delta_chunk
 from krait.ops.gated_delta_update import gated_delta_update, gdn_gate_ref
 from krait.ops.gated_delta_verify import gated_delta_verify
 from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.runner.piecewise_graphs import mixer_call
+from krait.runner.piecewise_graphs import mixer_call, piecewise_forward
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,54 @@ class GatedDeltaNet(torch.nn.Module):
         return (d.conv_dim, d.conv_width - 1), (d.num_v_heads, d.head_k_dim, d.head_v_dim)
 
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+        """x [T, hidden] -> [T, hidden]. Decode steps on the Triton path take the fusions:
+        the output norm in the delta rule's launch, and for one row the conv in in_proj's
+        GEMV epilogue where krait/ops/linear.py's plan takes it."""
         d = self.d
-        qkv, z, b, a = self.in_proj(x).split(
-            [d.conv_dim, d.value_dim, d.num_v_heads, d.num_v_heads], dim=-1)
+        if (meta.num_prefills == 0 and meta.num_accepted_tokens is None and use_triton(x)
+                and not piecewise_forward()):
+            conv = self._conv_epilogue(x, meta)
+            proj = (self.in_proj(x) if conv is None
+                    else conv_linear(x, self.in_proj.weight, self.in_proj.bias, conv))
+            qkv, z, b, a = proj.split(self._proj_sizes(), dim=-1)
+            gated = mixer_call(self._decode, (qkv, z, a, b), meta, "mamba", conv is not None)
+            return self.out_proj(gated)
+        qkv, z, b, a = self.in_proj(x).split(self._proj_sizes(), dim=-1)
         # the gates' raw inputs: the decode update forms g and beta in its kernel
         core = mixer_call(self._mix, (qkv, a, b), meta, "mamba")  # [T, Hv * V]
         # each head's RMSNorm, then the silu(z) gate, in one kernel (z a strided view)
         gated = gated_rms_norm(core, z, self.norm_weight, d.eps, d.head_v_dim, gate_after=True)
         return self.out_proj(gated)
+
+    def _proj_sizes(self) -> list[int]:
+        """in_proj's outputs: [q | k | v (the conv's channels) | z | b | a]."""
+        d = self.d
+        return [d.conv_dim, d.value_dim, d.num_v_heads, d.num_v_heads]
+
+    def _conv_epilogue(self, x: torch.Tensor, meta: MambaMetadata) -> tuple | None:
+        """The conv's decode step as the one-row in_proj GEMV's epilogue takes it (its channels
+        are in_proj's first conv_dim outputs), or None where the plan does not."""
+        d = self.d
+        if x.shape[0] != 1 or not plan.conv_epilogue(1, *self.in_proj.weight.shape,
+                                                     d.conv_width):
+            return None
+        return (0, self.conv1d_weight.squeeze(1), None, self.conv_state,
+                meta.decode_state_indices[:1], d.activation is not None)
+
+    def _decode(self, qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                meta: MambaMetadata, convolved: bool = False) -> torch.Tensor:
+        """A decode step's rows (every row one token; padding rows carry slot -1 and come out
+        0): conv (unless in_proj's epilogue did it: `convolved`), the delta rule and the gated
+        output norm in its launch: [T, Hv * V]."""
+        d = self.d
+        n = qkv.shape[0]
+        idx = meta.decode_state_indices[:n]
+        conv = qkv if convolved else causal_conv1d_update(
+            qkv, self.conv_state, self.conv1d_weight.squeeze(1), None, idx, d.activation)
+        q, k, v = self._split(conv)
+        return gated_delta_update(q, k, v, a, b, self.ssm_state, idx, A_log=self.A_log,
+                                  dt_bias=self.dt_bias,
+                                  norm=(z, self.norm_weight, d.eps)).reshape(n, -1)
 
     def _mix(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              meta: MambaMetadata) -> torch.Tensor:

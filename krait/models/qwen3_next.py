@@ -27,6 +27,7 @@ from krait.layers.rotary import RotaryEmbedding, rope_parameters
 from krait.models.decoder import lm_head_for, pre_norm, run_layers
 from krait.models.llama import LlamaMLP
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
+from krait.ops.activation import sigmoid_gate
 from krait.ops.moe_routes import route_topk
 from krait.runner.attention_metadata import StepMetadata
 
@@ -78,7 +79,7 @@ class Qwen3NextAttention(torch.nn.Module):
             v.view(T, self.num_kv_heads, self.head_dim),
             positions, self.rotary, meta.attn, self.q_norm, self.k_norm,
         )  # [T, H * D]
-        return self.o_proj(out * torch.sigmoid(gate.reshape(T, -1)))
+        return self.o_proj(sigmoid_gate(out, gate))
 
 
 class Qwen3NextMoE(torch.nn.Module):

@@ -1,4 +1,5 @@
-"""MLP activations: gated SiLU (`silu_and_mul`) and squared ReLU (`relu2`, NemotronH)."""
+"""MLP activations: gated SiLU (`silu_and_mul`) and squared ReLU (`relu2`, NemotronH); the
+sigmoid output gate of Qwen3-Next's attention (`sigmoid_gate`)."""
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,22 @@ def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.maximum(x, 0.0)
     tl.store(out_ptr + offs, (r * r).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, n, head_dim, stride_x, stride_gt, stride_gh,
+                         stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_trigger(PDL)
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_gt + (cols // head_dim) * stride_gh + cols % head_dim,
+                mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    s = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch.sigmoid's rounding
+    tl.store(out_ptr + row * stride_out + cols, (x * s).to(dtype), mask=mask)
 
 
 def silu_and_mul_triton(x: Tensor) -> Tensor:
@@ -80,3 +97,28 @@ def relu2_ref(x: Tensor) -> Tensor:
 def relu2(x: Tensor) -> Tensor:
     """relu(x) ** 2, elementwise, any shape (NemotronH MLP)."""
     return relu2_triton(x) if use_triton(x) else relu2_ref(x)
+
+
+def sigmoid_gate_triton(x: Tensor, gate: Tensor) -> Tensor:
+    """Triton launcher of `sigmoid_gate`."""
+    T, H, D = gate.shape
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(T, H * D, dtype=x.dtype, device=x.device)  # [T, H * D]
+    if T > 0:
+        assert gate.stride(-1) == 1 and x2.shape == (T, H * D)
+        block = min(_BLOCK, 1 << (H * D - 1).bit_length())
+        _sigmoid_gate_kernel[(T, cdiv(H * D, block))](
+            x2, gate, out, H * D, D, x2.stride(0), gate.stride(0), gate.stride(1),
+            out.stride(0), BLOCK=block, **pdl_args(use_pdl(x2)))
+    return out
+
+
+def sigmoid_gate_ref(x: Tensor, gate: Tensor) -> Tensor:
+    """Torch reference of `sigmoid_gate` (HF's arithmetic)."""
+    return x * torch.sigmoid(gate.reshape(x.shape))
+
+
+def sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
+    """x [T, H * D] * sigmoid(gate) for gate [T, H, D] (a strided view: each head's D gate
+    values, e.g. the second half of its q_proj rows), in x's dtype, in one launch."""
+    return sigmoid_gate_triton(x, gate) if use_triton(x) else sigmoid_gate_ref(x, gate)

@@ -14,6 +14,13 @@ launches fewer a layer in the decode step.
 One program a (row, value head, BV columns of the [K, V] state): all of K in the program (the
 reductions over K stay in it), V split so that the float32 tile stays near 4096 elements (32
 registers a thread at 4 warps; a whole 128 x 128 tile would be 128 and spill).
+
+With `norm` = (z, norm weight [V], eps) the kernel also applies the layer's output norm
+(`gated_rms_norm(o, z, w, eps, V, gate_after=True)`, HF's Qwen3NextRMSNormGated): each program
+stores its rounded o columns and their sum of squares in scratch and bumps its (row, head)
+arrival counter; the head's last program to arrive normalises the whole head, weights and gates
+it (the decode step's norm launch, and the zero fill and copy of the mixer's output, gone). A -1
+row's output is then 0.
 """
 
 import torch
@@ -23,7 +30,11 @@ import triton.language as tl
 from torch import Tensor
 
 from krait.ops._dispatch import cdiv, next_pow2, num_sms, use_triton
+from krait.ops.arrival import arrival_counters
 from krait.ops.gated_delta_chunk import delta_step_ref, prepare_qkv_ref
+from krait.ops.gated_rms_norm import gated_rms_norm_ref
+
+_COUNTERS: dict[torch.device, Tensor] = {}  # the fused norm's (row, head) arrival counters
 
 # ----------------------------------------------------------------------------- triton
 
@@ -54,10 +65,15 @@ def _gdn_update_kernel(
     stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
     stride_g_b, stride_beta_b, stride_o_b, stride_o_h,
     stride_s_slot, stride_s_h, stride_s_k, alog_ptr, dtb_ptr,
-    QK_L2NORM: tl.constexpr, GATE: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    z_ptr=None, stride_z_b=0, nw_ptr=None, eps=0.0, scr_ptr=None, part_ptr=None,
+    count_ptr=None,
+    QK_L2NORM: tl.constexpr = True, GATE: tl.constexpr = False, NORM: tl.constexpr = False,
+    BK: tl.constexpr = 128, BV: tl.constexpr = 16, VP: tl.constexpr = 128,
+    NVB: tl.constexpr = 1, NVBP: tl.constexpr = 1,
 ):
     # One program: batch row b, value head h, BV columns of its [K, V] state (all of K).
-    # GATE: g_ptr / beta_ptr hold the raw a / b, and g, beta are formed here.
+    # GATE: g_ptr / beta_ptr hold the raw a / b, and g, beta are formed here. NORM: the head's
+    # gated output norm by its last program to arrive (NVB programs a head, VP >= V).
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -92,8 +108,44 @@ def _gdn_update_kernel(
     S = S + k[:, None] * delta[None, :]
     o = tl.sum(S * q[:, None], 0)  # [BV]
     tl.store(s_ptrs, S.to(s_ptrs.dtype.element_ty), mask=s_ok)
-    tl.store(o_ptr + b64 * stride_o_b + h * stride_o_h + offs_v, o.to(o_ptr.dtype.element_ty),
-             mask=v_ok & (slot >= 0))
+    dtype = o_ptr.dtype.element_ty
+    if NORM:
+        _norm_head(tl.where(slot >= 0, o.to(dtype).to(tl.float32), 0.0), b64, h, offs_v, v_ok, value_dim,
+                   o_ptr + b64 * stride_o_b + h * stride_o_h, z_ptr + b64 * stride_z_b
+                   + h * value_dim, nw_ptr, eps, scr_ptr, part_ptr, count_ptr,
+                   tl.num_programs(1), VP, NVB, NVBP)
+    else:
+        tl.store(o_ptr + b64 * stride_o_b + h * stride_o_h + offs_v, o.to(dtype),
+                 mask=v_ok & (slot >= 0))
+
+
+@triton.jit
+def _norm_head(o, b, h, offs_v, v_ok, value_dim, out_ptr, z_ptr, nw_ptr, eps, scr_ptr,
+               part_ptr, count_ptr, num_heads, VP: tl.constexpr, NVB: tl.constexpr,
+               NVBP: tl.constexpr):
+    """NORM: this program's rounded o columns (float32 [BV], 0 past V) and their sum of squares
+    into scratch (scr [B, Hv, V], part [B, Hv, NVB] float32); the head's last program to
+    arrive writes out = (w * (o * rsqrt(mean(o^2) + eps)).to(dt)).to(dt) * silu(z), in dt."""
+    head = b * num_heads + h
+    tl.store(scr_ptr + head * value_dim + offs_v, o, mask=v_ok)
+    tl.store(part_ptr + head * NVB + tl.program_id(2), tl.sum(o * o, 0))
+    tl.debug_barrier()  # every thread's stores before the arrival
+    counter = count_ptr + head
+    arrived = tl.atomic_add(counter, 1)  # acq_rel: orders the stores above
+    if arrived == NVB - 1:
+        offs_p = tl.arange(0, NVBP)
+        parts = tl.load(part_ptr + head * NVB + offs_p, mask=offs_p < NVB, other=0.0,
+                        cache_modifier=".cg")
+        rstd = 1.0 / tl.sqrt(tl.sum(parts, 0) / value_dim + eps)
+        offs = tl.arange(0, VP)
+        ok = offs < value_dim
+        x = tl.load(scr_ptr + head * value_dim + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        dtype = out_ptr.dtype.element_ty
+        y = (tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+             * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, (y * (z / (1.0 + tl.exp(-z)))).to(dtype), mask=ok)
+        tl.atomic_xchg(counter, 0)
 
 
 def state_blocks(K: int, V: int, programs_per_v_block: int, sms: int) -> tuple[int, int]:
@@ -111,7 +163,7 @@ def state_blocks(K: int, V: int, programs_per_v_block: int, sms: int) -> tuple[i
 def gated_delta_update_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
     state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
-    A_log: Tensor | None = None, dt_bias: Tensor | None = None,
+    A_log: Tensor | None = None, dt_bias: Tensor | None = None, norm: tuple | None = None,
 ) -> Tensor:
     """Triton launcher of `gated_delta_update`."""
     B, hk, K = q.shape
@@ -126,14 +178,24 @@ def gated_delta_update_triton(
     gate = A_log is not None
     if gate:
         assert dt_bias is not None and A_log.is_contiguous() and dt_bias.is_contiguous()
-    _gdn_update_kernel[(B, hv, cdiv(V, bv))](
+    nvb = cdiv(V, bv)
+    norm_args = {}
+    if norm is not None:
+        z, norm_weight, eps = norm
+        assert z.shape == (B, hv * V) and z.stride(-1) == 1 and norm_weight.numel() == V
+        scratch = torch.empty(B * hv * (V + nvb), dtype=torch.float32, device=v.device)
+        norm_args = dict(z_ptr=z, stride_z_b=z.stride(0), nw_ptr=norm_weight.contiguous(),
+                         eps=float(eps), scr_ptr=scratch, part_ptr=scratch[B * hv * V:],
+                         count_ptr=arrival_counters(_COUNTERS, v.device, B * hv), NORM=True,
+                         VP=next_pow2(V), NVB=nvb, NVBP=next_pow2(nvb))
+    _gdn_update_kernel[(B, hv, nvb)](
         q, k, v, g, beta, o, states, state_indices,
         float(scale if scale is not None else K ** -0.5), K, V, hv // hk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         A_log if gate else g, dt_bias if gate else g,
-        QK_L2NORM=qk_l2norm, GATE=gate, BK=bk, BV=bv,
+        QK_L2NORM=qk_l2norm, GATE=gate, BK=bk, BV=bv, **norm_args,
     )
     return o
 
@@ -150,7 +212,7 @@ def gdn_gate_ref(a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor) -> tuple[
 def gated_delta_update_ref(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
     state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
-    A_log: Tensor | None = None, dt_bias: Tensor | None = None,
+    A_log: Tensor | None = None, dt_bias: Tensor | None = None, norm: tuple | None = None,
 ) -> Tensor:
     """Torch reference of `gated_delta_update`."""
     if A_log is not None:
@@ -163,6 +225,11 @@ def gated_delta_update_ref(
                             beta[rows].float())
     o[rows] = out.to(o.dtype)
     states[slots] = S.to(states.dtype)
+    if norm is not None:
+        z, norm_weight, eps = norm
+        B, hv, V = o.shape
+        o = gated_rms_norm_ref(o.reshape(B, -1), z, norm_weight, eps, V,
+                               gate_after=True).view(B, hv, V)
     return o
 
 
@@ -172,14 +239,16 @@ def gated_delta_update_ref(
 def gated_delta_update(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor,
     state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
-    A_log: Tensor | None = None, dt_bias: Tensor | None = None,
+    A_log: Tensor | None = None, dt_bias: Tensor | None = None, norm: tuple | None = None,
 ) -> Tensor:
     """One token per row: q, k [B, Hk, K]; v [B, Hv, V]; g [B, Hv] float32 log-decay; beta
     [B, Hv]; states [num_slots, Hv, K, V] updated in place at state_indices int32 [B] (-1: skip).
     With A_log, dt_bias [Hv]: g and beta are the raw gate inputs a, b [B, Hv] (`gdn_gate_ref`).
+    With norm = (z [B, Hv * V] (last dim contiguous), norm weight [V], eps): o goes through
+    `gated_rms_norm(o, z, weight, eps, V, gate_after=True)` in the same launch (-1 rows: 0).
     Returns o [B, Hv, V] in v's dtype."""
     if use_triton(v):
         return gated_delta_update_triton(q, k, v, g, beta, states, state_indices, scale,
-                                         qk_l2norm, A_log, dt_bias)
+                                         qk_l2norm, A_log, dt_bias, norm)
     return gated_delta_update_ref(q, k, v, g, beta, states, state_indices, scale, qk_l2norm,
-                                  A_log, dt_bias)
+                                  A_log, dt_bias, norm)

@@ -21,6 +21,11 @@ from krait.ops.gemv_tma import tma_config
 # the benchmarked models but the gated MLPs' gate_up (which take the GEMV with the activation
 # in its epilogue, up to GATE_UP_GEMV_MAX_ELEMENTS) and the lm_heads (100M+, cuBLAS)
 ROW_GEMV_MAX_ELEMENTS = 20 << 20
+# a one-row Mamba or Gated DeltaNet in_proj with its decode conv in the epilogue takes the GEMV
+# up to this size (one conv launch fewer a layer): Qwen3-Next-80B's GDN in_proj is 25M elements
+# (cuBLAS streamed it at 3.3 TB/s, 15.2 us at batch 1 on the H200, as fast as the TMA GEMV's wide
+# config streams mamba2's: the conv launch is the gain)
+CONV_GEMV_MAX_ELEMENTS = 32 << 20
 # a one-row gated MLP's gate_up up to this size runs the GEMV with silu-and-mul in its epilogue
 # (each program streams its columns' gate rows and up rows): no activation launch, and the down
 # projection then reads the activated row
@@ -96,9 +101,11 @@ def one_slice_tma_plan(n: int, k: int, has_bias: bool = False, tma_readable: boo
 
 
 def conv_epilogue(rows: int, n: int, k: int, conv_width: int) -> bool:
-    """A Mamba layer's decode conv in its in_proj GEMV's epilogue (one launch fewer a layer): one
-    row through the GEMV, a power-of-two conv width."""
-    return row_gemv(rows, n, k) and conv_width & (conv_width - 1) == 0
+    """A Mamba (or Gated DeltaNet) layer's decode conv in its in_proj GEMV's epilogue (one launch
+    fewer a layer): one row, at most CONV_GEMV_MAX_ELEMENTS weight elements, a power-of-two conv
+    width."""
+    return (rows == 1 and n * k <= CONV_GEMV_MAX_ELEMENTS
+            and conv_width & (conv_width - 1) == 0)
 
 
 def norm_config(n: int, k: int, group_size: int) -> dict[str, int] | None:

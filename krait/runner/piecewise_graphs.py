@@ -80,6 +80,13 @@ def mixer_call(fn: Callable[..., torch.Tensor], activations: tuple[torch.Tensor,
     return _recorder.mixer(fn, activations, meta, kind, extra)
 
 
+def piecewise_forward() -> bool:
+    """Is a forward being padded, captured or replayed in pieces? Its mixers' inputs and
+    outputs are then fixed at the bucket's first step, so a model takes no path that only
+    some steps' metadata allows (a decode-only fusion) while one is."""
+    return _recorder is not None
+
+
 class _Mixer:
     """A recorded mixer call: its static inputs, the metadata it takes, where its output goes."""
 

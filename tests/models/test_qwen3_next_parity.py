@@ -125,6 +125,36 @@ def test_gdn_triton_kernels_match_hf(ref: Reference, monkeypatch) -> None:
             assert abs(entry[tok].logprob - ref.logprobs[i][step, tok].item()) < 1e-3
 
 
+def test_gdn_fused_decode_matches_hf(ref: Reference, monkeypatch) -> None:
+    """Decode steps through the GDN layer's fused path (interpreted): the conv in in_proj's
+    GEMV epilogue (one row) and the output norm inside the delta rule's launch, at one row and
+    at two rows a step (the conv then its own launch); prefill chunks keep the chunked path."""
+    import krait.layers.gated_deltanet as gdn_layer
+    from krait.ops import causal_conv1d, gated_delta_chunk, gated_delta_update
+
+    ran = []
+    for mod in (gated_delta_chunk, gated_delta_update, causal_conv1d, gdn_layer):
+        monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    update, conv_linear = gdn_layer.gated_delta_update, gdn_layer.conv_linear
+    monkeypatch.setattr(gdn_layer, "gated_delta_update", lambda *a, **kw: ran.append(
+        ("norm", a[0].shape[0]) if kw.get("norm") else "plain") or update(*a, **kw))
+    monkeypatch.setattr(gdn_layer, "conv_linear",
+                        lambda *a, **kw: ran.append("conv_epilogue") or conv_linear(*a, **kw))
+    n = 3
+    llm = LLM(ref.model_dir, device="cpu", dtype="float32", max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+    for prompts in (PROMPTS[4:5], PROMPTS[1:3]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for out, p in zip(outs, prompts):
+            i = PROMPTS.index(p)
+            assert out.outputs[0].token_ids == ref.tokens[i][:n]
+            for step, (tok, entry) in enumerate(zip(out.outputs[0].token_ids,
+                                                    out.outputs[0].logprobs)):
+                assert abs(entry[tok].logprob - ref.logprobs[i][step, tok].item()) < 1e-3
+    assert "conv_epilogue" in ran and ("norm", 1) in ran and ("norm", 2) in ran
+    assert "plain" not in ran  # decode rows no longer take the unfused update
+
+
 @pytest.mark.parametrize("shared_size", [48, 32])
 def test_moe_few_route_kernels_match_hf(ref: Reference, shared_size: int, tmp_path,
                                         monkeypatch) -> None:

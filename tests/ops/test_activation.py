@@ -45,3 +45,21 @@ def test_gpu_triton_matches_reference_real_sizes():
     x = randn(4096, 2 * 11008).cuda().bfloat16()
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(relu2(x), relu2_ref(x), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_gate_matches_torch(dtype, monkeypatch):
+    """The gate a strided view (the second half of each head's q_proj rows), as Qwen3-Next's
+    attention hands it over; fp32 within an ulp, bf16 within a rounding step (the interpreter's casts
+    truncate)."""
+    from krait.ops.activation import sigmoid_gate_ref, sigmoid_gate_triton
+
+    T, H, D = 3, 5, 24
+    qg = torch.randn(T, H, 2 * D).to(dtype)
+    gate = qg[..., D:]
+    x = torch.randn(T, H * D).to(dtype)
+    want = sigmoid_gate_ref(x, gate)
+    got = sigmoid_gate_triton(x, gate)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2  # exp: an ulp
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(want, x * torch.sigmoid(gate.reshape(T, -1)))

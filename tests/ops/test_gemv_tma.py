@@ -201,3 +201,29 @@ def test_gemv_tma_conv_epilogue_compiles_without_spills(early_box):
     r = _compile(16, 256, 3, 4, conv=True, early_box=early_box)
     print(f"\ngemv_tma conv early_box={early_box} sm_90: {r}")
     assert r["local"] == 0 and r["pdl"] and r["bulk_tensor_copies"] > 0, r
+
+
+@pytest.mark.gpu
+def test_gemv_tma_conv_epilogue_gdn_in_proj_gpu():
+    """Qwen3-Next-80B's GDN in_proj [12352, 2048] (q, k, v: its first 8192 outputs, the conv's
+    channels; no conv bias) with the conv in the epilogue, as the plan runs it, against
+    F.linear then the conv update's torch reference."""
+    from krait.ops import linear as plan
+    from krait.ops.causal_conv1d import causal_conv1d_update_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, 2048, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(12352, 2048, device="cuda", generator=gen) * 0.02).bfloat16()
+    cw = (torch.randn(8192, 4, device="cuda", generator=gen) * 0.3).bfloat16()
+    states = torch.randn(4, 8192, 3, device="cuda", generator=gen).bfloat16()
+    slots = torch.tensor([2], dtype=torch.int32, device="cuda")
+    want_states = states.clone()
+    proj = F.linear(x, w)
+    want = proj.clone()
+    want[:, :8192] = causal_conv1d_update_ref(proj[:, :8192], want_states, cw, None, slots,
+                                              "silu")
+    got = gemv_tma(x, w, plan.one_slice_tma_plan(12352, 2048),
+                   conv=(0, cw, None, states, slots, True))
+    assert ((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    assert ((states.float() - want_states.float()).norm() / want_states.float().norm()) < 1e-2
+    assert torch.equal(states[[0, 1, 3]], want_states[[0, 1, 3]])

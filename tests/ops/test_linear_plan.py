@@ -49,7 +49,11 @@ def test_the_conv_epilogue_takes_a_one_slice_tma_config_or_gemv():
     assert plan.conv_epilogue(1, 8512, 2048, 4)
     assert not plan.conv_epilogue(1, 8512, 2048, 3)  # the width must be a power of two
     assert not plan.conv_epilogue(2, 8512, 2048, 4)
-    assert not plan.conv_epilogue(1, 32 * M, 2048, 4)  # past the GEMV's bound
+    assert not plan.conv_epilogue(1, 32 * M, 2048, 4)  # past the bound
+    # Qwen3-Next-80B's GDN in_proj (25M elements, past the plain GEMV's bound): the TMA GEMV
+    # with the conv in its epilogue, one slice
+    assert not plan.row_gemv(1, 12352, 2048) and plan.conv_epilogue(1, 12352, 2048, 4)
+    assert plan.one_slice_tma_plan(12352, 2048) is not None
 
 
 def test_gated_norm_prologue_takes_programs_inside_one_norm_group():
