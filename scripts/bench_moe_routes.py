@@ -31,7 +31,8 @@ from krait.ops.moe_routes import moe_routes_triton, routes_config  # noqa: E402
 # name -> (hidden, intermediate, experts, top-k): Qwen3-Next-80B-A3B, granite-4.0-h-tiny
 SHAPES = {"qwen3next": (2048, 512, 512, 10), "granite_tiny": (1536, 512, 64, 6)}
 CALLS = 50
-UP = [(bn, bk, nw) for bn, bk, nw in itertools.product((8, 16, 32), (256, 512), (4, 8))]
+UP = [(bn, bk, nw) for bn, bk, nw in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048),
+                                                       (4, 8))]
 DOWN = [(bn, bk, nw, s) for bn, bk, nw, s in
         itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (False, True))]
 

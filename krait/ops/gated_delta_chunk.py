@@ -21,8 +21,7 @@ sequences are independent: A is block-diagonal by sequence and gamma restarts), 
 and scratch are sized by the token and sequence counts alone (no host sync: graph-safe).
 Four kernels:
 - `_gdn_diag_inv_kernel` (every BC = 16 tokens and head at once, one warp each): the inverses
-  Dinv of (I + A)'s diagonal BC x BC blocks by BC - 1 steps of forward elimination (or the
-  prep kernel's own, FUSED_DIAG: a window's blocks at once, no launch nor Dinv scratch);
+  Dinv of (I + A)'s diagonal BC x BC blocks by BC - 1 steps of forward elimination;
 - `_gdn_prep_kernel` (every window and head at once): gamma, (I + A)^-1 blocked — the
   strictly block-lower rest M = Dinv L (nilpotent: M^(BT/BC) = 0) folded in by products,
   (I + A)^-1 = (I - M + M^2 - M^3) Dinv, not BT - 1 dependent row steps — then w, u and the
@@ -173,13 +172,12 @@ def _gdn_prep_kernel(
     stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_g_t, stride_b_t,
     QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    WU_LOWP: tl.constexpr = False, SEQ_STEPS: tl.constexpr = 0, FUSED_DIAG: tl.constexpr = False,
+    WU_LOWP: tl.constexpr = False, SEQ_STEPS: tl.constexpr = 0,
 ):
     # One program: window c of BT packed tokens, value head h: gamma [BT] (float32),
     # w = Tinv (beta exp(gamma) K) [BT, K] and u = Tinv (beta V) [BT, V] (scratch dtype), for
-    # Tinv = (I + A)^-1 from the diagonal blocks' inverses Dinv (`_gdn_diag_inv_kernel`'s, or
-    # formed here with FUSED_DIAG, dinv_ptr unread); the first value head of each key head
-    # also stores the normed k (kn [T, Hk, K], scratch).
+    # Tinv = (I + A)^-1 from the diagonal blocks' inverses Dinv (`_gdn_diag_inv_kernel`); the
+    # first value head of each key head also stores the normed k (kn [T, Hk, K], scratch).
     # WU_LOWP: the w and u products' operands (Tinv, the scaled k and v) in the scratch dtype
     # (bf16 products, float32 accumulation, as fla's recompute_w_u), float32 otherwise.
     h = tl.program_id(1)
@@ -203,27 +201,10 @@ def _gdn_prep_kernel(
     # L: A's strictly block-lower part (A = D + L)
     off = (blk[:, None] > blk[None, :]) & same
     out_rows = rows * num_heads + h  # [T, Hv, ...] scratch rows
-    if FUSED_DIAG:
-        # all of A, then the window's BT / BC diagonal blocks inverted at once by
-        # `_gdn_diag_inv_kernel`'s BC - 1 elimination steps over the block-diagonal [BT, BT]
-        # tile: step j's pivot row of each block is its row j, X and D block-diagonal
-        strict = (offs_t[:, None] > offs_t[None, :]) & same
-        decay = tl.exp(tl.where(strict, gam[:, None] - gam[None, :], 0.0))
-        A = tl.where(strict, kk * decay * beta[:, None], 0.0)
-        L = tl.where(off, A, 0.0)
-        D = tl.where(diag, A, 0.0)
-        Dinv = tl.where(offs_t[:, None] == offs_t[None, :], 1.0, 0.0)
-        jb = offs_t % BC
-        for j in range(BC - 1):
-            x_piv = tl.sum(tl.where((jb == j)[:, None], Dinv, 0.0), axis=0)  # block rows j
-            d_piv = tl.sum(tl.where((jb == j)[None, :], D, 0.0), axis=1)  # block columns j
-            Dinv = Dinv - tl.where(diag, d_piv[:, None] * x_piv[None, :], 0.0)
-        Dinv = tl.where(t_ok[:, None], Dinv, 0.0)  # as the masked load: dead rows zero
-    else:
-        decay = tl.exp(tl.where(off, gam[:, None] - gam[None, :], 0.0))
-        L = tl.where(off, kk * decay * beta[:, None], 0.0)
-        Dinv = tl.load(dinv_ptr + out_rows[:, None] * BC + (offs_t % BC)[None, :],
-                       mask=t_ok[:, None] & diag, other=0.0)  # [BT, BT] block-diagonal
+    decay = tl.exp(tl.where(off, gam[:, None] - gam[None, :], 0.0))
+    L = tl.where(off, kk * decay * beta[:, None], 0.0)
+    Dinv = tl.load(dinv_ptr + out_rows[:, None] * BC + (offs_t % BC)[None, :],
+                   mask=t_ok[:, None] & diag, other=0.0)  # [BT, BT] block-diagonal
     # I + A = (I + D)(I + M), M = Dinv L strictly block-lower: (I + M)^-1 = sum (-M)^n,
     # n < BT / BC (the terms of block forward substitution)
     M = _dot(Dinv, L, SOLVE_PRECISION)
@@ -380,20 +361,19 @@ def chunk_config(K: int, V: int, dtype: torch.dtype, interp: bool = False) -> di
     for bf16 / fp16 inputs, ieee for float32 ones; 'upcast' interpreted: `_dot`);
     SOLVE_PRECISION: the triangular solve's merge products (tf32 for bf16 / fp16 inputs: 0.401
     against 0.674 ms for tf32x3, outputs as close to fla's, 0.52%, as with tf32x3; the
-    scratch's bf16 rounding dominates). WU_LOWP (default off): the prep kernel's w and u
-    products on operands in the scratch dtype (bf16 with LOWP, as fla's), not float32 (tf32).
+    scratch's bf16 rounding dominates). WU_LOWP: the prep kernel's w and u products on
+    operands in the scratch dtype (bf16 with LOWP, as fla's), not float32 (tf32): at 8k tokens
+    on the H200 the prep kernel took 0.257 against 0.356 ms, outputs 0.39% from tf32's.
     SEQ_FROM_QSL: without a token_seq the kernels find each token's sequence by a
     binary search over query_start_loc (`seq_of_rows`), not a token_to_seq built first (its
-    torch launches). FUSED_DIAG (default off): the prep kernel inverts the diagonal blocks
-    itself (no diag_inv launch, no Dinv scratch)."""
+    torch launches)."""
     lowp = dtype in (torch.bfloat16, torch.float16) and not interp
     half = dtype != torch.float32
     cfg = dict(BT=64, BC=16, BK=_tile(K), BV=min(_tile(V), 32), BV_PREP=min(_tile(V), 64),
                BV_OUT=min(_tile(V), 64), DIAG_WARPS=1, PREP_WARPS=4, PREP_MAXNREG=None,
                STATE_WARPS=4, STATE_STAGES=3 if lowp else 2, OUT_WARPS=4, OUT_STAGES=2,
                OUT_MAXNREG=None, LOWP=lowp, PRECISION="tf32" if half else "ieee",
-               SOLVE_PRECISION="tf32" if half else "ieee", WU_LOWP=False, SEQ_FROM_QSL=True,
-               FUSED_DIAG=False)
+               SOLVE_PRECISION="tf32" if half else "ieee", WU_LOWP=True, SEQ_FROM_QSL=True)
     if interp:
         cfg.update(BT=32, PRECISION="upcast", SOLVE_PRECISION="upcast")
     return cfg
@@ -435,7 +415,6 @@ def gated_delta_chunk_triton(
     sd = v.dtype if cfg["LOWP"] else torch.float32  # scratch
     nw = cdiv(T, bt)
     dev = v.device
-    fused = bool(cfg["FUSED_DIAG"])
     kn = torch.empty(T, hk, K, dtype=sd, device=dev)  # normed keys
     w = torch.empty(T, hv, K, dtype=sd, device=dev)
     u = torch.empty(T, hv, V, dtype=sd, device=dev)
@@ -443,23 +422,20 @@ def gated_delta_chunk_triton(
     hs = torch.empty(nw + nseq, hv, K, V, dtype=sd, device=dev)  # chunks' starting states
     prec, bk, rep = cfg["PRECISION"], cfg["BK"], hv // hk
     ev = _event()
-    if fused:
-        dinv = gam  # unread
-    else:
-        dinv = torch.empty(T, hv, bc, dtype=torch.float32, device=dev)
-        _gdn_diag_inv_kernel[(cdiv(T, bc), hv)](
-            k, g, beta, token_seq, state_indices, dinv, T, nseq, K, rep, hv,
-            k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
-            QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BC=bc, BK=bk, SEQ_STEPS=seq_steps,
-            num_warps=cfg["DIAG_WARPS"],
-        )
-        ev = _record("diag_inv", ev)
+    dinv = torch.empty(T, hv, bc, dtype=torch.float32, device=dev)
+    _gdn_diag_inv_kernel[(cdiv(T, bc), hv)](
+        k, g, beta, token_seq, state_indices, dinv, T, nseq, K, rep, hv,
+        k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+        QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, BC=bc, BK=bk, SEQ_STEPS=seq_steps,
+        num_warps=cfg["DIAG_WARPS"],
+    )
+    ev = _record("diag_inv", ev)
     _gdn_prep_kernel[(nw, hv)](
         k, v, g, beta, token_seq, state_indices, dinv, kn, w, u, gam, T, nseq, K, V, rep, hv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         QK_L2NORM=qk_l2norm, DOT_PRECISION=prec, SOLVE_PRECISION=cfg["SOLVE_PRECISION"],
         BT=bt, BC=bc, BK=bk, BV=cfg["BV_PREP"], WU_LOWP=bool(cfg["WU_LOWP"]),
-        SEQ_STEPS=seq_steps, FUSED_DIAG=fused, num_warps=cfg["PREP_WARPS"],
+        SEQ_STEPS=seq_steps, num_warps=cfg["PREP_WARPS"],
         maxnreg=cfg["PREP_MAXNREG"],
     )
     ev = _record("prep", ev)

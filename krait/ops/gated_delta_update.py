@@ -33,6 +33,7 @@ from krait.ops._dispatch import cdiv, next_pow2, num_sms, use_triton
 from krait.ops.arrival import arrival_counters
 from krait.ops.gated_delta_chunk import delta_step_ref, prepare_qkv_ref
 from krait.ops.gated_rms_norm import gated_rms_norm_ref
+from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 _COUNTERS: dict[torch.device, Tensor] = {}  # the fused norm's (row, head) arrival counters
 
@@ -69,11 +70,12 @@ def _gdn_update_kernel(
     count_ptr=None,
     QK_L2NORM: tl.constexpr = True, GATE: tl.constexpr = False, NORM: tl.constexpr = False,
     BK: tl.constexpr = 128, BV: tl.constexpr = 16, VP: tl.constexpr = 128,
-    NVB: tl.constexpr = 1, NVBP: tl.constexpr = 1,
+    NVB: tl.constexpr = 1, NVBP: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     # One program: batch row b, value head h, BV columns of its [K, V] state (all of K).
     # GATE: g_ptr / beta_ptr hold the raw a / b, and g, beta are formed here. NORM: the head's
     # gated output norm by its last program to arrive (NVB programs a head, VP >= V).
+    pdl_trigger(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -85,7 +87,13 @@ def _gdn_update_kernel(
     s_ok = k_ok[:, None] & v_ok[None, :] & (slot >= 0)
     s_ptrs = (state_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_s_slot + h * stride_s_h
               + offs_k[:, None] * stride_s_k + offs_v[None, :])
+    # with PDL read before the wait for the kernel before, as the head's constants
+    # (`gated_delta_update_triton`)
     S = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)  # [BK, BV]
+    if GATE:
+        a_log = tl.load(alog_ptr + h).to(tl.float32)
+        dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    pdl_wait(PDL)
     b64 = b.to(tl.int64)
     q = tl.load(q_ptr + b64 * stride_q_b + hk * stride_q_h + offs_k, mask=k_ok,
                 other=0.0).to(tl.float32)  # [BK]
@@ -96,8 +104,7 @@ def _gdn_update_kernel(
     g = tl.load(g_ptr + b64 * stride_g_b + h).to(tl.float32)
     beta = tl.load(beta_ptr + b64 * stride_beta_b + h).to(tl.float32)
     if GATE:
-        g, beta = gdn_gate(g, beta, tl.load(alog_ptr + h).to(tl.float32),
-                           tl.load(dtb_ptr + h).to(tl.float32), beta_ptr.dtype.element_ty)
+        g, beta = gdn_gate(g, beta, a_log, dtb, beta_ptr.dtype.element_ty)
     if QK_L2NORM:
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -165,7 +172,10 @@ def gated_delta_update_triton(
     state_indices: Tensor, scale: float | None = None, qk_l2norm: bool = True,
     A_log: Tensor | None = None, dt_bias: Tensor | None = None, norm: tuple | None = None,
 ) -> Tensor:
-    """Triton launcher of `gated_delta_update`."""
+    """Triton launcher of `gated_delta_update`. With PDL each program reads its state tile
+    before waiting for the kernel before (as `selective_state_update_triton` does: a slot's
+    state is written only by this layer's update, once a step, and the slots by the step's input
+    preparation), so that the state read overlaps the tail of in_proj."""
     B, hk, K = q.shape
     hv, V = v.shape[1], v.shape[2]
     o = torch.empty(B, hv, V, dtype=v.dtype, device=v.device)  # [B, Hv, V]
@@ -195,7 +205,7 @@ def gated_delta_update_triton(
         g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         A_log if gate else g, dt_bias if gate else g,
-        QK_L2NORM=qk_l2norm, GATE=gate, BK=bk, BV=bv, **norm_args,
+        QK_L2NORM=qk_l2norm, GATE=gate, BK=bk, BV=bv, **norm_args, **pdl_args(use_pdl(v)),
     )
     return o
 

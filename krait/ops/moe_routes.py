@@ -94,7 +94,10 @@ def route_topk_triton(
     _route_topk_kernel[(T,)](
         logits, weights, ids, E, logits.stride(0), TOPK=k, TOPK_PAD=next_pow2(k),
         RENORM=renormalize, ROUND_W=round_to_dtype, BLOCK_E=next_pow2(E),
-        **pdl_args(use_pdl(logits)),
+        # one warp up to 1024 experts: its k rounds of reductions stay in the warp (shuffles,
+        # no shared-memory barriers): 2.76 against 3.43 us at 4 warps for Qwen3-Next's 512
+        # experts, top-10, on the H200
+        num_warps=1 if E <= 1024 else 4, **pdl_args(use_pdl(logits)),
     )
     return weights, ids
 
@@ -154,6 +157,30 @@ def _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, row0, x_row, N, K,
 
 
 @triton.jit
+def _gate_up_rows_dot(w_ptr, expert, stride_we, stride_wn, x_row, N, K,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(gate, up) fp32 [BLOCK_N] each: the program's BLOCK_N gate rows w[expert, n, :] and the
+    up rows w[expert, N + n, :] against x_row, streamed in one loop as one [2 BLOCK_N, BLOCK_K]
+    tile (both row sets' loads in flight together, not one loop after the other)."""
+    offs_r = tl.arange(0, 2 * BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + offs_r % BLOCK_N
+    n_ok = n < N
+    row = n + (offs_r >= BLOCK_N).to(tl.int32) * N
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + expert * stride_we + row.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_row + 0 * offs_r[:, None]  # [2 BLOCK_N, 1]: x born in the tile's layout
+    acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = (k0 + offs_k)[None, :]
+        k_ok = k < K
+        x = tl.load(x_rows + k, mask=k_ok, other=0.0)  # [2 BLOCK_N, BLOCK_K]
+        w = tl.load(rows + k, mask=n_ok[:, None] & k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    both = tl.trans(tl.reshape(tl.sum(acc, 1), [2, BLOCK_N]))  # [BLOCK_N, 2]: gate, up
+    return tl.split(both)
+
+
+@triton.jit
 def _route_up_kernel(
     x_ptr, w_ptr, ids_ptr, mid_ptr, ws_ptr, N, K, num_routes, stride_x, stride_we, stride_wn,
     stride_wsn, stride_mid,
@@ -173,13 +200,14 @@ def _route_up_kernel(
     x_row = x_ptr + token * stride_x
     dtype = mid_ptr.dtype.element_ty
     # each projection rounded as F.linear's output
-    h = _expert_rows_dot(base, expert, stride_we, row_stride, 0, x_row, N, K, BLOCK_N, BLOCK_K)
-    h = h.to(dtype).to(tl.float32)
     if ACT == 1:  # the up rows sit N rows below the gate rows
-        up = _expert_rows_dot(base, expert, stride_we, row_stride, N, x_row, N, K, BLOCK_N,
-                              BLOCK_K)
+        h, up = _gate_up_rows_dot(base, expert, stride_we, row_stride, x_row, N, K, BLOCK_N,
+                                  BLOCK_K)
+        h = h.to(dtype).to(tl.float32)
         h = h / (1.0 + tl.exp(-h)) * up.to(dtype).to(tl.float32)
     else:
+        h = _expert_rows_dot(base, expert, stride_we, row_stride, 0, x_row, N, K, BLOCK_N,
+                             BLOCK_K).to(dtype).to(tl.float32)
         h = tl.maximum(h, 0.0)
         h = h * h
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

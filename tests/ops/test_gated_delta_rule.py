@@ -342,38 +342,6 @@ def test_prefill_without_token_seq_equals_with_it(bt):
     torch.testing.assert_close(s_qsl, s_ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("bt", [32, 64])
-def test_prefill_fused_diag_equals_the_diag_kernel(bt):
-    """FUSED_DIAG: the prep kernel's own diagonal-block inverses (a window's blocks by masked
-    elimination over the [BT, BT] tile) == `_gdn_diag_inv_kernel`'s within float32 rounding,
-    over sequences that start and end inside blocks and windows, span several, an empty and a
-    -1 one, NaN padding after the last; and close to the reference."""
-    lens = [2, 3, 37, 0, 4, 64, 1, 63, 30]
-    slots = torch.tensor([0, 1, 2, 3, -1, 4, 5, 6, 7], dtype=torch.int32)
-    init = torch.tensor([1, 0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.int32)
-    T = sum(lens)
-    pad = 5
-    q, k, v, g, beta, states = _inputs(T + pad, num_slots=9, seed=12)
-    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    live = torch.ones(T + pad, dtype=torch.bool)
-    live[qsl[4]:qsl[5]] = False
-    live[T:] = False
-    for t in (q, k, v, g, beta):
-        t[~live] = float("nan")
-    got = {}
-    for fused in (False, True):
-        s_tri = states.clone()
-        o = gdc.gated_delta_chunk_triton(q, k, v, g, beta, s_tri, qsl, slots, init,
-                                         config=dict(BT=bt, BC=16, FUSED_DIAG=fused))
-        got[fused] = o[live], s_tri
-    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[True][1], got[False][1], atol=1e-5, rtol=1e-5)
-    s_ref = states.clone()
-    want = gdc.gated_delta_chunk_ref(q, k, v, g, beta, s_ref, qsl, slots, init)
-    torch.testing.assert_close(got[True][0], want[live], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[True][1], s_ref, atol=1e-4, rtol=1e-4)
-
-
 # ----------------------------------------------------------------------------- GPU, real size
 # Qwen3-Next-80B's GDN: 16 key heads, 32 value heads, K = V = 128; bf16 activations, float32
 # state; the Triton kernels against the torch references on the device (gpu_check.sh gdn and

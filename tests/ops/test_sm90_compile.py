@@ -289,18 +289,25 @@ def _fits(r: dict) -> bool:
     return r["local"] == 0 and r["shared"] + r["dynamic_shared"] <= SM90_MAX_SHARED
 
 
-@pytest.mark.parametrize("batch,gate", [(1, True), (64, True), (64, False)])
-def test_gdn_decode_update_compiles_without_spills(batch, gate):
-    # gate: g and beta formed in the kernel from the raw a, b (the layer's decode path)
+@pytest.mark.parametrize("batch,gate,norm", [(1, True, True), (64, True, True),
+                                             (1, True, False), (64, False, False)])
+def test_gdn_decode_update_compiles_without_spills(batch, gate, norm):
+    # gate: g and beta formed in the kernel from the raw a, b; norm: the output norm by each
+    # head's last program to arrive (both: the layer's decode path); with PDL, as launched
     from krait.ops.gated_delta_update import state_blocks
 
     bk, bv = state_blocks(GDN_K, GDN_V, batch * GDN_HV, 132)
     assert (bk, bv) == (128, 16 if batch == 1 else 32)  # batch 1: 256 programs, not 128
     types = GDN_STEP if gate else dict(GDN_STEP, g_ptr=F32, alog_ptr=F32, dtb_ptr=F32)
+    extra = {}
+    if norm:
+        types = dict(types, z_ptr=BF, nw_ptr=BF, eps="fp32", scr_ptr=F32, part_ptr=F32,
+                     count_ptr=I32)
+        extra = dict(NORM=True, VP=GDN_V, NVB=GDN_V // bv, NVBP=GDN_V // bv)
     r = compile_sm90("krait.ops.gated_delta_update", "_gdn_update_kernel", types,
-                     dict(QK_L2NORM=True, GATE=gate, BK=bk, BV=bv))
+                     dict(QK_L2NORM=True, GATE=gate, BK=bk, BV=bv, PDL=True, **extra))
     # the state rows stream in 16-byte loads
-    assert _fits(r) and r["regs"] <= 128 and r["vector_loads"] > 0, r
+    assert _fits(r) and r["regs"] <= 128 and r["vector_loads"] > 0 and r["pdl"], r
 
 
 def test_gdn_verify_compiles_without_spills():
@@ -316,14 +323,12 @@ def test_gdn_verify_compiles_without_spills():
 @pytest.mark.parametrize("kernel,variant", [
     ("diag_inv", {}), ("prep", {}), ("state", {}), ("out", {}), ("prep", {"WU_LOWP": True}),
     # seq_ptr is query_start_loc, searched in 4 steps (8 to 15 sequences)
-    ("diag_inv", {"SEQ_STEPS": 4}), ("prep", {"SEQ_STEPS": 4}), ("out", {"SEQ_STEPS": 4}),
-    ("prep", {"FUSED_DIAG": True}), ("prep", {"FUSED_DIAG": True, "WU_LOWP": True})])
+    ("diag_inv", {"SEQ_STEPS": 4}), ("prep", {"SEQ_STEPS": 4}), ("out", {"SEQ_STEPS": 4})])
 def test_gdn_prefill_kernels_compile_within_shared_memory(kernel, variant):
     # the prefill kernels at bf16 with bf16 scratch, at the launcher's tiles and options: the
     # window products on the tensor cores (wgmma; the one-warp diagonal-block inverse on
     # mma), nothing spilled, the sequential pass's pipelined loads within shared memory;
-    # variant: constexprs of chunk_config's options (WU_LOWP, SEQ_FROM_QSL's SEQ_STEPS,
-    # FUSED_DIAG)
+    # variant: constexprs of chunk_config's options (WU_LOWP, SEQ_FROM_QSL's SEQ_STEPS)
     import torch
 
     from krait.ops import gated_delta_chunk as gdc
