@@ -185,14 +185,14 @@ def _route_up_kernel(
     x_ptr, w_ptr, ids_ptr, mid_ptr, ws_ptr, N, K, num_routes, stride_x, stride_we, stride_wn,
     stride_wsn, stride_mid,
     TOPK: tl.constexpr, ACT: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr, ONE_LOOP: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (r, n): route r = token * TOPK + j, intermediate columns [n * BLOCK_N, +BLOCK_N).
     # SHARED: programs r >= num_routes are token r - num_routes's shared expert (ws [2N, K]).
-    # ONE_LOOP: the gate and up rows streamed in one loop (`_gate_up_rows_dot`), else the up
-    # rows' loop after the gate rows' (at Qwen3-Next's shapes on the H200, one call of both
-    # launches: 41.4 against 43.3 us at 2 tokens, 26.8 against 23.9 at one: the launcher's
-    # choice by token count)
+    # Gated SiLU: the gate and up rows streamed in one loop (`_gate_up_rows_dot`), not the up
+    # rows' loop after the gate rows': Qwen3-Next-8l's decode graph at batch 1 on the H200,
+    # same run, 0.670 against 0.714 ms (though scripts/bench_moe_routes.py's isolated calls
+    # time it 26.8 against 23.9 us at one token, 41.4 against 43.3 at two)
     pdl_trigger(PDL)
     r = tl.program_id(0).to(tl.int64)
     pdl_wait(PDL)
@@ -204,16 +204,10 @@ def _route_up_kernel(
     x_row = x_ptr + token * stride_x
     dtype = mid_ptr.dtype.element_ty
     # each projection rounded as F.linear's output
-    if ACT == 1 and ONE_LOOP:  # the up rows sit N rows below the gate rows
+    if ACT == 1:  # the up rows sit N rows below the gate rows
         h, up = _gate_up_rows_dot(base, expert, stride_we, row_stride, x_row, N, K, BLOCK_N,
                                   BLOCK_K)
         h = h.to(dtype).to(tl.float32)
-        h = h / (1.0 + tl.exp(-h)) * up.to(dtype).to(tl.float32)
-    elif ACT == 1:
-        h = _expert_rows_dot(base, expert, stride_we, row_stride, 0, x_row, N, K, BLOCK_N,
-                             BLOCK_K).to(dtype).to(tl.float32)
-        up = _expert_rows_dot(base, expert, stride_we, row_stride, N, x_row, N, K, BLOCK_N,
-                              BLOCK_K)
         h = h / (1.0 + tl.exp(-h)) * up.to(dtype).to(tl.float32)
     else:
         h = _expert_rows_dot(base, expert, stride_we, row_stride, 0, x_row, N, K, BLOCK_N,
@@ -372,7 +366,7 @@ def moe_routes_triton(
     _route_up_kernel[(rows, cdiv(inter, bn))](
         x, w13, ids, mid, ws13, inter, H, T * k, x.stride(0), w13.stride(0), w13.stride(1),
         ws13.stride(-2), mid.stride(0), TOPK=k, ACT=act, SHARED=shared is not None,
-        BLOCK_N=bn, BLOCK_K=bk, ONE_LOOP=T > 1, **pdl, **_warps(x, nw),
+        BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
     )
     if add is not None and add.stride(-1) != 1:
         add = add.contiguous()
