@@ -93,7 +93,8 @@ case $what in
     # (roofline ratio), an 8k prefill and MTP drafting; the prefill kernel beside fla's
     # chunk_gated_delta_rule at 8k tokens when wheels/ (fla-core, einops: carry=["wheels"]) is
     # there. Fits one 600 s call: each part time-boxed
-    timeout ${GDN_TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu tests/ops/test_gated_delta_rule.py \
+    timeout ${GDN_TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/ops/test_gated_delta_rule.py \
+      tests/ops/test_gated_delta_update_norm.py \
       -p no:cacheprovider 2>&1 | tail -15 | tee "$LOG/kernels_gdn.log"
     timeout 90 python3 scripts/bench_moe_routes.py --quick > "$LOG/moe_routes.jsonl" 2>&1
     echo "== moe few-route kernels (us a call)"; grep best "$LOG/moe_routes.jsonl"
