@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+# Building the parser imports only argparse and the light option modules (krait.bench.cli_args,
+# krait.server.cli_args): torch, transformers and fastapi are imported by the handler that runs,
+# so `krait --help` and a bad option answer at once (tests/test_cli.py checks).
 import argparse
 import json
 import sys
 
-from krait.config import EngineConfig
+# modules `krait.server.api_server` imports that the server extras provide: without one of them
+# `krait serve` has no server options and says what is missing
+_SERVER_MODULES = ("fastapi", "pydantic", "starlette", "prometheus_client")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -119,11 +124,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if getattr(args, "server_import_error", None):
+    error = getattr(args, "server_import_error", None)
+    if not error:
+        try:
+            from krait.server import api_server
+        except ImportError as e:
+            error = str(e)
+    if error:
         print(f"krait serve needs the server extras (fastapi, uvicorn, pydantic, "
-              f"prometheus-client): {args.server_import_error}", file=sys.stderr)
+              f"prometheus-client): {error}", file=sys.stderr)
         return 2
-    from krait.server import api_server
+    from krait.config import EngineConfig
 
     is_demo = (args.model_opt or args.model) is None
     args.model = resolve_model(args)
@@ -151,6 +162,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return offline.main(args) or 0
 
 
+def _missing_module(names: tuple[str, ...]) -> str | None:
+    """The first of these top-level modules that is not installed (found, not imported)."""
+    from importlib.util import find_spec
+
+    def found(name: str) -> bool:
+        try:
+            return find_spec(name) is not None
+        except ValueError:  # in sys.modules without a spec (a stand-in): there
+            return True
+
+    return next((name for name in names if not found(name)), None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="krait", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -169,36 +193,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
-    try:
-        from krait.server import api_server
+    missing = _missing_module(_SERVER_MODULES)
+    if missing is None:
+        from krait.server import cli_args as server_args
 
-        api_server.add_cli_args(s)
-    except ImportError as e:  # fastapi missing
-        s.set_defaults(server_import_error=str(e))
+        server_args.add_cli_args(s)
+    else:  # fastapi missing
+        s.set_defaults(server_import_error=f"No module named {missing!r}")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (JSON on stdout)")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    from krait.bench import cli_args as bench_args
+
     for name in ("latency", "throughput"):
         bp = bsub.add_parser(name)
         add_engine_args(bp)
-        from krait.bench import offline
-
-        offline.add_cli_args(bp, name)
+        bench_args.add_offline_args(bp, name)
         bp.set_defaults(func=cmd_bench)
     bp = bsub.add_parser("prefix", help="prefix caching on a shared-prefix workload")
     add_engine_args(bp)
-    from krait.bench import prefix
-
-    prefix.add_cli_args(bp)
+    bench_args.add_prefix_args(bp)
     bp.set_defaults(func=cmd_bench)
     bs = bsub.add_parser("serve")
-    try:
-        from krait.bench import serve
-
-        serve.add_cli_args(bs)
-    except ImportError:
-        pass
+    bench_args.add_serve_args(bs)
     bs.set_defaults(func=cmd_bench)
     return parser
 

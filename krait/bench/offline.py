@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -10,11 +9,13 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+# the options live in krait.bench.cli_args (the CLI's parser needs no torch); names kept here
+from krait.bench.cli_args import CONFIG_DIR, named_configs  # noqa: F401
+from krait.bench.cli_args import add_offline_args as add_cli_args  # noqa: F401
 from krait.bench.roofline import (
     decode_bytes,
     measure_ceilings,
@@ -26,46 +27,6 @@ from krait.bench.roofline import (
 from krait.config import EngineConfig
 from krait.engine.engine import LLMEngine
 from krait.sampling_params import SamplingParams, StructuredOutputsParams
-
-CONFIG_DIR = Path(__file__).parent / "configs"
-
-
-def named_configs() -> list[str]:
-    return sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").exists())
-
-
-def add_cli_args(p: argparse.ArgumentParser, kind: str) -> None:
-    p.add_argument("--config", default=None, choices=named_configs(),
-                   help="a realistic configuration shipped with krait (implies dummy weights)")
-    if kind == "latency":
-        # the engine's rows: at least the largest batch size, which is the default
-        p.set_defaults(max_num_seqs=None)
-        p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
-        p.add_argument("--context-len", type=int, default=1024)
-        p.add_argument("--prompt-lens", default="512,2048,8192")
-        p.add_argument("--num-steps", type=int, default=20)
-        p.add_argument("--workload", default="random", choices=["random", "repetitive"],
-                       help="repetitive: prompts of a repeated phrase (ngram drafting's case)")
-        p.add_argument("--structured-json", action="store_true",
-                       help="constrain every decode row by a small JSON schema (an array of "
-                       "digits that never ends within the run): the cost of grammar masks")
-        p.add_argument("--tokenizer", default=None,
-                       help="tokenizer directory for --structured-json when the model has none "
-                       "(default: the bundled 512-token demo tokenizer)")
-    else:
-        p.add_argument("--num-prompts", type=int, default=256)
-        p.add_argument("--input-len", type=int, default=256)
-        p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--hf-baseline", action="store_true",
-                       help="also run Hugging Face transformers generate on the same workload")
-        p.add_argument("--hf-batch-size", type=int, default=32)
-        p.add_argument("--hf-max-prompts", type=int, default=64,
-                       help="HF runs at most this many of the prompts (its rate is per token)")
-        p.add_argument("--hf-output-len", type=int, default=None,
-                       help="output tokens per prompt for HF (default: --output-len); fewer keep "
-                            "long runs short and only raise HF's per-token rate (shorter contexts)")
-        p.add_argument("--hf-repeats", type=int, default=2,
-                       help="timed HF passes after a warm-up; the fastest is the baseline")
 
 
 def _engine(args, model: str, **over) -> LLMEngine:

@@ -9,7 +9,6 @@ prompts of the same lengths (caching's cost when nothing is shared).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
@@ -17,21 +16,10 @@ import time
 import numpy as np
 import torch
 
+from krait.bench.cli_args import add_prefix_args as add_cli_args  # noqa: F401
 from krait.bench.offline import _device_name, _engine, _model_dir, _sync
 from krait.engine.engine import LLMEngine
 from krait.sampling_params import SamplingParams
-
-
-def add_cli_args(p: argparse.ArgumentParser) -> None:
-    from krait.bench.offline import named_configs
-
-    p.add_argument("--config", default=None, choices=named_configs(),
-                   help="a realistic configuration shipped with krait (implies dummy weights)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--prefix-len", type=int, default=4096)
-    p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--num-warm", type=int, default=5, help="warm requests timed one at a time")
 
 
 def _workload(n: int, prefix: int, suffix: int, vocab: int, seed: int, shared: bool

@@ -22,25 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from krait import envs
+from krait.bench.cli_args import add_serve_args as add_cli_args  # noqa: F401
 
 FALLBACK_VOCAB = 1000  # when /v1/models does not say (e.g. another server): ids below this
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="server root (the /v1 routes are under it)")
-    parser.add_argument("--model", default=None, help="model name (default: the first served)")
-    parser.add_argument("--api-key", default=None,
-                        help="bearer key (default: $KRAIT_API_KEY or $OPENAI_API_KEY)")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second, Poisson arrivals; inf sends all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="most requests in flight at once (default: unlimited)")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
-    parser.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
-    return parser
 
 
 @dataclass
