@@ -7,6 +7,11 @@ Each timing is a CUDA graph of CALLS calls, each routing the token(s) to other r
 One JSON object a line: {"shape", "T", "part" ("default" | "up" | "down"), "config", "us",
 "gbps" (distinct expert bytes a call / time)}; last, one "best" line per (shape, T).
 
+Isolated calls can rank configs differently from the model's decode graph, where the launches
+wait on the router and the top-k under PDL (route_up's one loop: slower here, 44 us a step
+faster in Qwen3-Next-8l's batch-1 graph; docs/benchmarks.md, session 27): confirm a change with
+`krait bench latency` on the model.
+
 Usage (device machine, repo root): python3 scripts/bench_moe_routes.py [--shapes qwen3next,granite_tiny]
     [--tokens 1,2,4] [--quick]"""
 
