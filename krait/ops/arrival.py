@@ -12,10 +12,19 @@ from torch import Tensor
 from krait.ops._dispatch import cdiv
 
 
+# counters a pool outgrew: CUDA graphs captured before the growth still address them, so they
+# are kept (never freed, never handed to another tensor by the caching allocator)
+_RETIRED: list[Tensor] = []
+
+
 def arrival_counters(pool: dict[torch.device, Tensor], device: torch.device, n: int) -> Tensor:
-    """At least n zeroed int32 counters on `device`, allocated once and grown when needed."""
+    """At least n zeroed int32 counters on `device`, allocated once and grown when needed (an
+    eager step past the captured batch sizes); the outgrown buffer stays allocated for the
+    graphs that captured it."""
     c = pool.get(device)
     if c is None or c.numel() < n:
+        if c is not None:
+            _RETIRED.append(c)
         c = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
         pool[device] = c
     return c
