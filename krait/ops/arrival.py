@@ -1,9 +1,9 @@
 """Arrival counters for one-launch reductions across programs (the GEMV's split-K, the fused
-Mamba decode's group norm, the Gated DeltaNet decode's head norm, the MoE's split down projection, the
-argmax): each program adds one to its key's counter after writing
-its partial result, the program that sees the last count combines the partials in a fixed order
-and writes the counter back to zero, so the buffer is all zeros between launches (graph-safe, no
-memset). Each op keeps its own buffer per device."""
+Mamba decode's group norm, the Gated DeltaNet decode's head norm, the MoE's split down
+projection, the argmax): each program adds one to its key's counter after writing its partial
+result, the program that sees the last count combines the partials in a fixed order and writes
+the counter back to zero, so the buffer is all zeros between launches (graph-safe, no memset).
+Each op keeps its own buffer per device."""
 
 from __future__ import annotations
 
