@@ -17,6 +17,7 @@ CASES = {
     "granitemoehybrid-prefix": ("granitemoehybrid", {"enable_prefix_caching": True}),
     "nemotronh": ("nemotronh", {}),
     "falconh1": ("falconh1", {}),
+    "qwen3next": ("qwen3next", {}),
 }
 
 
