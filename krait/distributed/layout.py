@@ -9,8 +9,8 @@ import torch
 
 BACKENDS = ("mp", "ray", "uni")
 
-# architectures whose layers are not tensor/pipeline parallel yet
-_NOT_PARALLEL = {"Qwen3NextForCausalLM": "Gated DeltaNet layers are not sharded yet"}
+# architectures whose layers are not tensor/pipeline parallel yet (none at present)
+_NOT_PARALLEL: dict[str, str] = {}
 
 
 def _first(cfg: Any, *keys: str) -> int | None:
@@ -92,6 +92,11 @@ def _check_tp(cfg: Any, tp: int) -> None:
         elif tp % groups:
             raise ValueError(f"tensor_parallel_size={tp} is neither a divisor nor a multiple of "
                              f"the model's Mamba groups ({groups})")
+    # Gated DeltaNet (Qwen3-Next): whole key heads a rank, with their value heads
+    _divides(tp, _first(cfg, "linear_num_key_heads"),
+             "Gated DeltaNet key heads (linear_num_key_heads)")
+    _divides(tp, _first(cfg, "linear_num_value_heads"),
+             "Gated DeltaNet value heads (linear_num_value_heads)")
     for key in ("intermediate_size", "shared_intermediate_size", "moe_intermediate_size",
-                "moe_shared_expert_intermediate_size"):
+                "moe_shared_expert_intermediate_size", "shared_expert_intermediate_size"):
         _divides(tp, _first(cfg, key), f"{key}")

@@ -4,11 +4,14 @@ with per-request state slots, beside the Mamba2 mixer: the same slots, metadata 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from krait.layers.linear import Linear, MergedLinear, conv_linear
+from krait.distributed import parallel_state as ps
+from krait.distributed.sharding import ShardSpec, set_spec
+from krait.layers.linear import MergedLinear, RowParallelLinear, conv_linear
 from krait.layers.mamba2 import MambaMetadata
 from krait.ops import linear as plan
 from krait.ops._dispatch import use_triton
@@ -46,6 +49,26 @@ class GatedDeltaNetDims:
         return 2 * self.key_dim + self.value_dim
 
 
+def gdn_tp_layout(d: GatedDeltaNetDims, tp: int, rank: int) -> tuple[GatedDeltaNetDims, dict]:
+    """This TP rank's mixer: its dims (Hk / tp key heads and the Hv / tp value heads they own,
+    contiguous after `regroup_qkvz`) and the checkpoint ranges it holds (after the regroup) of
+    in_proj's shard 0 rows [q | k | v | z] and shard 1 rows [b | a], the conv channels
+    [q | k | v] and the per-value-head vectors (A_log, dt_bias). The norm weight (one head's)
+    is replicated; out_proj is row-parallel (the rank's value heads are its columns)."""
+    hk, hv = d.num_k_heads // tp, d.num_v_heads // tp
+    lk, lv = hk * d.head_k_dim, hv * d.head_v_dim
+    kd, vd = d.key_dim, d.value_dim
+    local = dataclasses.replace(d, num_k_heads=hk, num_v_heads=hv)
+    q, k, v = (rank * lk, lk), (kd + rank * lk, lk), (2 * kd + rank * lv, lv)
+    pieces = {
+        "qkvz": (q, k, v, (2 * kd + vd + rank * lv, lv)),
+        "ba": ((rank * hv, hv), (d.num_v_heads + rank * hv, hv)),
+        "conv": (q, k, v),
+        "heads": ((rank * hv, hv),),
+    }
+    return local, pieces
+
+
 class GatedDeltaNet(torch.nn.Module):
     """HF `Qwen3NextGatedDeltaNet` semantics: in_proj -> [q | k | v | z | b | a]; causal conv
     (silu) on q, k, v; g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); the gated delta
@@ -55,7 +78,11 @@ class GatedDeltaNet(torch.nn.Module):
     from HF's per-key-head interleave into whole q, k, v, z (and b, a) blocks
     (`regroup_qkvz`, `regroup_ba` at load time), so the conv input is one contiguous slice.
     The runner binds `conv_state` [num_slots, conv_dim, width - 1] and `ssm_state`
-    [num_slots, Hv, head_k_dim, head_v_dim] (float32 unless the cache dtype says otherwise)."""
+    [num_slots, Hv, head_k_dim, head_v_dim] (float32 unless the cache dtype says otherwise).
+
+    Under TP `d` is the whole mixer's dims and `self.d` this rank's (`gdn_tp_layout`: whole key
+    heads with their value heads, so every kernel, the decode fusions included, runs on the
+    rank's heads as on a smaller model's); out_proj is row-parallel and all-reduces."""
 
     has_recurrent_state = True
     chunk_layout_size = None  # no Mamba2 SSD chunk layout
@@ -66,14 +93,30 @@ class GatedDeltaNet(torch.nn.Module):
         if d.num_v_heads % d.num_k_heads:
             raise ValueError(f"GatedDeltaNet: {d.num_v_heads} value heads do not divide into "
                              f"{d.num_k_heads} key heads")
+        full = d
+        tp = ps.get_tp_size()
+        pieces = None
+        if tp > 1:
+            if d.num_k_heads % tp:
+                raise ValueError(f"GatedDeltaNet: tensor_parallel_size={tp} does not divide "
+                                 f"{d.num_k_heads} key heads (linear_num_key_heads)")
+            d, pieces = gdn_tp_layout(full, tp, ps.get_tp_rank())
         self.d = d
+        specs = None
+        if pieces is not None:
+            specs = [ShardSpec(0, 2 * full.key_dim + 2 * full.value_dim, pieces["qkvz"]),
+                     ShardSpec(0, 2 * full.num_v_heads, pieces["ba"])]
         self.in_proj = MergedLinear(d.hidden_size, [2 * d.key_dim + 2 * d.value_dim,
-                                                    2 * d.num_v_heads])
+                                                    2 * d.num_v_heads], specs=specs)
         self.conv1d_weight = torch.nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_width))
         self.dt_bias = torch.nn.Parameter(torch.ones(d.num_v_heads))
         self.A_log = torch.nn.Parameter(torch.empty(d.num_v_heads))
         self.norm_weight = torch.nn.Parameter(torch.ones(d.head_v_dim))
-        self.out_proj = Linear(d.value_dim, d.hidden_size)
+        self.out_proj = RowParallelLinear(full.value_dim, d.hidden_size)
+        if pieces is not None:
+            set_spec(self.conv1d_weight, ShardSpec(0, full.conv_dim, pieces["conv"]))
+            for p in (self.dt_bias, self.A_log):
+                set_spec(p, ShardSpec(0, full.num_v_heads, pieces["heads"]))
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
 

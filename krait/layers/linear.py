@@ -192,26 +192,29 @@ class RowParallelLinear(Linear):
 
 
 def qkv_parallel(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 bias: bool = False) -> tuple[MergedLinear, int, int]:
+                 bias: bool = False, q_rows_per_head: int | None = None
+                 ) -> tuple[MergedLinear, int, int]:
     """The fused q/k/v projection and this rank's (query heads, kv heads): query heads split
     across the TP ranks; kv heads split too, or (more ranks than kv heads) replicated, each rank
-    holding the kv head its query heads use."""
+    holding the kv head its query heads use. `q_rows_per_head`: q_proj's rows a head when not
+    head_dim (Qwen3-Next's [q | gate] heads: 2 head_dim)."""
     tp, rank = ps.get_tp_size(), ps.get_tp_rank()
+    q_rows = q_rows_per_head or head_dim
     if tp == 1:
-        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        q, kv = num_heads * q_rows, num_kv_heads * head_dim
         return MergedLinear(hidden, [q, kv, kv], bias=bias), num_heads, num_kv_heads
     heads = num_heads // tp
-    q_pieces = ((rank * heads * head_dim, heads * head_dim),)
+    q_pieces = ((rank * heads * q_rows, heads * q_rows),)
     if num_kv_heads >= tp:
         kv_heads = num_kv_heads // tp
         kv_pieces = ((rank * kv_heads * head_dim, kv_heads * head_dim),)
     else:
         kv_heads = 1
         kv_pieces = ((rank // (tp // num_kv_heads) * head_dim, head_dim),)
-    q_full, kv_full = num_heads * head_dim, num_kv_heads * head_dim
+    q_full, kv_full = num_heads * q_rows, num_kv_heads * head_dim
     specs = [ShardSpec(0, q_full, q_pieces), ShardSpec(0, kv_full, kv_pieces),
              ShardSpec(0, kv_full, kv_pieces)]
-    q, kv = heads * head_dim, kv_heads * head_dim
+    q, kv = heads * q_rows, kv_heads * head_dim
     return MergedLinear(hidden, [q, kv, kv], bias=bias, specs=specs), heads, kv_heads
 
 

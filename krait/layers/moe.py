@@ -10,6 +10,7 @@ from torch import Tensor
 
 from krait.distributed import parallel_state as ps
 from krait.distributed.sharding import ShardSpec, materialize, read_shard, set_spec
+from krait.layers.linear import gated_silu_mlp
 from krait.ops.fused_moe import fused_moe
 from krait.ops.moe_routes import use_moe_routes
 
@@ -68,13 +69,17 @@ class FusedMoE(torch.nn.Module):
         when that is given. `shared_expert` (instead of `add`): a gated-SiLU MLP module
         (`gate_up_proj`, `down_proj`) whose output is the add; on the few-route path, where
         it has no biases and the experts' intermediate size, it runs as one more route a
-        token inside the experts' two launches."""
+        token inside the experts' two launches (one TP rank only). Under TP the result, the
+        add and its gate included, is a partial sum the caller all-reduces: the gate
+        (replicated) scales each rank's partial add, so the sum equals the single process's."""
         if shared_expert is not None:
             weights = self._shared_route(shared_expert)
             if weights is not None and use_moe_routes(x, topk_ids.numel(), self.num_experts):
                 return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
                                  self.activation, add_gate=add_gate, shared=weights)
-            add = shared_expert(x)
+            # its output as a partial sum under TP (no all-reduce of its own: the caller's
+            # one all-reduce sums it with the experts' partial output); at one rank the MLP's
+            add = gated_silu_mlp(x, shared_expert.gate_up_proj, shared_expert.down_proj)
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.activation, add,
                          add_gate)
 

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from krait.distributed import parallel_state as ps
+from krait.distributed.pipeline import make_layers
+from krait.distributed.sharding import materialize
 from krait.layers.attention import Attention
 from krait.layers.gated_deltanet import (
     GatedDeltaNet,
@@ -20,11 +23,11 @@ from krait.layers.gated_deltanet import (
     regroup_ba,
     regroup_qkvz,
 )
-from krait.layers.linear import Linear, MergedLinear
+from krait.layers.linear import MergedLinear, RowParallelLinear, qkv_parallel
 from krait.layers.moe import FusedMoE, load_expert_weights
 from krait.layers.norm import RMSNorm
 from krait.layers.rotary import RotaryEmbedding, rope_parameters
-from krait.models.decoder import lm_head_for, pre_norm, run_layers
+from krait.models.decoder import embedding_for, lm_head_for, pre_norm, run_layers
 from krait.models.llama import LlamaMLP
 from krait.models.weights import QKV_GATE_UP_SHARDS, load_named_weights
 from krait.ops.activation import sigmoid_gate
@@ -47,18 +50,22 @@ def gdn_dims(cfg: Any) -> GatedDeltaNetDims:
 
 class Qwen3NextAttention(torch.nn.Module):
     """Attention with an output gate: q_proj yields [q | gate] per head (2 D rows a head); per-head
-    q/k RMSNorm, partial rotary, then out * sigmoid(gate) into o_proj."""
+    q/k RMSNorm, partial rotary, then out * sigmoid(gate) into o_proj. Under TP the heads split
+    as llama's (`qkv_parallel`: a rank's [q | gate] rows, kv heads split or replicated); o_proj
+    is row-parallel and all-reduces."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         bias = getattr(cfg, "attention_bias", False)
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_parallel(
+            cfg.hidden_size, heads, kv_heads, self.head_dim, bias,
+            q_rows_per_head=2 * self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [2 * q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(cfg.hidden_size, self.split, bias=bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
@@ -84,7 +91,10 @@ class Qwen3NextAttention(torch.nn.Module):
 
 class Qwen3NextMoE(torch.nn.Module):
     """Softmax top-k routing (renormalised with norm_topk_prob; weights rounded to the model
-    dtype as in HF) over `num_experts` experts, plus shared_expert(x) * sigmoid(gate(x))."""
+    dtype as in HF) over `num_experts` experts, plus shared_expert(x) * sigmoid(gate(x)).
+    Under TP the router (with the shared gate's row) is replicated, the experts and the shared
+    expert hold their part of the intermediate dimension, and the gated sum of both partial
+    outputs takes one all-reduce."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -102,8 +112,9 @@ class Qwen3NextMoE(torch.nn.Module):
         weights, ids = route_topk(logits[:, : self.num_experts], self.top_k, self.renormalize,
                                   round_to_dtype=True)
         # shared_expert(x) * sigmoid(shared gate logit), the gate applied by the experts
-        return self.experts(x, weights, ids, add_gate=logits[:, self.num_experts :],
-                            shared_expert=self.shared_expert)
+        out = self.experts(x, weights, ids, add_gate=logits[:, self.num_experts :],
+                           shared_expert=self.shared_expert)
+        return ps.tp_all_reduce(out)  # a no-op at one rank
 
 
 def is_moe_layer(cfg: Any, i: int) -> bool:
@@ -168,10 +179,8 @@ class Qwen3NextForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = cfg
         self.dims = gdn_dims(cfg)
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(
-            Qwen3NextDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
-        )
+        self.embed_tokens = embedding_for(cfg)
+        self.layers = make_layers(cfg.num_hidden_layers, lambda i: Qwen3NextDecoderLayer(cfg, i))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = lm_head_for(cfg, self.embed_tokens)
 
@@ -199,12 +208,13 @@ class Qwen3NextForCausalLM(torch.nn.Module):
                 continue
             if name.startswith("model."):
                 name = name[len("model."):]
+            # (these read the whole tensor, also under TP: each rank takes its rows after)
             if name.endswith(".in_proj_qkvz.weight"):
-                tensor = regroup_qkvz(tensor, self.dims)
+                tensor = regroup_qkvz(materialize(tensor), self.dims)
             elif name.endswith(".in_proj_ba.weight"):
-                tensor = regroup_ba(tensor, self.dims)
+                tensor = regroup_ba(materialize(tensor), self.dims)
             elif _CENTRED.search(name):
-                tensor = tensor.float() + 1.0
+                tensor = materialize(tensor).float() + 1.0
             yield name, tensor
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from krait import LLM, SamplingParams
 from krait.distributed import executor as executor_mod
-from tests.utils import make_tiny_hybrid, make_tiny_llama
+from tests.utils import make_tiny_hybrid, make_tiny_llama, make_tiny_qwen3_next
 
 # small steps (chunked prefill) and few blocks (preemption)
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8,
@@ -22,6 +22,15 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprob
 def make_model(root, name: str) -> str:
     if name in ("llama", "qwen3"):
         return make_tiny_llama(root / name, arch=name)
+    if name == "qwen3next":
+        # tp=2 splits its 4 query heads, replicates its 1 KV head, and splits the GDN layers'
+        # 2 key heads (3 value heads each); full attention first and last, GDN between, MoE
+        # layers with a shared expert and a dense MLP layer (layer 2)
+        import transformers as tf
+
+        if not hasattr(tf, "Qwen3NextForCausalLM"):
+            pytest.skip(f"transformers {tf.__version__} has no Qwen3-Next")
+        return make_tiny_qwen3_next(root / name, num_attention_heads=4)
     return make_tiny_hybrid(root / name, name)
 
 

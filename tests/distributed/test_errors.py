@@ -43,7 +43,15 @@ def _cfg(**kw):
      1, r"Mamba groups \(n_groups\) \(3\)|multiple of the model's Mamba groups"),
     (_cfg(intermediate_size=96, moe_intermediate_size=30), 4, 1, r"moe_intermediate_size"),
     (_cfg(), 1, 5, r"pipeline_parallel_size=5 is more than the model's 4 layers"),
-    (_cfg(architectures=["Qwen3NextForCausalLM"]), 2, 1, r"not supported yet"),
+    (_cfg(architectures=["Qwen3NextForCausalLM"], linear_num_key_heads=2,
+          linear_num_value_heads=6), 4, 1,
+     r"does not divide the model's Gated DeltaNet key heads \(linear_num_key_heads\) \(2\)"),
+    (_cfg(architectures=["Qwen3NextForCausalLM"], linear_num_key_heads=4,
+          linear_num_value_heads=6), 4, 1,
+     r"Gated DeltaNet value heads \(linear_num_value_heads\) \(6\)"),
+    (_cfg(architectures=["Qwen3NextForCausalLM"], linear_num_key_heads=4,
+          linear_num_value_heads=8, moe_intermediate_size=32,
+          shared_expert_intermediate_size=18), 4, 1, r"shared_expert_intermediate_size \(18\)"),
 ])
 def test_impossible_layouts_are_refused(cfg, tp, pp, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -66,6 +74,17 @@ def test_layout_refusals_through_the_engine_options(models) -> None:  # noqa: F8
         EngineConfig.from_kwargs(m, device="cpu", pipeline_parallel_size=2, speculative_config={
             "method": "ngram", "num_speculative_tokens": 2})
     assert EngineConfig.from_kwargs(m, device="cpu").parallel.distributed_executor_backend == "uni"
+    assert EngineConfig.from_kwargs(
+        m, device="cpu", tensor_parallel_size=2).parallel.distributed_executor_backend == "mp"
+
+
+def test_qwen3_next_indivisible_tp_is_refused(models) -> None:  # noqa: F811
+    """The tiny Qwen3-Next (4 query heads, 1 KV head, 2 GDN key heads over 6 value heads): tp=4
+    splits the attention but not the Gated DeltaNet key heads; tp=2 is accepted."""
+    m = models("qwen3next")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide the model's "
+                       r"Gated DeltaNet key heads \(linear_num_key_heads\) \(2\)"):
+        EngineConfig.from_kwargs(m, device="cpu", tensor_parallel_size=4)
     assert EngineConfig.from_kwargs(
         m, device="cpu", tensor_parallel_size=2).parallel.distributed_executor_backend == "mp"
 

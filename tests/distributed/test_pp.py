@@ -13,7 +13,7 @@ from tests.distributed.common import PROMPTS, assert_same, models, run  # noqa: 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("name", ["llama", "nemotronh"])
+@pytest.mark.parametrize("name", ["llama", "nemotronh", "qwen3next"])
 def test_pp2_matches_single_process(models, name: str) -> None:  # noqa: F811
     model = models(name)
     ref_pre: list = []
@@ -58,7 +58,7 @@ def test_pp2_micro_batches_match_single_process(models) -> None:  # noqa: F811
     assert max(depths) == 1
 
 
-@pytest.mark.parametrize("name", ["granitemoehybrid"])
+@pytest.mark.parametrize("name", ["granitemoehybrid", "qwen3next"])
 def test_tp2_pp2_matches_single_process(models, name: str) -> None:  # noqa: F811
     model = models(name)
     ref = run(model)

@@ -17,6 +17,9 @@ CASES = {
     "granitemoehybrid-prefix": ("granitemoehybrid", {"enable_prefix_caching": True}),
     "nemotronh": ("nemotronh", {}),
     "falconh1": ("falconh1", {}),
+    "qwen3next": ("qwen3next", {}),
+    "qwen3next-prefix-ngram": ("qwen3next", {"enable_prefix_caching": True, "speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 2}}),
 }
 
 
