@@ -141,6 +141,10 @@ def test_drafts_are_the_draft_models_greedy_continuation(references, tmp_path, a
     rate = run_and_check(llm, ref)
     assert 0.3 < rate < 0.95, rate  # accepted and rejected drafts alike
     _check_greedy_continuations(draft_dir, seen)
+    # a dense draft keeps the KV of the drafts the target accepted (the catch-up starts past
+    # them), and the proposals above are still HF's; a hybrid one recomputes them
+    kept = drafter.num_kept_draft_tokens
+    assert kept > 0 if arch == "llama" else kept == 0, kept
 
 
 def _check_greedy_continuations(draft_dir: str, seen: list) -> None:

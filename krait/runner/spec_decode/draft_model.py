@@ -15,6 +15,9 @@ rejection sampler):
    included) run as one prefill-like chunk (the draft runner's `num_prompt_tokens` is set to
    `num_tokens`, so the rows are prefill rows continuing from their state), split into steps of
    at most `max_num_batched_tokens` tokens. The argmax at the chunk's last position is draft 1.
+   A dense draft's catch-up starts past the drafts the target accepted (their KV, written by
+   the last call's one-token steps, holds exactly those tokens: `_keep_accepted`), so it is one
+   token after a partial acceptance and two after a full one.
    A row with nothing to catch up (it was not scheduled since the last call) reuses the draft 1
    it got then. A row with one token to catch up (every draft rejected) is a decode row (its
    `num_prompt_tokens` stays at its computed count): a catch-up of such rows alone replays the
@@ -25,9 +28,10 @@ rejection sampler):
 Hybrid drafts hold 2 state slots per request: A, the state after the last verified token, which
 only catch-ups advance, and B, scratch: before step 2, A's conv and SSM state are copied into B
 for every Mamba layer and the request's slot column points at B; after the last step it points
-back at A. Attention KV written at draft positions needs no rollback: the draft's computed count
-only covers verified tokens, so the next catch-up rewrites those positions before anything reads
-them.
+back at A, and the catch-up redoes every verified token. Attention KV written at draft positions
+needs no rollback: the draft's computed count covers verified tokens only (for a dense draft
+those of its drafts the target accepted too), so the next catch-up rewrites the rest before
+anything reads them.
 
 Requests that leave the target (finished or preempted) leave the draft through
 `on_requests_removed`: their blocks and slots are freed at once, and the draft runner drops them
@@ -81,6 +85,9 @@ class _DraftSeq:
     next_token: int = -1  # the draft's argmax after them (draft 1)
     block_ids: list[int] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # [A, B] for hybrid drafts
+    # the last call's one-token steps' inputs (drafts 1 .. m - 1), whose KV sits at positions
+    # num_computed_tokens onwards: a dense draft keeps the run the target accepted
+    drafted: list[int] = field(default_factory=list)
 
 
 def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig,
@@ -213,8 +220,8 @@ class HeldRows:
         """Fills the drafter runner's token tables (host, and `tables` on the device): row
         position p in [c, e) takes target token p + `shift` (0: a draft model, 1: an EAGLE head,
         one position on); a row with e == c takes its draft 1 at e. Its counters: num_tokens e
-        (e + 1 for a reused draft 1); num_prompt_tokens e, so the catch-up is a prefill
-        continuation, but c where one token is caught up (every draft rejected): a decode row,
+        (e + 1 for a reused draft 1), num_computed_tokens c; num_prompt_tokens e, so the
+        catch-up is a prefill continuation, but c where one token is caught up: a decode row,
         which a decode graph serves."""
         if not self.index:
             return
@@ -232,6 +239,7 @@ class HeldRows:
             pos = np.concatenate([pos, e[reuse]])
             toks = np.concatenate([toks, np.array(self.next_token, dtype=toks.dtype)[reuse]])
         states.token_ids[rows, pos] = toks
+        states.num_computed_tokens[i] = c
         states.num_prompt_tokens[i] = np.where(n == 1, c, e)
         states.num_tokens[i] = e + reuse
         if tables is not None and len(rows):
@@ -279,6 +287,7 @@ class DraftModelDrafter:
         self._next_id = 0
         # tallies (tests, diagnostics): catch-up steps run, and rows whose draft 1 was reused
         self.num_catch_up_steps = 0
+        self.num_kept_draft_tokens = 0  # accepted drafts whose KV a dense draft kept
         self.num_reused_first_drafts = 0
 
     # -- requests leaving -----------------------------------------------------------------
@@ -333,6 +342,8 @@ class DraftModelDrafter:
                 self._next_id += 1
                 if not self.kv.allocate_slots(seq):
                     continue  # no free state slots: no drafts until some come back
+            if not fresh and not self.hybrid:
+                self._keep_accepted(seq, token_table[row], n)
             c = seq.num_computed_tokens
             # KV for every position a draft step writes: up to n + m - 2
             new_blocks = self.kv.allocate(seq, n + m - 1 - c)
@@ -405,14 +416,32 @@ class DraftModelDrafter:
         counts[js] = m_of
         n_of = np.array([n for _, _, n, _ in plan], dtype=np.int32)
         ids = np.fromiter((st.index[seq.request_id] for _, seq, _, _ in plan), np.int64, len(plan))
-        for (_, seq, n, _), first_draft in zip(plan, got[:, 0].tolist()):
+        for (_, seq, n, m), row_drafts in zip(plan, got.tolist()):
             seq.num_computed_tokens = n
-            seq.next_token = first_draft
+            seq.next_token = row_drafts[0]
+            seq.drafted = row_drafts[: m - 1]  # the one-token steps' inputs
         st.num_computed_tokens[ids] = n_of  # verified tokens only: the drafts are forgotten
         st.num_tokens[ids] = n_of
         if self.hybrid:  # back to A
             st.state_slots[ids, 0] = [seq.state_slots[0] for _, seq, _, _ in plan]
         return drafts, counts
+
+    def _keep_accepted(self, seq: _DraftSeq, tokens: np.ndarray, n: int) -> None:
+        """A dense draft's catch-up starts past the drafts the target accepted: the KV its
+        one-token steps wrote at positions c, c + 1, ... holds exactly those tokens after the
+        verified ones, so the computed count moves over the run of them the target's tokens
+        [c, n) repeat (at most n - c - 1: the last verified token is always caught up, it
+        gives draft 1). So a row whose drafts were accepted in part catches up one token (the
+        target's own), a decode row its graphs serve, and one that took every draft two. A
+        hybrid draft's state after its drafts cannot be rewound: it catches up every token."""
+        c = seq.num_computed_tokens
+        run = min(len(seq.drafted), n - c - 1)
+        if run <= 0:
+            return
+        same = tokens[c : c + run] == np.asarray(seq.drafted[:run])
+        keep = run if same.all() else int(np.argmin(same))
+        seq.num_computed_tokens = c + keep
+        self.num_kept_draft_tokens += keep
 
     def _to_scratch(self, seqs: list[_DraftSeq]) -> None:
         """Copies slot A's conv and SSM state into slot B for every Mamba layer (one gather and
