@@ -75,6 +75,10 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_slots = 0
         self.cuda_graphs = None  # CudaGraphRunner once captured
+        # decode graphs also for one-token rows that sample nothing (known tokens follow): a
+        # graph writes each row's argmax after its position, so a caller setting this writes
+        # those known tokens back (the draft-model drafter's one-token catch-up steps)
+        self.graphs_for_known_tokens = False
         # speculative decoding: graphs of verify steps, every row 1 + k tokens (drafts padded)
         self.verify_graphs = None
         self.piecewise = None  # PiecewiseGraphs for eager steps (krait/envs.py turns them off)
@@ -362,7 +366,8 @@ class ModelRunner:
         graph_size = None
         # never replay a prefill chunk in a decode graph, even a one-token one
         if (self.cuda_graphs is not None and num_prefills == 0
-                and all(n == 1 for n in num_scheduled) and self._rows_sample(rows)):
+                and all(n == 1 for n in num_scheduled)
+                and (self.graphs_for_known_tokens or self._rows_sample(rows))):
             graph_size = self.cuda_graphs.size_for(len(req_ids))
         if graph_size is not None:
             into = self.cuda_graphs.captured_batch(graph_size) if self.tables is not None else None

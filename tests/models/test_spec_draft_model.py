@@ -256,4 +256,38 @@ def test_one_token_catch_ups_replay_decode_graphs(references, tmp_path, arch: st
     rate = run_and_check(llm, ref)
     assert 0.3 < rate < 0.95, rate
     assert len(eager) < drafter.num_catch_up_steps, (len(eager), drafter.num_catch_up_steps)
+    # catch-ups of up to 1 + k tokens a row run as one-token steps the graphs serve: the eager
+    # forwards are the calls that admitted a new request (its prompt, a prefill)
+    assert len(eager) <= len(PROMPTS), eager
+    _check_greedy_continuations(draft_dir, seen)
+
+
+@pytest.mark.parametrize("arch", ["granitemoehybrid", "llama"])
+def test_one_token_catch_up_steps_restore_the_known_tokens(references, tmp_path, arch: str,
+                                                           monkeypatch) -> None:
+    """With the device token table (KRAIT_TRITON_CPU=1: the Triton kernels interpreted, the
+    inputs gathered on the device as on the GPU) a decode graph writes each row's argmax after
+    its position, over the verified token a catch-up of several one-token steps reads next;
+    the drafter writes it back. Every proposal is still the draft model's greedy continuation,
+    and the outputs HF's. (A hybrid draft catches up 1 + accepted tokens: the argmax written
+    after its last accepted draft is the rejected draft, not the target's token.)"""
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    ref = references(arch)
+    draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
+    llm = make_llm(ref, draft_dir, max_num_seqs=1)  # one graph to capture
+    drafter = llm.llm_engine.runner.drafter
+    assert drafter.runner.tables is not None
+    drafter.capture_graphs(record=False)
+    restored = []
+    restore = drafter._restore_next_tokens
+    monkeypatch.setattr(drafter, "_restore_next_tokens",
+                        lambda ids, *a: restored.append(len(ids)) or restore(ids, *a))
+    seen = record_proposals(drafter)
+    prompts = PROMPTS[:1]  # (the interpreter is slow)
+    n = 7
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(max_tokens=n),
+                        use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == ref.tokens[i][:n]
+    assert restored  # catch-ups of two tokens a row ran as two one-token steps
     _check_greedy_continuations(draft_dir, seen)

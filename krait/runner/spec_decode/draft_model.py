@@ -216,13 +216,15 @@ class HeldRows:
         self.target_row.append(target_row)
         self.next_token.append(next_token)
 
-    def write(self, states, token_table: np.ndarray, shift: int, tables) -> None:
+    def write(self, states, token_table: np.ndarray, shift: int, tables,
+              decode_rows: bool = False) -> None:
         """Fills the drafter runner's token tables (host, and `tables` on the device): row
         position p in [c, e) takes target token p + `shift` (0: a draft model, 1: an EAGLE head,
         one position on); a row with e == c takes its draft 1 at e. Its counters: num_tokens e
         (e + 1 for a reused draft 1), num_computed_tokens c; num_prompt_tokens e, so the
-        catch-up is a prefill continuation, but c where one token is caught up: a decode row,
-        which a decode graph serves."""
+        catch-up is a prefill continuation, but c where one token is caught up (or every row,
+        `decode_rows`: a catch-up run as one-token steps): a decode row, which a decode graph
+        serves."""
         if not self.index:
             return
         i = np.array(self.index, dtype=np.int64)
@@ -240,7 +242,7 @@ class HeldRows:
             toks = np.concatenate([toks, np.array(self.next_token, dtype=toks.dtype)[reuse]])
         states.token_ids[rows, pos] = toks
         states.num_computed_tokens[i] = c
-        states.num_prompt_tokens[i] = np.where(n == 1, c, e)
+        states.num_prompt_tokens[i] = c if decode_rows else np.where(n == 1, c, e)
         states.num_tokens[i] = e + reuse
         if tables is not None and len(rows):
             tables.write_sampled(rows, pos, host_to_device(toks.astype(np.int64), tables.device))
@@ -305,12 +307,16 @@ class DraftModelDrafter:
 
     # -- drafting -------------------------------------------------------------------------
     def capture_graphs(self, record: bool = True) -> None:
-        """Decode CUDA graphs for the draft runner (its one-token steps, and catch-ups of one
-        token a row, replay them); `record=False`: their dataflow run eagerly (CPU tests)."""
+        """Decode CUDA graphs for the draft runner (its one-token steps and its catch-ups, run as
+        one-token steps up to 1 + k tokens a row, replay them); `record=False`: their dataflow
+        run eagerly (CPU tests)."""
         from krait.runner.cuda_graphs import CudaGraphRunner  # noqa: PLC0415
 
         self.runner.cuda_graphs = CudaGraphRunner(self.runner, record=record)
         self.runner.cuda_graphs.capture_all()
+        # one-token catch-up steps of rows with known tokens after them replay the graphs too
+        # (`_restore_next_tokens` writes back what a graph wrote over them)
+        self.runner.graphs_for_known_tokens = True
 
     @torch.inference_mode()
     def propose(self, token_table: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
@@ -329,6 +335,7 @@ class DraftModelDrafter:
         catch_up: dict[str, int] = {}  # draft id -> tokens to catch up
         reused: list[tuple[int, int]] = []  # (plan row, its draft 1) of rows not scheduled
         held = HeldRows()
+        target_of: dict[str, int] = {}  # draft id -> its target row (catch-up rows)
         for j in np.flatnonzero(caps > 0).tolist():
             row, n, m = int(rows[j]), int(num_tokens[j]), int(caps[j])
             seq = self._seqs.get(row)
@@ -372,14 +379,23 @@ class DraftModelDrafter:
                     self.num_reused_first_drafts += 1
             if c < n:
                 catch_up[seq.request_id] = n - c
+                target_of[seq.request_id] = row
             plan.append((j, seq, n, m))
-        held.write(st, token_table, 0, self.runner.tables)
+        one_token_steps = self._one_token_catch_up(catch_up, new_reqs)
+        held.write(st, token_table, 0, self.runner.tables, decode_rows=bool(one_token_steps))
         finished, self._finished = self._finished, set()
         steps = []  # (launched step, the draft column its tokens are)
-        # 1. catch-up, in steps of at most max_num_batched_tokens (the first one also carries the
-        # new, the held and the finished requests)
-        first = True
-        while first or catch_up:
+        # 1. catch-up: as one-token steps the decode graphs serve where `_one_token_catch_up`
+        # takes it, else in steps of at most max_num_batched_tokens (the first one also carries
+        # the new, the held and the finished requests)
+        for s, sched_tokens in enumerate(one_token_steps):
+            steps.append((self.runner.execute_model(sched_output(
+                sched_tokens, [], cached if s == 0 else [], finished if s == 0 else set())), 0))
+            if s + 1 < len(one_token_steps):
+                self._restore_next_tokens(list(sched_tokens), token_table, target_of)
+            self.num_catch_up_steps += 1
+        first = not one_token_steps
+        while first or catch_up:  # (`_one_token_catch_up` emptied catch_up if it took it)
             sched_tokens: dict[str, int] = {}
             budget = self.max_batched
             for rid in list(catch_up):
@@ -425,6 +441,39 @@ class DraftModelDrafter:
         if self.hybrid:  # back to A
             st.state_slots[ids, 0] = [seq.state_slots[0] for _, seq, _, _ in plan]
         return drafts, counts
+
+    def _one_token_catch_up(self, catch_up: dict[str, int],
+                            new_reqs: list) -> list[dict[str, int]]:
+        """The catch-up as one-token steps (a row of L tokens in the last L of them), which the
+        decode graphs serve: where the draft runner has them, no request is new (a prompt is a
+        prefill) and no row has more than 1 + k tokens (after a partial acceptance a dense
+        draft has one, after a full one two; a hybrid one 1 + accepted). Else [] (one chunked
+        catch-up, eager past one token a row)."""
+        graphs = self.runner.cuda_graphs
+        if (graphs is None or new_reqs or not catch_up
+                or graphs.size_for(len(catch_up)) is None):
+            return []
+        longest = max(catch_up.values())
+        if longest == 1 or longest > 1 + self.k:
+            return []  # one token a row: the one step is a decode step already
+        steps = [{rid: 1 for rid, n in catch_up.items() if n >= longest - s}
+                 for s in range(longest)]
+        catch_up.clear()
+        return steps
+
+    def _restore_next_tokens(self, req_ids: list[str], token_table: np.ndarray,
+                             target_of: dict[str, int]) -> None:
+        """After a one-token catch-up step of `req_ids` that sampled nothing (known tokens
+        follow): a decode graph wrote each row's argmax after its position, over the known
+        token the next step reads; the token goes back (device table)."""
+        st, tables = self.runner.states, self.runner.tables
+        if tables is None:
+            return
+        i = np.fromiter((st.index[r] for r in req_ids), np.int64, len(req_ids))
+        pos = st.num_computed_tokens[i].astype(np.int64)  # advanced by the step: the next input
+        rows = np.fromiter((target_of[r] for r in req_ids), np.int64, len(req_ids))
+        toks = token_table[rows, pos]
+        tables.write_sampled(i, pos, host_to_device(toks.astype(np.int64), tables.device))
 
     def _keep_accepted(self, seq: _DraftSeq, tokens: np.ndarray, n: int) -> None:
         """A dense draft's catch-up starts past the drafts the target accepted: the KV its
