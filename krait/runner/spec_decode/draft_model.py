@@ -17,7 +17,11 @@ rejection sampler):
    at most `max_num_batched_tokens` tokens. The argmax at the chunk's last position is draft 1.
    A dense draft's catch-up starts past the drafts the target accepted (their KV, written by
    the last call's one-token steps, holds exactly those tokens: `_keep_accepted`), so it is one
-   token after a partial acceptance and two after a full one.
+   token after a partial acceptance and two after a full one. Where the draft runner has decode
+   graphs and no request is new, a catch-up of up to 1 + k tokens a row runs as one-token steps
+   (a row of L tokens in the last L), which the graphs serve (`_one_token_catch_up`; a graph
+   writes each row's argmax over the known token that follows, which goes back:
+   `_restore_next_tokens`).
    A row with nothing to catch up (it was not scheduled since the last call) reuses the draft 1
    it got then. A row with one token to catch up (every draft rejected) is a decode row (its
    `num_prompt_tokens` stays at its computed count): a catch-up of such rows alone replays the
@@ -46,7 +50,8 @@ weights loaded), else it takes that fraction. The drafter is built inside the ta
 constructor, before the target's memory profiling (krait/runner/memory.py), which then counts
 the draft's weights and caches as used and sizes the target's pool from what is left. On the
 GPU, unless enforce_eager, the draft runner captures decode CUDA graphs (the k - 1 one-token
-steps and one-token catch-ups replay them); longer catch-up chunks run eagerly. The drafts of
+steps and the catch-ups' one-token steps replay them); a call that admits a new request runs its
+catch-up as one eager chunk (the prompt is a prefill). The drafts of
 every step are read back once, after the last step was launched, as token arrays
 (`PendingSample.tokens`, `read_steps`). A graph pool's free segments are reserved
 but not allocated memory, which the target's profiling does not count: the draft's decode pool
