@@ -7,20 +7,26 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, use_triton
+from krait.ops._dispatch import cdiv, next_pow2, use_triton
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+def _row_block(n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """A row-wise elementwise program's (row, its BLOCK columns, their mask against n), after
+    the PDL wait."""
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
+    return tl.program_id(0).to(tl.int64), cols, cols < n
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    row, cols, mask = _row_block(inter, BLOCK, PDL)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
@@ -39,11 +45,7 @@ def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, n, head_dim, stride_x, stride_gt, stride_gh,
                          stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
+    row, cols, mask = _row_block(n, BLOCK, PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * stride_gt + (cols // head_dim) * stride_gh + cols % head_dim,
                 mask=mask, other=0.0).to(tl.float32)
@@ -106,7 +108,7 @@ def sigmoid_gate_triton(x: Tensor, gate: Tensor) -> Tensor:
     out = torch.empty(T, H * D, dtype=x.dtype, device=x.device)  # [T, H * D]
     if T > 0:
         assert gate.stride(-1) == 1 and x2.shape == (T, H * D)
-        block = min(_BLOCK, 1 << (H * D - 1).bit_length())
+        block = min(_BLOCK, next_pow2(H * D))
         _sigmoid_gate_kernel[(T, cdiv(H * D, block))](
             x2, gate, out, H * D, D, x2.stride(0), gate.stride(0), gate.stride(1),
             out.stride(0), BLOCK=block, **pdl_args(use_pdl(x2)))

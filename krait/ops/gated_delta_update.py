@@ -117,10 +117,11 @@ def _gdn_update_kernel(
     tl.store(s_ptrs, S.to(s_ptrs.dtype.element_ty), mask=s_ok)
     dtype = o_ptr.dtype.element_ty
     if NORM:
-        _norm_head(tl.where(slot >= 0, o.to(dtype).to(tl.float32), 0.0), b64, h, offs_v, v_ok, value_dim,
-                   o_ptr + b64 * stride_o_b + h * stride_o_h, z_ptr + b64 * stride_z_b
-                   + h * value_dim, nw_ptr, eps, scr_ptr, part_ptr, count_ptr,
-                   tl.num_programs(1), VP, NVB, NVBP)
+        o_r = tl.where(slot >= 0, o.to(dtype).to(tl.float32), 0.0)  # a -1 row's output: 0
+        _norm_head(o_r, b64, h, offs_v, v_ok, value_dim,
+                   o_ptr + b64 * stride_o_b + h * stride_o_h,
+                   z_ptr + b64 * stride_z_b + h * value_dim, nw_ptr, eps, scr_ptr, part_ptr,
+                   count_ptr, tl.num_programs(1), VP, NVB, NVBP)
     else:
         tl.store(o_ptr + b64 * stride_o_b + h * stride_o_h + offs_v, o.to(dtype),
                  mask=v_ok & (slot >= 0))

@@ -135,25 +135,32 @@ def route_topk(
 
 
 @triton.jit
-def _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, row0, x_row, N, K,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w[expert, row0 + n, :] . x_row for the BLOCK_N rows n of this program: fp32 [BLOCK_N].
-    x is loaded broadcast over the rows ([BLOCK_N, BLOCK_K] pointers, repeated reads hit L1), so
-    that it is born in the weight tile's layout: a [BLOCK_K] load broadcast later costs a
-    shared-memory conversion with barriers in every K step."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _rows_dot(w_ptr, expert, stride_we, stride_wn, row, row_ok, x_row, K,
+              BLOCK_K: tl.constexpr):
+    """w[expert, row[i], :] . x_row for the program's rows `row` (int [R], `row_ok` masking
+    them): fp32 [R]. x is loaded broadcast over the rows ([R, BLOCK_K] pointers, repeated reads
+    hit L1), so that it is born in the weight tile's layout: a [BLOCK_K] load broadcast later
+    costs a shared-memory conversion with barriers in every K step."""
     offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    rows = w_ptr + expert * stride_we + (row0 + offs_n).to(tl.int64)[:, None] * stride_wn
-    x_rows = x_row + 0 * offs_n[:, None]  # [BLOCK_N, 1]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    rows = w_ptr + expert * stride_we + row.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_row + 0 * row[:, None]  # [R, 1]
+    acc = tl.zeros([row.shape[0], BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = (k0 + offs_k)[None, :]
         k_ok = k < K
-        x = tl.load(x_rows + k, mask=k_ok, other=0.0)  # [BLOCK_N, BLOCK_K]
-        w = tl.load(rows + k, mask=n_ok[:, None] & k_ok, other=0.0)
+        x = tl.load(x_rows + k, mask=k_ok, other=0.0)  # [R, BLOCK_K]
+        w = tl.load(rows + k, mask=row_ok[:, None] & k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)
     return tl.sum(acc, 1)
+
+
+@triton.jit
+def _expert_rows_dot(w_ptr, expert, stride_we, stride_wn, row0, x_row, N, K,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w[expert, row0 + n, :] . x_row for the BLOCK_N rows n of this program: fp32 [BLOCK_N]."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return _rows_dot(w_ptr, expert, stride_we, stride_wn, row0 + offs_n, offs_n < N, x_row, K,
+                     BLOCK_K)
 
 
 @triton.jit
@@ -164,20 +171,9 @@ def _gate_up_rows_dot(w_ptr, expert, stride_we, stride_wn, x_row, N, K,
     tile (both row sets' loads in flight together, not one loop after the other)."""
     offs_r = tl.arange(0, 2 * BLOCK_N)
     n = tl.program_id(1) * BLOCK_N + offs_r % BLOCK_N
-    n_ok = n < N
     row = n + (offs_r >= BLOCK_N).to(tl.int32) * N
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = w_ptr + expert * stride_we + row.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_row + 0 * offs_r[:, None]  # [2 BLOCK_N, 1]: x born in the tile's layout
-    acc = tl.zeros([2 * BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = (k0 + offs_k)[None, :]
-        k_ok = k < K
-        x = tl.load(x_rows + k, mask=k_ok, other=0.0)  # [2 BLOCK_N, BLOCK_K]
-        w = tl.load(rows + k, mask=n_ok[:, None] & k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)
-    both = tl.trans(tl.reshape(tl.sum(acc, 1), [2, BLOCK_N]))  # [BLOCK_N, 2]: gate, up
-    return tl.split(both)
+    dots = _rows_dot(w_ptr, expert, stride_we, stride_wn, row, n < N, x_row, K, BLOCK_K)
+    return tl.split(tl.trans(tl.reshape(dots, [2, BLOCK_N])))  # [BLOCK_N, 2]: gate, up
 
 
 @triton.jit
