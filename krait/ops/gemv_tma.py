@@ -177,7 +177,7 @@ def _gemv_tma_kernel(
 
 def tma_readable(weight: Tensor) -> bool:
     """TMA reads 16-byte aligned rows of a contiguous weight."""
-    return (weight.is_contiguous() and (weight.shape[1] * weight.element_size()) % 16 == 0
+    return (weight.is_contiguous() and (weight.shape[-1] * weight.element_size()) % 16 == 0
             and weight.data_ptr() % 16 == 0)
 
 
@@ -265,6 +265,7 @@ def _descriptor(weight: Tensor, block_n: int, block_k: int) -> TensorDescriptor:
         weight._krait_tma_descriptors = cache  # a cycle through the weight: gc frees both
     key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, block_n, block_k)
     desc = cache.get(key)
-    if desc is None:
-        desc = cache[key] = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+    if desc is None:  # a stacked [E, N, K] weight (the MoE's experts) in [1, n, k] boxes
+        box = [block_n, block_k] if weight.dim() == 2 else [1, block_n, block_k]
+        desc = cache[key] = TensorDescriptor.from_tensor(weight, box)
     return desc

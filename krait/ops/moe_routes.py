@@ -29,6 +29,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import cdiv, interpreting, next_pow2, num_sms, use_triton
 from krait.ops.arrival import arrival_counters
+from krait.ops.gemv_tma import _descriptor, _x_tile, tma_readable
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 
 
@@ -199,19 +200,28 @@ def _route_up_kernel(
         expert = tl.load(ids_ptr + r).to(tl.int64)
     x_row = x_ptr + token * stride_x
     dtype = mid_ptr.dtype.element_ty
-    # each projection rounded as F.linear's output
     if ACT == 1:  # the up rows sit N rows below the gate rows
         h, up = _gate_up_rows_dot(base, expert, stride_we, row_stride, x_row, N, K, BLOCK_N,
                                   BLOCK_K)
-        h = h.to(dtype).to(tl.float32)
-        h = h / (1.0 + tl.exp(-h)) * up.to(dtype).to(tl.float32)
     else:
         h = _expert_rows_dot(base, expert, stride_we, row_stride, 0, x_row, N, K, BLOCK_N,
-                             BLOCK_K).to(dtype).to(tl.float32)
-        h = tl.maximum(h, 0.0)
-        h = h * h
+                             BLOCK_K)
+        up = h
+    h = _activate(h, up, ACT, dtype)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(mid_ptr + r * stride_mid + offs_n, h.to(dtype), mask=offs_n < N)
+
+
+@triton.jit
+def _activate(h, up, ACT: tl.constexpr, dtype: tl.constexpr):
+    """The intermediate row from the first projection's fp32 dots, each projection rounded as
+    F.linear's output: silu(gate) * up (ACT 1; h the gate's dots) or relu(h)^2 (ACT 2; `up`
+    unused)."""
+    h = h.to(dtype).to(tl.float32)
+    if ACT == 1:
+        return h / (1.0 + tl.exp(-h)) * up.to(dtype).to(tl.float32)
+    h = tl.maximum(h, 0.0)
+    return h * h
 
 
 @triton.jit
@@ -235,7 +245,6 @@ def _route_down_kernel(
     dtype = out_ptr.dtype.element_ty
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
     t = pid
     if SPLIT_ROUTES:
         t = pid // TOPK
@@ -247,29 +256,45 @@ def _route_down_kernel(
         else:
             val = _weighted_route(pid, mid_ptr, w_ptr, ids_ptr, tw_ptr, stride_mid, stride_we,
                                   stride_wn, N, K, dtype, BLOCK_N, BLOCK_K)
-        tl.store(part_ptr + pid * N + offs_n, val, mask=n_ok)
-        counter = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
-        arrived = tl.atomic_add(counter, 1)  # acq_rel: orders the store above
-        if arrived == TOPK - 1 + SHARED:
-            for j in tl.static_range(TOPK):
-                total += tl.load(part_ptr + (t * TOPK + j) * N + offs_n, mask=n_ok, other=0.0,
-                                 cache_modifier=".cg")
-            tl.atomic_xchg(counter, 0)
-            out = total.to(dtype)
-            if SHARED:
-                add = tl.load(part_ptr + (num_routes + t) * N + offs_n, mask=n_ok, other=0.0,
-                              cache_modifier=".cg")
-                out = (out.to(tl.float32) + add).to(dtype)
-            elif HAS_ADD:
-                out = _plus_add(out, t, offs_n, n_ok, add_ptr, gate_ptr, stride_add,
-                                stride_gate, ADD_GATE)
-            tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
+        _split_arrive(val, pid, t, offs_n, n_ok, part_ptr, count_ptr, out_ptr, add_ptr,
+                      gate_ptr, N, num_routes, stride_add, stride_gate, stride_out, TOPK,
+                      HAS_ADD, ADD_GATE, SHARED)
     else:
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(TOPK):
             total += _weighted_route(t * TOPK + j, mid_ptr, w_ptr, ids_ptr, tw_ptr, stride_mid,
                                      stride_we, stride_wn, N, K, dtype, BLOCK_N, BLOCK_K)
         out = total.to(dtype)
         if HAS_ADD:
+            out = _plus_add(out, t, offs_n, n_ok, add_ptr, gate_ptr, stride_add, stride_gate,
+                            ADD_GATE)
+        tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
+
+
+@triton.jit
+def _split_arrive(val, pid, t, offs_n, n_ok, part_ptr, count_ptr, out_ptr, add_ptr, gate_ptr,
+                  N, num_routes, stride_add, stride_gate, stride_out, TOPK: tl.constexpr,
+                  HAS_ADD: tl.constexpr, ADD_GATE: tl.constexpr, SHARED: tl.constexpr):
+    """The split down projection's finish: program pid's columns `val` (float32, of token t)
+    into the partials [rows, N], then a bump of the (t, column tile) counter; the token's last
+    program to arrive sums its routes' partials in route order, adds the add (the shared
+    route's partial, or `add`), writes the output row's columns and resets the counter."""
+    tl.store(part_ptr + pid * N + offs_n, val, mask=n_ok)
+    counter = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(counter, 1)  # acq_rel: orders the store above
+    if arrived == TOPK - 1 + SHARED:
+        dtype = out_ptr.dtype.element_ty
+        total = tl.zeros(val.shape, dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            total += tl.load(part_ptr + (t * TOPK + j) * N + offs_n, mask=n_ok, other=0.0,
+                             cache_modifier=".cg")
+        tl.atomic_xchg(counter, 0)
+        out = total.to(dtype)
+        if SHARED:
+            add = tl.load(part_ptr + (num_routes + t) * N + offs_n, mask=n_ok, other=0.0,
+                          cache_modifier=".cg")
+            out = (out.to(tl.float32) + add).to(dtype)
+        elif HAS_ADD:
             out = _plus_add(out, t, offs_n, n_ok, add_ptr, gate_ptr, stride_add, stride_gate,
                             ADD_GATE)
         tl.store(out_ptr + t * stride_out + offs_n, out, mask=n_ok)
@@ -307,6 +332,100 @@ def _plus_add(out, t, offs_n, n_ok, add_ptr, gate_ptr, stride_add, stride_gate,
     return (out.to(tl.float32) + add).to(out.dtype)
 
 
+# ----------------------------------------------------------------------------- TMA forms
+
+
+@triton.jit
+def _box(desc, expert, row, k0, STACKED: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_K: tl.constexpr):
+    """Weight box [row:row + BLOCK_N, k0:k0 + BLOCK_K] (zeros past the weight's edges) of a
+    stacked [E, rows, K] weight's expert (STACKED) or of a plain [rows, K] one."""
+    if STACKED:
+        box = desc.load([expert, row, k0]).reshape([BLOCK_N, BLOCK_K])
+    else:
+        box = desc.load([row, k0])
+    return box
+
+
+@triton.jit
+def _box_dots(desc, expert, row, row2, x_row, K, STACKED: tl.constexpr, TWO: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """(w[row + n, :] . x_row, w[row2 + n, :] . x_row) float32 [BLOCK_N] each (the second
+    only with TWO, else the first again): the boxes come through the TMA descriptor into a
+    STAGES-deep shared-memory ring (krait/ops/gemv_tma.py's loop), both row sets' boxes of a
+    K step together."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        x = _x_tile(x_row, k0, K, offs_k)  # [1, BLOCK_K]
+        acc += x * _box(desc, expert, row, k0, STACKED, BLOCK_N, BLOCK_K).to(tl.float32)
+        if TWO:
+            acc2 += x * _box(desc, expert, row2, k0, STACKED, BLOCK_N, BLOCK_K).to(tl.float32)
+    dots = tl.sum(acc, 1)
+    dots2 = dots
+    if TWO:
+        dots2 = tl.sum(acc2, 1)
+    return dots, dots2
+
+
+@triton.jit
+def _route_up_tma_kernel(
+    x_ptr, w_desc, ws_desc, ids_ptr, mid_ptr, N, K, num_routes, stride_x, stride_mid,
+    TOPK: tl.constexpr, ACT: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    # `_route_up_kernel` with the expert rows through TMA boxes: program (r, n), route r (or
+    # with SHARED, r >= num_routes: token r - num_routes's shared expert, ws_desc [2N, K])
+    pdl_trigger(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    pdl_wait(PDL)
+    if SHARED and r >= num_routes:
+        x_row = x_ptr + (r - num_routes) * stride_x
+        h, up = _box_dots(ws_desc, 0, n0, N + n0, x_row, K, False, True, BLOCK_N, BLOCK_K,
+                          STAGES)
+    else:
+        expert = tl.load(ids_ptr + r)
+        h, up = _box_dots(w_desc, expert, n0, N + n0, x_ptr + (r // TOPK) * stride_x, K, True,
+                          ACT == 1, BLOCK_N, BLOCK_K, STAGES)
+    dtype = mid_ptr.dtype.element_ty
+    h = _activate(h, up, ACT, dtype)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tl.store(mid_ptr + r * stride_mid + offs_n, h.to(dtype), mask=offs_n < N)
+
+
+@triton.jit
+def _route_down_tma_kernel(
+    mid_ptr, w_desc, ws_desc, ids_ptr, tw_ptr, add_ptr, gate_ptr, out_ptr, part_ptr, count_ptr,
+    N, K, num_routes, stride_mid, stride_add, stride_gate, stride_out,
+    TOPK: tl.constexpr, HAS_ADD: tl.constexpr, ADD_GATE: tl.constexpr, SHARED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    # `_route_down_kernel`'s split form (SPLIT_ROUTES) with the expert rows through TMA boxes
+    pdl_trigger(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    pdl_wait(PDL)
+    dtype = out_ptr.dtype.element_ty
+    mid_row = mid_ptr + pid * stride_mid
+    if SHARED and pid >= num_routes:
+        t = pid - num_routes
+        val, _ = _box_dots(ws_desc, 0, n0, n0, mid_row, K, False, False, BLOCK_N, BLOCK_K,
+                           STAGES)
+        val = _gated(val.to(dtype).to(tl.float32), t, gate_ptr, stride_gate, dtype, ADD_GATE)
+    else:
+        t = pid // TOPK
+        expert = tl.load(ids_ptr + pid)
+        val, _ = _box_dots(w_desc, expert, n0, n0, mid_row, K, True, False, BLOCK_N, BLOCK_K,
+                           STAGES)
+        val = (val.to(dtype).to(tl.float32) * tl.load(tw_ptr + pid)).to(dtype).to(tl.float32)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    _split_arrive(val, pid, t, offs_n, offs_n < N, part_ptr, count_ptr, out_ptr, add_ptr,
+                  gate_ptr, N, num_routes, stride_add, stride_gate, stride_out, TOPK, HAS_ADD,
+                  ADD_GATE, SHARED)
+
+
 _COUNTERS: dict[torch.device, Tensor] = {}  # the split down's arrival counters, back to zero
 
 # the split down projection (one program a route and column tile) while the unsplit grid (one
@@ -316,17 +435,25 @@ SPLIT_ROUTES_BELOW_WAVES = 4
 
 def routes_config(T: int, k: int, hidden: int, inter: int, num_sms: int = 132) -> dict:
     """Tiles of the two launches: {"up": (BLOCK_N, BLOCK_K, num_warps), "down": (BLOCK_N,
-    BLOCK_K, num_warps, split_routes)}; small tiles under the interpreter. On the H200
-    (`scripts/bench_moe_routes.py`, docs/benchmarks.md) the up launch streams fastest with 8
-    gate and 8 up rows a program at 8 warps, K 512 wide for one token, 256 for more; the down
-    launch with 16 rows, K 256 wide, split by route while few tokens leave the SMs idle."""
+    BLOCK_K, num_warps, split_routes), "up_tma", "down_tma": (BLOCK_N, BLOCK_K, num_warps,
+    STAGES) or None}; small tiles under the interpreter. On the H200
+    (`scripts/bench_moe_routes.py`, docs/benchmarks.md) the plain up launch streams fastest
+    with 8 gate and 8 up rows a program at 8 warps, K 512 wide for one token, 256 for more; the
+    down launch with 16 rows, K 256 wide, split by route while few tokens leave the SMs idle.
+    One token takes both launches' TMA forms: Qwen3-Next-8l's batch-1 decode graph 0.671 /
+    0.675 ms on the plain kernels, 0.646 with up (16, 128, 8, 3) and down (16, 256, 4, 2)
+    (session 28; other boxes 0.649-0.720)."""
     if interpreting():
         up_bn, up_bk = min(16, next_pow2(inter)), min(32, next_pow2(hidden))
         dn_bn, dn_bk = min(16, next_pow2(hidden)), min(32, next_pow2(inter))
-        return dict(up=(up_bn, up_bk, 4), down=(dn_bn, dn_bk, 4, T < 3))
+        return dict(up=(up_bn, up_bk, 4), down=(dn_bn, dn_bk, 4, T < 3), up_tma=None,
+                    down_tma=None)
     split = T * cdiv(hidden, 16) < SPLIT_ROUTES_BELOW_WAVES * num_sms and k > 1
-    return dict(up=(8, min(512 if T == 1 else 256, next_pow2(hidden)), 8),
-                down=(16, min(256, next_pow2(inter)), 4, split))
+    one = T == 1
+    return dict(up=(8, min(512 if one else 256, next_pow2(hidden)), 8),
+                down=(16, min(256, next_pow2(inter)), 4, split),
+                up_tma=(16, 128, 8, 3) if one else None,
+                down_tma=(16, 256, 4, 2) if one and k > 1 else None)
 
 
 def moe_routes_triton(
@@ -338,7 +465,9 @@ def moe_routes_triton(
     GEMVs: two launches. act: 1 gated SiLU (w13 holds gate rows then up rows), 2 relu2.
     shared = (gate_up [2I, H], down [H, I]): a gated-SiLU shared expert of the experts'
     intermediate size run as one more route a token, its output the add (instead of `add`).
-    config: `routes_config`'s form (its choice by default; split by route with `shared`)."""
+    config: `routes_config`'s form (its choice by default; split by route with `shared`);
+    its "up_tma" / "down_tma" entries, (BLOCK_N, BLOCK_K, num_warps, STAGES) or None, put a
+    launch on its TMA form where every weight is TMA-readable (the down one split by route)."""
     T, H = x.shape
     k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -358,30 +487,53 @@ def moe_routes_triton(
     mid = torch.empty(rows, inter, dtype=x.dtype, device=x.device)  # [rows, I]
     ws13, ws2 = shared if shared is not None else (w13, w2)
     pdl = pdl_args(use_pdl(x))
-    bn, bk, nw = cfg["up"]
-    _route_up_kernel[(rows, cdiv(inter, bn))](
-        x, w13, ids, mid, ws13, inter, H, T * k, x.stride(0), w13.stride(0), w13.stride(1),
-        ws13.stride(-2), mid.stride(0), TOPK=k, ACT=act, SHARED=shared is not None,
-        BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
-    )
+    tma_ok = all(tma_readable(w) for w in (w13, w2, ws13, ws2))
+    up_tma, down_tma = (cfg.get("up_tma"), cfg.get("down_tma")) if tma_ok else (None, None)
+    if up_tma is not None:
+        bn, bk, nw, stages = up_tma
+        _route_up_tma_kernel[(rows, cdiv(inter, bn))](
+            x, _descriptor(w13, bn, bk), _descriptor(ws13, bn, bk), ids, mid, inter, H, T * k,
+            x.stride(0), mid.stride(0), TOPK=k, ACT=act, SHARED=shared is not None,
+            BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, **pdl, **_warps(x, nw),
+        )
+    else:
+        bn, bk, nw = cfg["up"]
+        _route_up_kernel[(rows, cdiv(inter, bn))](
+            x, w13, ids, mid, ws13, inter, H, T * k, x.stride(0), w13.stride(0),
+            w13.stride(1), ws13.stride(-2), mid.stride(0), TOPK=k, ACT=act,
+            SHARED=shared is not None, BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw),
+        )
     if add is not None and add.stride(-1) != 1:
         add = add.contiguous()
-    bn, bk, nw, split = cfg["down"]
-    split = split or shared is not None
+    if down_tma is not None:  # split by route
+        bn, bk, nw, stages = down_tma
+        split = True
+    else:
+        bn, bk, nw, split = cfg["down"]
+        split = split or shared is not None
     tiles = cdiv(H, bn)
     part, counters = out, out
     if split:
         part = torch.empty(rows, H, dtype=torch.float32, device=x.device)  # [rows, H]
         counters = arrival_counters(_COUNTERS, x.device, T * tiles)
-    _route_down_kernel[(rows if split else T, tiles)](
-        mid, w2, ids, tw, add if add is not None else out,
-        add_gate if add_gate is not None else out, out, part, counters, ws2, H, inter, T * k,
-        mid.stride(0), w2.stride(0), w2.stride(1), add.stride(0) if add is not None else 0,
-        add_gate.stride(0) if add_gate is not None else 0, out.stride(0), ws2.stride(-2),
-        TOPK=k, HAS_ADD=add is not None, ADD_GATE=add_gate is not None,
-        SHARED=shared is not None, SPLIT_ROUTES=bool(split), BLOCK_N=bn, BLOCK_K=bk, **pdl,
-        **_warps(x, nw),
-    )
+    add_arg = add if add is not None else out
+    gate_arg = add_gate if add_gate is not None else out
+    stride_add = add.stride(0) if add is not None else 0
+    stride_gate = add_gate.stride(0) if add_gate is not None else 0
+    flags = dict(TOPK=k, HAS_ADD=add is not None, ADD_GATE=add_gate is not None,
+                 SHARED=shared is not None, BLOCK_N=bn, BLOCK_K=bk, **pdl, **_warps(x, nw))
+    if down_tma is not None:
+        _route_down_tma_kernel[(rows, tiles)](
+            mid, _descriptor(w2, bn, bk), _descriptor(ws2, bn, bk), ids, tw, add_arg, gate_arg,
+            out, part, counters, H, inter, T * k, mid.stride(0), stride_add, stride_gate,
+            out.stride(0), STAGES=stages, **flags,
+        )
+    else:
+        _route_down_kernel[(rows if split else T, tiles)](
+            mid, w2, ids, tw, add_arg, gate_arg, out, part, counters, ws2, H, inter, T * k,
+            mid.stride(0), w2.stride(0), w2.stride(1), stride_add, stride_gate,
+            out.stride(0), ws2.stride(-2), SPLIT_ROUTES=bool(split), **flags,
+        )
     return out
 
 

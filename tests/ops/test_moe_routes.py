@@ -112,9 +112,12 @@ def test_gpu_routes_real_sizes(activation, T):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 2, 8])
-def test_gpu_qwen3_next_shared_route_real_sizes(T):
+@pytest.mark.parametrize("forms", [dict(up_tma=None, down_tma=None), {},
+                                   dict(up_tma=(16, 128, 8, 3), down_tma=(64, 128, 8, 4))])
+def test_gpu_qwen3_next_shared_route_real_sizes(T, forms):
     """Qwen3-Next-80B's experts (512 of 2048 x 512, top-10) with the shared expert as a route
-    and its sigmoid gate, bf16, at the launcher's tiles (split by route), against torch."""
+    and its sigmoid gate, bf16, at the launcher's tiles (split by route) and in the TMA forms,
+    against torch."""
     from krait.ops.activation import silu_and_mul_ref
 
     x, w13, w2, tw, ids = make_case(T=T, H=2048, inter=512, E=512, k=10, activation="silu",
@@ -122,7 +125,9 @@ def test_gpu_qwen3_next_shared_route_real_sizes(T):
     ws13 = (torch.randn(1024, 2048, device="cuda") * 2048 ** -0.5).bfloat16()
     ws2 = (torch.randn(2048, 512, device="cuda") * 512 ** -0.5).bfloat16()
     gate = torch.randn(T, 1, device="cuda").bfloat16()
-    out = moe_routes_triton(x, w13, w2, tw, ids, 1, add_gate=gate, shared=(ws13, ws2))
+    cfg = dict(moe_routes.routes_config(T, 10, 2048, 512), **forms)
+    out = moe_routes_triton(x, w13, w2, tw, ids, 1, add_gate=gate, shared=(ws13, ws2),
+                            config=cfg)
     F = torch.nn.functional
     shared = F.linear(silu_and_mul_ref(F.linear(x, ws13)), ws2) * torch.sigmoid(gate)
     ref = fused_moe_ref(x, w13, w2, tw, ids) + shared
@@ -192,3 +197,48 @@ def test_shared_expert_as_a_route_matches_torch(T, dtype):
     assert not moe_routes._COUNTERS[x.device].any()
     with pytest.raises(ValueError, match="shared expert"):
         moe_routes_triton(x, w13, w2, tw, ids, 1, add=shared, shared=(ws13, ws2))
+
+
+TMA = dict(up_tma=(16, 32, 4, 2), down_tma=(16, 32, 4, 2))  # interpreter-sized boxes
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+@pytest.mark.parametrize("T,k,with_add", [(1, 2, False), (2, 3, True), (3, 1, True)])
+def test_tma_forms_match_reference(activation, T, k, with_add):
+    """The launches' TMA forms (the expert rows through tensor-descriptor boxes, the down one
+    split by route) at odd shapes: column tiles past the intermediate and hidden sizes."""
+    x, w13, w2, tw, ids = make_case(T=T, H=40, inter=24, E=7, k=k, activation=activation, seed=5)
+    add = torch.randn(T, 40, generator=torch.Generator().manual_seed(9)) if with_add else None
+    act = 1 if activation == "silu" else 2
+    cfg = dict(moe_routes.routes_config(T, k, 40, 24), **TMA)
+    out = moe_routes_triton(x, w13, w2, tw, ids, act, add, config=cfg)
+    ref = fused_moe_ref(x, w13, w2, tw, ids, activation)
+    ref = ref if add is None else ref + add
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not moe_routes._COUNTERS[x.device].any()
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_tma_forms_with_the_shared_route_equal_the_plain_kernels(T):
+    """With a gated shared expert as a route, each TMA form (up, down, both) gives the plain
+    kernels' bits at the same K step (the same products, summed in the same order)."""
+    x, w13, w2, tw, ids = make_case(T=T, H=64, inter=32, E=8, k=2, activation="silu", seed=11)
+    g = torch.Generator().manual_seed(12)
+    ws13 = torch.randn(64, 64, generator=g) * 0.2  # [2I, H]
+    ws2 = torch.randn(64, 32, generator=g) * 0.2  # [H, I]
+    gate = torch.randn(T, 1, generator=g)
+    base = dict(moe_routes.routes_config(T, 2, 64, 32), up=(16, 32, 4), down=(16, 32, 4, True))
+    outs = [moe_routes_triton(x, w13, w2, tw, ids, 1, add_gate=gate, shared=(ws13, ws2),
+                              config=dict(base, **forms))
+            for forms in ({}, dict(up_tma=TMA["up_tma"]), dict(down_tma=TMA["down_tma"]), TMA)]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert not moe_routes._COUNTERS[x.device].any()
+
+
+def test_tma_forms_need_tma_readable_weights():
+    """A weight TMA cannot read (rows not 16-byte aligned) keeps the plain kernels."""
+    x, w13, w2, tw, ids = make_case(T=1, H=10, inter=6, E=4, k=2, activation="silu", seed=2)
+    cfg = dict(moe_routes.routes_config(1, 2, 10, 6), **TMA)
+    torch.testing.assert_close(moe_routes_triton(x, w13, w2, tw, ids, 1, config=cfg),
+                               fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)

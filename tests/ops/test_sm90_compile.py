@@ -201,6 +201,21 @@ def test_moe_route_kernels_compile_without_spills(shared, monkeypatch):
     for r in (up, down):  # the expert rows stream in 16-byte loads; x is born in their layout
         assert r["pdl"] and r["local"] == 0 and r["vector_loads"] > 0, r
         assert r["loop_barriers"] == 0, r
+    # one token's TMA forms: the expert rows in [1, BLOCK_N, BLOCK_K] boxes of the stacked
+    # weights, the shared expert's in [BLOCK_N, BLOCK_K] boxes
+    for name, form, args, flags in (
+            ("_route_up_tma_kernel", cfg["up_tma"], dict(x_ptr=BF, ids_ptr=I32, mid_ptr=BF),
+             dict(ACT=1)),
+            ("_route_down_tma_kernel", cfg["down_tma"],
+             dict(mid_ptr=BF, ids_ptr=I32, tw_ptr=F32, add_ptr=BF, gate_ptr=BF, out_ptr=BF,
+                  part_ptr=F32, count_ptr=I32), dict(HAS_ADD=not shared, ADD_GATE=shared))):
+        bn, bk, nw, stages = form
+        r = compile_sm90("krait.ops.moe_routes", name,
+                         dict(args, w_desc=f"tensordesc<bf16[1, {bn}, {bk}]>",
+                              ws_desc=f"tensordesc<bf16[{bn}, {bk}]>"),
+                         dict(flags, TOPK=6, SHARED=shared, BLOCK_N=bn, BLOCK_K=bk,
+                              STAGES=stages, PDL=True), num_warps=nw)
+        assert r["pdl"] and r["local"] == 0 and r["bulk_tensor_copies"] > 0, (name, r)
 
 
 def test_timeline_stamps_compile():
