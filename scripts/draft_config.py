@@ -8,7 +8,9 @@ always-rejected case). `--eagle` writes an EAGLE-1 head for a Llama-family confi
 decoder layer at the target's widths, `LlamaForCausalLMEagle`; random weights: its drafts are
 rejected, so a bench shows what the head and its graphs cost).
 
-python3 scripts/draft_config.py NAME OUT_DIR [LAYERS] [--foreign | --eagle]"""
+python3 scripts/draft_config.py NAME OUT_DIR [LAYERS] [--foreign | --eagle]
+
+NAME: a krait/bench/configs name, or a directory holding a config.json."""
 
 from __future__ import annotations
 
@@ -19,16 +21,15 @@ from pathlib import Path
 from krait.bench.offline import CONFIG_DIR
 
 
-def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    name, out = args[0], Path(args[1])
-    layers = int(args[2]) if len(args) > 2 else 2
-    cfg = json.loads((CONFIG_DIR / name / "config.json").read_text())
-    if "--eagle" in sys.argv:
+def draft_config(cfg: dict, layers: int = 2, foreign: bool = False,
+                 eagle: bool = False) -> dict:
+    """The draft's config.json dict for the target config `cfg` (see the module doc)."""
+    cfg = dict(cfg)
+    if eagle:
         layers = 1
         cfg["architectures"] = ["LlamaForCausalLMEagle"]
         cfg["model_type"] = "llama"
-    if "--foreign" in sys.argv:
+    if foreign:
         for key in ("hidden_size", "intermediate_size", "num_attention_heads"):
             if isinstance(cfg.get(key), int) and cfg[key] % 2 == 0:
                 cfg[key] //= 2
@@ -41,6 +42,22 @@ def main() -> None:
             cfg[key] = cfg[key][:layers]
     if "max_window_layers" in cfg:
         cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
+    return cfg
+
+
+def read_config(name: str) -> dict:
+    """A bench config by name, or the config.json of a directory."""
+    path = Path(name)
+    src = path / "config.json" if path.is_dir() else CONFIG_DIR / name / "config.json"
+    return json.loads(src.read_text())
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    name, out = args[0], Path(args[1])
+    layers = int(args[2]) if len(args) > 2 else 2
+    cfg = draft_config(read_config(name), layers, foreign="--foreign" in sys.argv,
+                       eagle="--eagle" in sys.argv)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
 

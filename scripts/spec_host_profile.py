@@ -5,11 +5,11 @@ PYTHONPATH=. python3 scripts/spec_host_profile.py [--modes none,ngram,draft_mode
     [--batches 1,8] [--config qwen3-0.6b] [--sync-phases] [--graphs] [--cprofile] [--steps 48]
 
 Models: by default tiny random ones built in a temp dir with the test helpers (a 4-layer
-Qwen3 target, a 2-layer Llama draft of another seed, a random EAGLE-1 head: drafts nearly
-always rejected), so on CPU kernel time is negligible and what is measured is host work.
-`--config NAME` takes a bench config (krait/bench/configs, dummy weights) as the target, its
-first 2 layers at half width as the draft (as scripts/draft_config.py --foreign) and a random
-EAGLE-1 head of its hidden size: the GPU case. The device is CUDA when available (bfloat16),
+Qwen3 target; the draft its `scripts/draft_config.py --foreign` config, 2 layers at half width,
+with random weights of another seed; a random EAGLE-1 head: drafts nearly always rejected), so on CPU kernel time is negligible and what is measured is host work.
+`--config NAME` takes a bench config (krait/bench/configs, or a directory with a config.json;
+dummy weights) as the target, its first 2 layers at half width as the draft
+(scripts/draft_config.py --foreign) and a random EAGLE-1 head of its hidden size: the GPU case. The device is CUDA when available (bfloat16),
 else CPU (float32, one thread). Greedy requests of random prompts, `--steps` tokens each; each
 (mode, batch) runs once to warm up, then `--repeats` times, the fastest run reported.
 
@@ -19,7 +19,7 @@ unless `--sync-phases`, which synchronizes the device around each timed phase (t
 time includes its kernels, and the step total includes the syncs). Phases nest: `propose`
 holds the drafter runner's `draft.*` steps (`draft.catch_up_step`: the steps before the last
 max(drafts) - 1 of a call, which are `draft.one_token_step`; `.eager`: those of them that
-replayed no graph); `target.verify_forward` holds the target's build_input_batch and forward
+replayed no graph; `draft.chained_replay`: a call's steps as one chained graph); `target.verify_forward` holds the target's build_input_batch and forward
 (or graph replay) of verify steps. `--graphs` (CPU only) puts the target's and the drafter's
 CUDA-graph paths in their record=False form (eager bodies over the captured buffers, as the
 tests do): slower on CPU, but it shows which steps would replay a graph on the GPU.
@@ -52,7 +52,7 @@ from krait import LLM, SamplingParams
 
 # the phases that are model forwards (eager, or graph replays); they do not nest in each other
 FORWARDS = ("target.forward", "target.cuda_graphs_replay", "target.verify_graphs_replay",
-            "draft.forward", "draft.graph_replay")
+            "draft.forward", "draft.graph_replay", "draft.chained_replay")
 
 
 class Timers:
@@ -130,6 +130,8 @@ def instrument(llm: LLM, timers: Timers) -> None:
             patch(draft, "_sample_and_update", timers, "draft.sample_and_update")
             if getattr(draft, "cuda_graphs", None) is not None:
                 patch(draft.cuda_graphs, "run", timers, "draft.graph_replay")
+            if getattr(draft, "chained_graphs", None) is not None:
+                patch(draft.chained_graphs, "run", timers, "draft.chained_replay")
         patch(drafter, "propose", timers, "propose")
     for m in ("cuda_graphs", "verify_graphs"):
         g = getattr(runner, m, None)
@@ -212,30 +214,28 @@ def build_models(root: Path, config: str | None) -> dict[str, str]:
     from tests.models.test_spec_eagle import make_head
     from tests.utils import make_tiny_llama
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from draft_config import draft_config, read_config
+
     if config is None:
         target = make_tiny_llama(root / "target", arch="qwen3", num_hidden_layers=4)
-        draft = make_tiny_llama(root / "draft", arch="llama", seed=1, num_hidden_layers=2)
+        # the foreign draft: scripts/draft_config.py --foreign of the target, random weights
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+        d = draft_config(read_config(target), 2, foreign=True)
+        draft = make_tiny_llama(root / "draft", arch="qwen3", seed=1,
+                                **{k: d[k] for k in keys})
         head = make_head(root / "head", "eagle")
         return {"target": target, "draft": draft, "head": head}
-    from krait.bench.offline import CONFIG_DIR
-
-    cfg = json.loads((CONFIG_DIR / config / "config.json").read_text())
-    d = dict(cfg)
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads"):  # --foreign
-        if isinstance(d.get(key), int) and d[key] % 2 == 0:
-            d[key] //= 2
-    d["num_hidden_layers"] = 2
-    for key in ("layer_types", "layers_block_type"):
-        if isinstance(d.get(key), list):
-            d[key] = d[key][:2]
-    if "max_window_layers" in d:
-        d["max_window_layers"] = min(d["max_window_layers"], 2)
+    cfg = read_config(config)
     (root / "draft").mkdir(parents=True)
-    (root / "draft" / "config.json").write_text(json.dumps(d))
+    (root / "draft" / "config.json").write_text(json.dumps(draft_config(cfg, 2, foreign=True)))
     head = make_head(root / "head", "eagle", hidden_size=cfg["hidden_size"],
                      vocab_size=cfg["vocab_size"],
                      max_position_embeddings=cfg.get("max_position_embeddings", 4096))
-    return {"target": str(CONFIG_DIR / config), "draft": str(root / "draft"), "head": head}
+    from krait.bench.offline import CONFIG_DIR
+
+    target = config if Path(config).is_dir() else str(CONFIG_DIR / config)
+    return {"target": target, "draft": str(root / "draft"), "head": head}
 
 
 def speculative(mode: str, models: dict[str, str], k: int) -> dict | None:
@@ -334,7 +334,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", default="none,ngram,draft_model,eagle")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--config", default=None, help="a krait/bench/configs name (dummy weights)")
+    p.add_argument("--config", default=None,
+                   help="a krait/bench/configs name or a config directory (dummy weights)")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=48, help="max_tokens of each request")

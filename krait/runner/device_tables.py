@@ -47,3 +47,12 @@ class DeviceTables:
             return
         rp = host_to_device(np.stack([rows, positions]).astype(np.int64), self.device)
         write_tokens(self.token_ids, rp[0], rp[1], tokens)
+
+    def write_known(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """token_ids[rows[j], positions[j]] = tokens[j] for tokens the host holds: rows,
+        positions and tokens go in one host-to-device copy (`write_sampled` takes a device
+        tensor of tokens: two)."""
+        if len(rows) == 0:
+            return
+        rpt = host_to_device(np.stack([rows, positions, tokens]).astype(np.int64), self.device)
+        write_tokens(self.token_ids, rpt[0], rpt[1], rpt[2])

@@ -221,6 +221,18 @@ def host_to_device(values, device, dtype: torch.dtype | None = None) -> torch.Te
     return t.to(device, non_blocking=True)
 
 
+def device_to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Small device tensors on the host as numpy arrays, with one wait: every copy is queued
+    without blocking, then one event is waited for (on CPU: the tensors' own arrays)."""
+    if not tensors or not tensors[0].is_cuda:
+        return [t.numpy() for t in tensors]
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+    return [t.numpy() for t in host]
+
+
 def to_device(
     arrays: list[np.ndarray], dtype, device: torch.device, tag: str = "batch",
     out: torch.Tensor | None = None, flat: bool = False,

@@ -19,8 +19,15 @@ from krait.ops.argmax import argmax
 from krait.ops.ngram_propose import ngram_propose
 from krait.ops.spec_commit import commit_sampled
 from krait.ops.token_bitmask import apply_token_bitmask
+from krait.runner.chained_graphs import ChainedSample
 from krait.runner.device_tables import DeviceTables
-from krait.runner.input_batch import InputBatch, build_input_batch, host_to_device, to_device
+from krait.runner.input_batch import (
+    InputBatch,
+    build_input_batch,
+    device_to_host,
+    host_to_device,
+    to_device,
+)
 from krait.runner.model_states import create_model_state
 from krait.runner.penalties import PenaltyState
 from krait.runner.piecewise_graphs import (
@@ -79,6 +86,8 @@ class ModelRunner:
         # graph writes each row's argmax after its position, so a caller setting this writes
         # those known tokens back (the draft-model drafter's one-token catch-up steps)
         self.graphs_for_known_tokens = False
+        # a draft model's chained decode steps (ChainedDecodeGraphs, set by its drafter)
+        self.chained_graphs = None
         # speculative decoding: graphs of verify steps, every row 1 + k tokens (drafts padded)
         self.verify_graphs = None
         self.piecewise = None  # PiecewiseGraphs for eager steps (krait/envs.py turns them off)
@@ -298,24 +307,25 @@ class ModelRunner:
             at_pos += range(end - len(ids), end)
             toks += ids
         if self.tables is not None and toks:
-            t = host_to_device(np.array(toks, dtype=np.int64), self.device)
-            self.tables.write_sampled(np.array(at_rows), np.array(at_pos), t)
+            self.tables.write_known(np.array(at_rows), np.array(at_pos), np.array(toks))
 
     def _write_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Puts each verified request's drafts after its last known token in the token tables
         (they stay uncounted: the sampled tokens overwrite them)."""
         st = self.states
-        rows, pos, toks = [], [], []
-        for rid, ids in drafts.items():
-            i = st.index[rid]
-            n = int(st.num_tokens[i])
-            st.token_ids[i, n : n + len(ids)] = ids
-            rows += [i] * len(ids)
-            pos += range(n, n + len(ids))
-            toks += ids
-        if self.tables is not None and rows:
-            t = host_to_device(np.array(toks, dtype=np.int64), self.device)
-            self.tables.write_sampled(np.array(rows), np.array(pos), t)
+        index = st.index
+        lens = np.fromiter((len(ids) for ids in drafts.values()), np.int64, len(drafts))
+        i = np.fromiter((index[rid] for rid in drafts), np.int64, len(drafts))
+        total = int(lens.sum())
+        if total == 0:
+            return
+        rows = np.repeat(i, lens)
+        before = np.cumsum(lens) - lens
+        pos = np.repeat(st.num_tokens[i].astype(np.int64) - before, lens) + np.arange(total)
+        toks = np.fromiter((t for ids in drafts.values() for t in ids), np.int64, total)
+        st.token_ids[rows, pos] = toks
+        if self.tables is not None:
+            self.tables.write_known(rows, pos, toks)
 
     def _ordered_rows(
         self, sched: SchedulerOutput
@@ -346,6 +356,28 @@ class ModelRunner:
         if sched.snapshot_saves:
             self.model_state.copy_states(sched.snapshot_saves)
         return pending
+
+    @torch.inference_mode()
+    def execute_chained(self, sched: SchedulerOutput) -> ChainedSample:
+        """A step of one-token decode rows (each row's token its known one, no request new)
+        run as `chained_graphs.steps` chained greedy steps (krait/runner/chained_graphs.py):
+        step s > 0 takes step s - 1's argmax. Launched, not waited for. The host counters are
+        not advanced: the caller (the draft-model drafter) sets them from what it keeps."""
+        graphs = self.chained_graphs
+        self._update_states(sched)
+        req_ids, num_scheduled, _, num_prefills = self._ordered_rows(sched)
+        size = graphs.size_for(len(req_ids)) if req_ids else None
+        if num_prefills or size is None or any(n != 1 for n in num_scheduled):
+            raise ValueError("execute_chained: one-token decode rows of a captured size only")
+        if self.tables is not None:
+            self.tables.flush()
+        into = graphs.captured_batch(size) if self.tables is not None else None
+        batch = build_input_batch(
+            self.states, req_ids, num_scheduled, self.block_size, self.device,
+            num_reqs_padded=size, num_tokens_padded=size, pad_decode=True,
+            full_block_table=True, tables=self.tables, into=into)
+        tokens = graphs.run(batch)  # int64 [size, steps]
+        return ChainedSample(req_ids, tokens[: len(req_ids)])
 
     def _execute(self, sched: SchedulerOutput) -> PendingSample:
         self._update_states(sched)
@@ -418,12 +450,12 @@ class ModelRunner:
         out = self._reject(v, req_ids, host_to_device(np.array(draft_ids, dtype=np.int64),
                                                       self.device))
         self.penalties.record(idx[rows], out.output_token_ids[:, 0])  # no drafts with penalties
-        tokens = out.output_token_ids.cpu().numpy()  # [rows, 1 + max k]: the step's one sync
-        num_sampled = out.num_sampled.cpu().numpy().astype(np.int32)
-        lp = None
-        if out.logprobs is not None:
-            lp = [t.cpu().tolist() for t in (out.logprobs.token_ids, out.logprobs.logprobs,
-                                            out.logprobs.ranks)]
+        lps = out.logprobs
+        # the step's one sync: tokens [rows, 1 + max k], counts [rows] (and the logprobs)
+        host = device_to_host([out.output_token_ids, out.num_sampled] + (
+            [lps.token_ids, lps.logprobs, lps.ranks] if lps is not None else []))
+        tokens, num_sampled = host[0], host[1].astype(np.int32)
+        lp = [t.tolist() for t in host[2:]] if lps is not None else None
         # host tables: the sampled tokens after each row's last known one
         rows_i = idx[rows]
         start = st.num_tokens[rows_i].astype(np.int64)
@@ -434,7 +466,7 @@ class ModelRunner:
         st.token_ids[w_rows, w_pos] = w_tok
         st.num_tokens[rows_i] = start + num_sampled
         if self.tables is not None and len(w_rows):
-            self.tables.write_sampled(w_rows, w_pos, host_to_device(w_tok, self.device))
+            self.tables.write_known(w_rows, w_pos, w_tok)
         sampled: dict[str, SampledTokens] = {}
         for j, (r, m, toks) in enumerate(zip(rows.tolist(), num_sampled.tolist(),
                                              tokens.tolist())):
@@ -477,7 +509,7 @@ class ModelRunner:
                 num_reqs_padded=size, num_tokens_padded=size * per_row, pad_decode=True,
                 pad_tokens_per_row=per_row, into=into, rejections=rejections)
             batch.num_draft_tokens_per_req = np.full(size, self.num_spec_tokens, np.int32)
-            graph_logits, _ = self.verify_graphs.run(batch)
+            graph_logits, graph_greedy = self.verify_graphs.run(batch)
             # the graph's output, kept for an observing drafter (EAGLE, MTP)
             hidden = self.verify_graphs.last_hidden if self.drafter_observes else None
         else:
@@ -497,13 +529,15 @@ class ModelRunner:
         counts = (qsl[rows + 1] - first).astype(np.int32)  # = 1 + drafts
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
+        greedy = None
         if size is not None:  # a verify graph: the logits of every token, rows in order
             logits = graph_logits[: n * per_row]
+            greedy = graph_greedy[: n * per_row]  # (their argmax, in the graph already)
         else:
             positions = np.repeat(first - cu[:-1], counts) + np.arange(cu[-1])
             logits = self.model.compute_logits(hidden[host_to_device(positions, self.device)])
         return _VerifyStep(batch, hidden, logits, prompt_lps, computed, end, rows, first, counts,
-                           cu)
+                           cu, greedy)
 
     def _reject(self, v: _VerifyStep, req_ids: list[str], draft_ids: torch.Tensor):
         """The rejection sampler over a verify step's logits (structured rows masked first:
@@ -517,7 +551,8 @@ class ModelRunner:
         else:
             meta = self._sampling_metadata(v.logits, rows_i)
         return self.rejection_sampler(v.logits, host_to_device(v.cu, self.device), draft_ids,
-                                      None, meta, num_draft_tokens=v.counts - 1)
+                                      None, meta, num_draft_tokens=v.counts - 1,
+                                      target_argmax=None if self._grammar else v.greedy)
 
     def _observe(self, batch: InputBatch, hidden: torch.Tensor, kept: np.ndarray) -> None:
         """Hands an observing drafter (EAGLE) the step's hidden states: `kept[r]` positions of
@@ -799,6 +834,7 @@ class _VerifyStep:
     first: np.ndarray  # [len(rows)] each sampling row's first logits position in the batch
     counts: np.ndarray  # int32 [len(rows)] positions a row verifies: 1 + its drafts
     cu: np.ndarray  # int64 [len(rows) + 1] cumulative counts
+    greedy: torch.Tensor | None = None  # int64 [cu[-1]]: the logits' argmax (verify graphs)
 
 
 class DeferredSample:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import krait.runner.chained_graphs as chained_graphs
 import krait.runner.spec_decode.draft_model as draft_model
 from krait import LLM, SamplingParams
 from tests.models.test_spec_decode_parity import Reference, assert_matches
@@ -272,6 +273,9 @@ def test_one_token_catch_up_steps_restore_the_known_tokens(references, tmp_path,
     and the outputs HF's. (A hybrid draft catches up 1 + accepted tokens: the argmax written
     after its last accepted draft is the rejected draft, not the target's token.)"""
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    # the stepwise path (a dense draft's chained graphs keep every draft's KV: its catch-ups
+    # are one token; tests/models/test_spec_draft_chained.py runs those over this table)
+    monkeypatch.setattr(chained_graphs, "ENABLED", False)
     ref = references(arch)
     draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
     llm = make_llm(ref, draft_dir, max_num_seqs=1)  # one graph to capture

@@ -27,7 +27,14 @@ rejection sampler):
    `num_prompt_tokens` stays at its computed count): a catch-up of such rows alone replays the
    draft's decode graph instead of running eagerly.
 2. k - 1 one-token greedy steps (d1 in -> d2 out, ...), all rows in one batch per step, each
-   row stopping at its `max_drafts`.
+   row stopping at its `max_drafts` (with `keep_last_draft`, one step more: its last draft in,
+   so that its KV is kept as well).
+
+With chained graphs (a dense draft whose runner has graphs; krait/runner/chained_graphs.py),
+a call in which no request is new and every row catches up one token and takes k drafts runs
+1 and 2 as one replay (`_draft_chained`): the catch-up token, then the k drafts fed back on
+the device, read back once. `keep_last_draft` is on with them, so the catch-up after a verify
+step is always one token (the target's own after any acceptance).
 
 Hybrid drafts hold 2 state slots per request: A, the state after the last verified token, which
 only catch-ups advance, and B, scratch: before step 2, A's conv and SSM state are copied into B
@@ -250,7 +257,7 @@ class HeldRows:
         states.num_prompt_tokens[i] = c if decode_rows else np.where(n == 1, c, e)
         states.num_tokens[i] = e + reuse
         if tables is not None and len(rows):
-            tables.write_sampled(rows, pos, host_to_device(toks.astype(np.int64), tables.device))
+            tables.write_known(rows, pos, toks)
 
 
 def read_steps(steps: list, where: dict[str, int], got: np.ndarray) -> None:
@@ -286,6 +293,10 @@ class DraftModelDrafter:
         self.hybrid = bool(getattr(self.runner.model_state, "mamba_layers", None))
         # hybrid drafts: slots A (verified) and B (drafting)
         self.kv = init_draft_pool(self.runner, config, 2 if self.hybrid else 0)
+        # with chained graphs (dense drafts, `capture_graphs`) the draft's last draft also runs
+        # as an input, so its KV is kept with the others: the catch-up after any verify step is
+        # then one token, which the chain serves
+        self.keep_last_draft = False
         if self.config.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_graphs()  # decode graphs only
         self.max_batched = self.config.scheduler.max_num_batched_tokens
@@ -296,6 +307,7 @@ class DraftModelDrafter:
         self.num_catch_up_steps = 0
         self.num_kept_draft_tokens = 0  # accepted drafts whose KV a dense draft kept
         self.num_reused_first_drafts = 0
+        self.num_chained_calls = 0  # calls whose steps ran as one chained graph
 
     # -- requests leaving -----------------------------------------------------------------
     def on_requests_removed(self, rows: list[int]) -> None:
@@ -313,8 +325,14 @@ class DraftModelDrafter:
     # -- drafting -------------------------------------------------------------------------
     def capture_graphs(self, record: bool = True) -> None:
         """Decode CUDA graphs for the draft runner (its one-token steps and its catch-ups, run as
-        one-token steps up to 1 + k tokens a row, replay them); `record=False`: their dataflow
-        run eagerly (CPU tests)."""
+        one-token steps up to 1 + k tokens a row, replay them) and, for a dense draft unless
+        krait/runner/chained_graphs.ENABLED is False, chained graphs of a call's 1 + k steps
+        (`_draft_chained`; `keep_last_draft` on); `record=False`: their dataflow run eagerly
+        (CPU tests)."""
+        from krait.runner.chained_graphs import (  # noqa: PLC0415
+            ChainedDecodeGraphs,
+            chained_graphs_enabled,
+        )
         from krait.runner.cuda_graphs import CudaGraphRunner  # noqa: PLC0415
 
         self.runner.cuda_graphs = CudaGraphRunner(self.runner, record=record)
@@ -322,6 +340,15 @@ class DraftModelDrafter:
         # one-token catch-up steps of rows with known tokens after them replay the graphs too
         # (`_restore_next_tokens` writes back what a graph wrote over them)
         self.runner.graphs_for_known_tokens = True
+        self.runner.chained_graphs = None
+        self.keep_last_draft = False
+        if not self.hybrid and chained_graphs_enabled():
+            # the catch-up token and the k drafts as inputs, one graph (`_draft_chained`)
+            chained = ChainedDecodeGraphs(self.runner, 1 + self.k, record=record,
+                                          pool=self.runner.cuda_graphs.pool)
+            chained.capture_all()
+            self.runner.chained_graphs = chained
+            self.keep_last_draft = True
 
     @torch.inference_mode()
     def propose(self, token_table: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray,
@@ -357,8 +384,9 @@ class DraftModelDrafter:
             if not fresh and not self.hybrid:
                 self._keep_accepted(seq, token_table[row], n)
             c = seq.num_computed_tokens
-            # KV for every position a draft step writes: up to n + m - 2
-            new_blocks = self.kv.allocate(seq, n + m - 1 - c)
+            # KV for every position a draft step writes: up to n + m - 2 (n + m - 1 with
+            # keep_last_draft; below max_model_len - 1 either way: m <= max_model_len - n - 1)
+            new_blocks = self.kv.allocate(seq, n + m - 1 - c + self.keep_last_draft)
             if new_blocks is None:
                 if fresh:
                     self.kv.free(seq)
@@ -386,6 +414,8 @@ class DraftModelDrafter:
                 catch_up[seq.request_id] = n - c
                 target_of[seq.request_id] = row
             plan.append((j, seq, n, m))
+        if self._chain_serves(plan, catch_up, new_reqs):
+            return self._draft_chained(plan, held, cached, token_table, drafts, counts)
         one_token_steps = self._one_token_catch_up(catch_up, new_reqs)
         held.write(st, token_table, 0, self.runner.tables, decode_rows=bool(one_token_steps))
         finished, self._finished = self._finished, set()
@@ -419,33 +449,73 @@ class DraftModelDrafter:
             self.num_catch_up_steps += bool(sched_tokens)
         if not plan:
             return drafts, counts
-        # 2. the one-token steps from slot B
+        # 2. the one-token steps from slot B (and with keep_last_draft one more a row, its last
+        # draft as input: its token is not a draft, dropped below)
         m_of = np.array([m for *_, m in plan], dtype=np.int64)
         longest = int(m_of.max())
         if longest > 1 and self.hybrid:
             self._to_scratch([seq for _, seq, _, m in plan if m > 1])
-        for s in range(1, longest):
+        extra = int(self.keep_last_draft)
+        for s in range(1, longest + extra):
             steps.append((self.runner.execute_model(sched_output(
-                {seq.request_id: 1 for _, seq, _, m in plan if m > s}, [], [], set())), s))
-        got = np.full((len(plan), self.k), -1, dtype=np.int64)  # each plan row's drafts
+                {seq.request_id: 1 for _, seq, _, m in plan if m + extra > s}, [], [], set())), s))
+        got = np.full((len(plan), self.k + 1), -1, dtype=np.int64)  # each plan row's drafts
         for q, tok in reused:
             got[q, 0] = tok
         read_steps(steps, {seq.request_id: q for q, (_, seq, _, _) in enumerate(plan)}, got)
+        got[np.arange(self.k + 1)[None, :] >= m_of[:, None]] = -1  # the extra steps' tokens
+        return self._finish(plan, got[:, : self.k], drafts, counts)
+
+    def _finish(self, plan: list, got: np.ndarray, drafts: np.ndarray,
+                counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Checks and records a call's drafts (`got` int64 [len(plan), k], each plan row's,
+        -1 after them) into the outputs, and rolls the draft runner's counters back to the
+        verified tokens."""
+        st = self.runner.states
+        m_of = np.array([m for *_, m in plan], dtype=np.int64)
         check_drafts(got, m_of, [seq.request_id for _, seq, _, _ in plan])
         js = np.array([j for j, *_ in plan], dtype=np.int64)
         drafts[js] = got
         counts[js] = m_of
         n_of = np.array([n for _, _, n, _ in plan], dtype=np.int32)
         ids = np.fromiter((st.index[seq.request_id] for _, seq, _, _ in plan), np.int64, len(plan))
+        extra = int(self.keep_last_draft)
         for (_, seq, n, m), row_drafts in zip(plan, got.tolist()):
             seq.num_computed_tokens = n
             seq.next_token = row_drafts[0]
-            seq.drafted = row_drafts[: m - 1]  # the one-token steps' inputs
+            seq.drafted = row_drafts[: m - 1 + extra]  # the one-token steps' inputs
         st.num_computed_tokens[ids] = n_of  # verified tokens only: the drafts are forgotten
         st.num_tokens[ids] = n_of
         if self.hybrid:  # back to A
             st.state_slots[ids, 0] = [seq.state_slots[0] for _, seq, _, _ in plan]
         return drafts, counts
+
+    def _chain_serves(self, plan: list, catch_up: dict[str, int], new_reqs: list) -> bool:
+        """Whether the call runs as one chained graph: the draft runner has them, no request is
+        new, every row catches up exactly one token and takes all k drafts, and a captured size
+        holds the rows."""
+        chained = self.runner.chained_graphs
+        return bool(
+            chained is not None and plan and not new_reqs and len(catch_up) == len(plan)
+            and all(t == 1 for t in catch_up.values())
+            and all(m == self.k for *_, m in plan)
+            and chained.size_for(len(plan)) is not None)
+
+    def _draft_chained(self, plan: list, held: HeldRows, cached: list, token_table: np.ndarray,
+                       drafts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The call as one chained graph (`ModelRunner.execute_chained`): each row's catch-up
+        token, then its k drafts fed back on the device; one read-back. The same drafts as the
+        stepwise path (`tests/models/test_spec_draft_chained.py`)."""
+        held.write(self.runner.states, token_table, 0, self.runner.tables, decode_rows=True)
+        finished, self._finished = self._finished, set()
+        sample = self.runner.execute_chained(sched_output(
+            {seq.request_id: 1 for _, seq, _, _ in plan}, [], cached, finished))
+        self.num_catch_up_steps += 1
+        self.num_chained_calls += 1
+        tokens = sample.tokens()  # int64 [rows, 1 + k]: the last is draft k's successor
+        where = {rid: q for q, rid in enumerate(sample.req_ids)}
+        order = np.fromiter((where[seq.request_id] for _, seq, _, _ in plan), np.int64, len(plan))
+        return self._finish(plan, tokens[order, : self.k], drafts, counts)
 
     def _one_token_catch_up(self, catch_up: dict[str, int],
                             new_reqs: list) -> list[dict[str, int]]:
@@ -478,7 +548,7 @@ class DraftModelDrafter:
         pos = st.num_computed_tokens[i].astype(np.int64)  # advanced by the step: the next input
         rows = np.fromiter((target_of[r] for r in req_ids), np.int64, len(req_ids))
         toks = token_table[rows, pos]
-        tables.write_sampled(i, pos, host_to_device(toks.astype(np.int64), tables.device))
+        tables.write_known(i, pos, toks)
 
     def _keep_accepted(self, seq: _DraftSeq, tokens: np.ndarray, n: int) -> None:
         """A dense draft's catch-up starts past the drafts the target accepted: the KV its

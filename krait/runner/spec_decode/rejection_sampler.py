@@ -77,6 +77,7 @@ class RejectionSampler(torch.nn.Module):
         draft_probs: torch.Tensor | None,
         meta: SamplingMetadata,
         num_draft_tokens: Sequence[int] | np.ndarray | None = None,
+        target_argmax: torch.Tensor | None = None,
     ) -> RejectionSamplerOutput:
         """Accept or replace each row's drafts.
 
@@ -91,6 +92,8 @@ class RejectionSampler(torch.nn.Module):
         cu_num_logits). The engine passes it: the step's index tensors are then built on the
         host and sent in one copy, and cu_num_logits is not read. None reads k_r off
         cu_num_logits, a host sync when that lives on the device.
+        target_argmax int64 [T] or None: argmax(target_logits), where the caller has it
+        already (a verify graph computes it); used by the all-greedy path only.
 
         Rows with drafts must not have banned tokens, a logit_bias or penalties (ValueError):
         those change the target distribution with every accepted token. Rows without drafts may.
@@ -134,7 +137,7 @@ class RejectionSampler(torch.nn.Module):
 
         plain = not (meta.banned or meta.bias or meta.needs_penalties)
         if meta.all_greedy and plain and meta.max_num_logprobs is None:
-            target = argmax(target_logits)  # [T]
+            target = argmax(target_logits) if target_argmax is None else target_argmax  # [T]
             accept, drawn = drafts == target, target
         else:
             x = target_logits

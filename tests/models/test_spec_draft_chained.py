@@ -1,0 +1,129 @@
+"""The draft-model drafter's chained decode graphs (krait/runner/chained_graphs.py): a call's
+catch-up token and its k drafts as one graph. On CPU through their record=False dataflow, on
+CUDA (`gpu`) recorded. Either way: the chained path proposes exactly the stepwise path's drafts
+(chained_graphs.ENABLED = False), and greedy outputs stay the target's own."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import krait.runner.chained_graphs as chained_graphs
+from krait import LLM, SamplingParams
+from tests.models.test_spec_draft_model import (
+    CONFIGS,
+    PROMPTS,
+    K,
+    _check_greedy_continuations,
+    _perturbed_copy,
+    make_llm,
+    references,  # noqa: F401 (the fixture)
+    run_and_check,
+)
+from tests.utils import make_tiny_llama, record_proposals
+
+
+def _proposals(ref, draft_dir: str, chained: bool, monkeypatch, **options):
+    """(proposals, drafter tallies) of one run through the drafter's graphs (record=False),
+    chained or stepwise."""
+    monkeypatch.setattr(chained_graphs, "ENABLED", chained)
+    llm = make_llm(ref, draft_dir, **options)
+    drafter = llm.llm_engine.runner.drafter
+    drafter.capture_graphs(record=False)
+    assert (drafter.runner.chained_graphs is not None) == chained
+    assert drafter.keep_last_draft == chained
+    seen = record_proposals(drafter)
+    rate = run_and_check(llm, ref)
+    return seen, rate, drafter
+
+
+@pytest.mark.parametrize("config", ["defaults", "budget_4_seqs_2"])
+def test_chained_and_stepwise_drafts_agree(references, tmp_path, monkeypatch,  # noqa: F811
+                                           config: str) -> None:
+    """A draft that agrees with the target in part (accepted, partly accepted and rejected
+    drafts): the chained path serves most calls and proposes what the stepwise one does, each
+    proposal the draft model's greedy continuation (HF); under a tight budget the calls it
+    cannot serve (rows skipped, new requests) step with the last draft kept as well."""
+    ref = references("llama")
+    draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
+    stepwise, rate_s, d_s = _proposals(ref, draft_dir, False, monkeypatch, **CONFIGS[config])
+    chained, rate_c, d_c = _proposals(ref, draft_dir, True, monkeypatch, **CONFIGS[config])
+    assert d_s.num_chained_calls == 0
+    assert d_c.num_chained_calls > 0
+    assert 0.3 < rate_c < 0.95, rate_c
+    assert chained == stepwise
+    assert rate_c == rate_s
+    # keeping draft k's KV too: after a full acceptance the catch-up is one token
+    assert d_c.num_kept_draft_tokens > d_s.num_kept_draft_tokens
+    _check_greedy_continuations(draft_dir, chained)
+
+
+def test_chained_graphs_over_the_device_token_table(references, tmp_path,  # noqa: F811
+                                                    monkeypatch) -> None:
+    """With the device token table (KRAIT_TRITON_CPU=1: the Triton kernels interpreted, the
+    step's inputs prepared into the chain's captured buffers as on the GPU): the outputs are
+    HF's and every proposal the draft model's greedy continuation."""
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setattr(chained_graphs, "ENABLED", True)
+    ref = references("llama")
+    draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
+    llm = make_llm(ref, draft_dir, max_num_seqs=1)  # one graph to capture
+    drafter = llm.llm_engine.runner.drafter
+    assert drafter.runner.tables is not None
+    drafter.capture_graphs(record=False)
+    seen = record_proposals(drafter)
+    n = 7  # (the interpreter is slow)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == ref.tokens[0][:n]
+    assert drafter.num_chained_calls > 0
+    _check_greedy_continuations(draft_dir, seen)
+
+
+def test_chained_graphs_off_for_hybrid_drafts(references, monkeypatch) -> None:  # noqa: F811
+    """A hybrid draft steps (its recurrent state would need slots advanced in the chain)."""
+    ref = references("granitemoehybrid")
+    llm = make_llm(ref, ref.model_dir, max_num_seqs=2)
+    drafter = llm.llm_engine.runner.drafter
+    drafter.capture_graphs(record=False)
+    assert drafter.runner.chained_graphs is None and not drafter.keep_last_draft
+
+
+def _cuda_run(target: str, draft: str | None, chained: bool, monkeypatch):
+    """Greedy outputs (and the proposals, with a draft) of a CUDA run with graphs on."""
+    monkeypatch.setattr(chained_graphs, "ENABLED", chained)
+    spec = {"model": draft, "num_speculative_tokens": K} if draft else None
+    llm = LLM(target, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
+              gpu_memory_utilization=0.3, speculative_config=spec)
+    drafter = llm.llm_engine.runner.drafter
+    seen = record_proposals(drafter) if drafter is not None else []
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    chained_calls = drafter.num_chained_calls if drafter is not None else 0
+    has_chain = drafter is not None and drafter.runner.chained_graphs is not None
+    del llm, drafter
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, seen, chained_calls, has_chain
+
+
+@pytest.mark.gpu
+def test_chained_draft_graphs_on_cuda(tmp_path, monkeypatch) -> None:
+    """Recorded graphs on CUDA (float32 tiny models): greedy outputs with the chained draft
+    graphs equal non-speculative decoding's, and the chained and stepwise paths propose the
+    same drafts."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target = make_tiny_llama(tmp_path / "target", num_hidden_layers=4)
+    draft = _perturbed_copy(target, tmp_path / "draft", 0.03)
+    plain, _, _, _ = _cuda_run(target, None, False, monkeypatch)
+    stepwise, seen_s, calls_s, chain_s = _cuda_run(target, draft, False, monkeypatch)
+    chained, seen_c, calls_c, chain_c = _cuda_run(target, draft, True, monkeypatch)
+    assert chain_c and not chain_s
+    assert calls_c > 0 and calls_s == 0
+    assert stepwise == plain
+    assert chained == plain
+    assert seen_c == seen_s
