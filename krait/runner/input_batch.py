@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +178,8 @@ class _Staging:
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
         self.event: torch.cuda.Event | None = None
+        # (the `out` tensor, weakly, and the host values last copied into it): for skip_unchanged
+        self.last: tuple[weakref.ref, np.ndarray] | None = None
 
 
 _STAGING: dict[tuple[str, str], _Staging] = {}
@@ -235,19 +238,26 @@ def device_to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 
 def to_device(
     arrays: list[np.ndarray], dtype, device: torch.device, tag: str = "batch",
-    out: torch.Tensor | None = None, flat: bool = False,
+    out: torch.Tensor | None = None, flat: bool = False, skip_unchanged: bool = False,
 ):
     """Moves several small arrays of one dtype to `device` in one copy (through a pinned
     staging buffer per (dtype, tag) on CUDA) and returns views shaped like the arrays.
 
     `out`: a flat device tensor of at least their total size to copy into (a CUDA graph's
     captured inputs) instead of a new one. `flat`: also return the flat tensor the views share,
-    as (views, flat)."""
+    as (views, flat). `skip_unchanged` (with `out`, on CUDA): no copy when this tag's last copy
+    went into the same `out` with the same values — for inputs that only this function writes
+    and that rarely change between steps (a decode graph's state slots)."""
     sizes = [a.size for a in arrays]
     total = sum(sizes)
     host = np.concatenate([a.reshape(-1) for a in arrays]).astype(dtype, copy=False)
     if device.type == "cuda":
         st = _STAGING.setdefault((np.dtype(dtype).name, tag), _Staging())
+        if skip_unchanged and out is not None and st.last is not None and (
+            st.last[0]() is out and np.array_equal(st.last[1], host)
+        ):
+            return _views(out[:total], arrays, sizes, flat)
+        st.last = (weakref.ref(out), host.copy()) if skip_unchanged and out is not None else None
         if st.event is not None:
             st.event.synchronize()
         if st.buf is None or st.buf.numel() < total:
@@ -267,6 +277,10 @@ def to_device(
         dev.copy_(torch.from_numpy(host))
     else:
         dev = torch.from_numpy(host)
+    return _views(dev, arrays, sizes, flat)
+
+
+def _views(dev: torch.Tensor, arrays: list[np.ndarray], sizes: list[int], flat: bool):
     views, off = [], 0
     for a, n in zip(arrays, sizes):
         views.append(dev[off : off + n].view(a.shape))

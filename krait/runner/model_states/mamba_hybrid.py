@@ -148,7 +148,7 @@ class MambaHybridModelState(DefaultModelState):
             arrays += self._verify_arrays(batch, npad - npf)
         views, flat = to_device(
             arrays, np.int32, dev, tag="mamba", flat=True,
-            out=into.device_i32 if into is not None else None,
+            out=into.device_i32 if into is not None else None, skip_unchanged=True,
         )
         slots_t, pqsl_t, init_t = views[:3]
         meta = MambaMetadata(
