@@ -452,6 +452,23 @@ def decode_split_warps(num_programs: int, device) -> int:
     return 8 if num_programs <= num_sms(device) else 4
 
 
+def split_tiles(q_max: int, group: int, block_d: int, num_programs: int, device,
+                block_n: int | None = None) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, warps, prefetch) of a split-KV program taking q_max query tokens of a
+    row, its score tile [BLOCK_M = q_max x group (>= 16), BLOCK_D]; block_n: the keys a tile
+    when given (the interpreter's). One-token rows: the grid's warps (`decode_split_warps`),
+    DECODE_BLOCK_N keys a tile, `decode_prefetch`. A verify row's tile wider than [16, 256]
+    takes 8 warps ([32, 256]: 255 registers at 4, 168 at 8); past [32, 256] also 32-key tiles
+    and no prefetch ([64, 256]: 255 at 64 keys, 242 at 32 prefetching, 181 not). From sm_90
+    compiles (tests/ops/test_sm90_compile.py), not yet timed on the GPU."""
+    block_m = max(16, next_pow2(q_max * group))
+    warps, wide = decode_split_warps(num_programs, device), False
+    if q_max > 1 and block_m * block_d > 16 * 256:
+        warps, wide = 8, block_m * block_d > 32 * 256
+    block_n = block_n or (32 if wide else DECODE_BLOCK_N)
+    return block_m, block_n, warps, decode_prefetch(warps, block_n, block_d) and not wide
+
+
 def decode_prefetch(warps: int, block_n: int, block_d: int) -> bool:
     """Whether split-KV programs load their first K/V tile before the PDL wait: when that tile
     (K and V, 2 x block_n x block_d elements) is at most 64 elements a thread, i.e. it does not
@@ -587,12 +604,13 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     part_ml = torch.empty(num_parts, num_q_heads, num_splits, 2, dtype=torch.float32,
                           device=q.device)
     grid = (num_rows, num_kv_heads, num_splits)
-    warps = decode_split_warps(num_rows * num_kv_heads * num_splits, q.device)
-    block_n = 128 if interpret else DECODE_BLOCK_N
+    block_m, block_n, warps, may_prefetch = split_tiles(
+        q_max, group, block_d, num_rows * num_kv_heads * num_splits, q.device,
+        128 if interpret else None)
     opts = {} if interpret else dict(num_warps=warps, num_stages=SPLIT_STAGES)
     pdl = use_pdl(q)
     if prefetch is None:
-        prefetch = decode_prefetch(warps, block_n, block_d)
+        prefetch = may_prefetch
     _decode_split_kernel[grid](
         q, k_cache, v_cache, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
@@ -603,7 +621,7 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(q_max * group)),
+        NUM_SPLITS=num_splits, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d, PREFETCH=prefetch, Q_FIRST=warps == 8, Q_MAX=q_max,
         **(rope or {}), **opts, **pdl_args(pdl),
         **timeline_args("decode_split", grid, q.device),
