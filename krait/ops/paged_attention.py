@@ -434,6 +434,9 @@ SPLIT_WAVES = 2
 SPLIT_MIN_KEYS = 64
 DECODE_BLOCK_N = 64
 SPLIT_STAGES = 2
+# rows of at most this many query tokens may take the split-KV kernel (all of a row's tokens in
+# one program: `_decode_split_kernel`'s Q_MAX form)
+SHORT_QUERY_ROWS = 8
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device) -> int:
@@ -548,11 +551,6 @@ def paged_attention_triton(
         BLOCK_D=next_pow2(head_dim), **config, **pdl_args(pdl),
     )
     return out
-
-
-# rows of at most this many query tokens may take the split-KV kernel (all of a row's tokens in
-# one program: `_decode_split_kernel`'s Q_MAX form)
-SHORT_QUERY_ROWS = 8
 
 
 def decode_split_rope(
