@@ -74,7 +74,7 @@ class Attention(torch.nn.Module):
             q_norm.eps if q_norm is not None else 0.0,
             self.kv_cache[0], self.kv_cache[1], meta.slot_mapping[:T],
             meta.query_start_loc, meta.seq_lens, meta.block_table, meta.max_query_len,
-            meta.max_seq_len, self.scale, self.sliding_window, meta.short_rows(self, T),
+            meta.max_seq_len, self.scale, self.sliding_window,
         )
         return out.reshape(T, self.num_heads * self.head_dim)
 
@@ -92,6 +92,5 @@ class Attention(torch.nn.Module):
             meta.max_seq_len,
             self.scale,
             self.sliding_window,
-            meta.short_rows(self, T),
         )
         return out.reshape(T, self.num_heads * self.head_dim)

@@ -186,13 +186,18 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
     Q_FIRST: tl.constexpr = False, ROPE: tl.constexpr = False, NORM: tl.constexpr = False,
-    IS_NEOX: tl.constexpr = False,
+    IS_NEOX: tl.constexpr = False, Q_MAX: tl.constexpr = 1,
     k_new_ptr=None, v_new_ptr=None, pos_ptr=None, cs_ptr=None, qw_ptr=None, kw_ptr=None, eps=0.0,
     slot_ptr=None, rot_dim=0, stride_cs=0, stride_knt=0, stride_knh=0, stride_vnt=0, stride_vnh=0,
     TL: tl.constexpr = False, tl_ptr=None,
 ):
-    """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys) for rows of
-    exactly one query token; writes the split's unnormalised output and (max, sum) in log2 units.
+    """Flash-decoding, part 1: one program per (row, kv head, split of the row's keys); writes the
+    split's unnormalised output and (max, sum) in log2 units. Q_MAX 1: rows of exactly one query
+    token (others skipped), partials per row. Q_MAX > 1 (speculative verify rows): rows of 1 to
+    Q_MAX query tokens, partials per query token; the program scores all the row's tokens x the
+    GROUP query heads (BLOCK_M >= Q_MAX * GROUP score rows) against each K/V tile it loads, token
+    i seeing keys j <= seq_len - q_len + i (and inside the window from its own position); a row
+    with seq_len 0 stores empty splits.
     With ROPE, q is the projection's raw output and this kernel does `rope_kv_write`'s work for
     its rows: each program normalises (NORM) and rotates its query heads itself, and the split
     holding the row's newest key normalises and rotates that key from k_new and writes it and
@@ -213,19 +218,39 @@ def _decode_split_kernel(
     q_start = tl.load(qsl_ptr + row)
     q_len = tl.load(qsl_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
-    if (q_len == 1) & (seq_len > 0):
+    tl.static_assert((Q_MAX == 1) or not ROPE, "ROPE takes one-token rows")
+    if Q_MAX == 1:
+        runs = (q_len == 1) & (seq_len > 0)
+    else:
+        runs = (q_len > 0) & (q_len <= Q_MAX)
+    if runs:
         m = tl.arange(0, BLOCK_M)
-        head = kv_head * GROUP + m
-        row_ok = m < GROUP
+        if Q_MAX == 1:
+            tok = 0
+            head = kv_head * GROUP + m
+            row_ok = m < GROUP
+        else:
+            tok = m // GROUP  # the score row's query token within the row
+            head = kv_head * GROUP + m % GROUP
+            row_ok = tok < q_len
         d = tl.arange(0, BLOCK_D)
         d_ok = d < head_dim
-        q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
-        q_off = q_start.to(tl.int64) * stride_qt + head * stride_qh
+        if Q_MAX == 1:
+            new_lo = seq_len - 1  # the row's first key written this step
+            q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
+            q_off = q_start.to(tl.int64) * stride_qt + head * stride_qh
+        else:
+            new_lo = seq_len - q_len
+            q_pos = new_lo + tok
+            q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
         q_ptrs = q_ptr + q_off[:, None] + d[None, :]
         q_mask = row_ok[:, None] & d_ok[None, :]
         lo_all = 0
-        if USE_WINDOW:
-            lo_all = tl.maximum(seq_len - sliding_window, 0)
+        if USE_WINDOW:  # the keys the row's first query token sees
+            if Q_MAX == 1:
+                lo_all = tl.maximum(seq_len - sliding_window, 0)
+            else:
+                lo_all = tl.maximum(new_lo + 1 - sliding_window, 0)
         per = tl.cdiv(tl.cdiv(seq_len - lo_all, NUM_SPLITS), BLOCK_N) * BLOCK_N
         s_lo = lo_all + split * per
         s_hi = tl.minimum(s_lo + per, seq_len)
@@ -247,7 +272,10 @@ def _decode_split_kernel(
             k_pos, k_ok, k_off, v_off = _kv_tile_offsets(
                 s_lo, s_hi, kv_head, bt_row, block_size, stride_kc_b, stride_kc_o, stride_kc_h,
                 stride_vc_b, stride_vc_o, stride_vc_h, BLOCK_N)
-            fresh = k_ok & (k_pos == seq_len - 1)  # written by the kernel before
+            if Q_MAX == 1:
+                fresh = k_ok & (k_pos == seq_len - 1)  # written by the kernel before
+            else:
+                fresh = k_ok & (k_pos >= new_lo)
             k = _load_k(k_cache_ptr, k_off, d, d_ok, k_ok & ~fresh, cdt)  # [D, BLOCK_N]
             v = _load_v(v_cache_ptr, v_off, d, d_ok, k_ok & ~fresh, cdt)  # [BLOCK_N, D]
             pdl_wait(PDL)
@@ -266,7 +294,7 @@ def _decode_split_kernel(
                          eps, head_dim, stride_qt, stride_qh, qp, qr, qcos, qsin, qw, qwp,
                          ROPE, NORM, BLOCK_D)
         if PREFETCH:
-            if (seq_len - 1 >= s_lo) & (seq_len - 1 < s_lo + BLOCK_N):
+            if (seq_len - 1 >= s_lo) & (new_lo < s_lo + BLOCK_N):
                 k = tl.where(fresh[None, :], _load_k(k_cache_ptr, k_off, d, d_ok, fresh, cdt), k)
                 v = tl.where(fresh[:, None], _load_v(v_cache_ptr, v_off, d, d_ok, fresh, cdt), v)
         if not Q_FIRST:
@@ -286,8 +314,12 @@ def _decode_split_kernel(
                 True, USE_WINDOW, DOT_PRECISION, BLOCK_N,
             )
         stamp(TL, tl_ptr, LOOPED)
-        # partials: [rows, Hq, NUM_SPLITS, D] and [rows, Hq, NUM_SPLITS, 2]
-        part = (row * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        # partials: [rows (Q_MAX 1) or tokens, Hq, NUM_SPLITS, D] and [..., NUM_SPLITS, 2]
+        if Q_MAX == 1:
+            part = (row * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        else:
+            part = ((q_start + tok).to(tl.int64) * (GROUP * tl.num_programs(1)) + head
+                    ) * NUM_SPLITS + split
         tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
@@ -334,38 +366,63 @@ def _rope_write_kv(
 
 
 @triton.jit
+def _merge_splits(part_acc_ptr, part_ml_ptr, idx, head, num_q_heads, head_dim,
+                  NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The log-sum-exp merge of the NUM_SPLITS partials of (idx, head), idx a row or a query
+    token of the partials [idx, Hq, NUM_SPLITS, D | 2]: its normalised output [BLOCK_D] in
+    float32 (zeros where every split is empty)."""
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    base = (idx * num_q_heads + head) * NUM_SPLITS
+    m_s = tl.load(part_ml_ptr + (base + sp) * 2)
+    l_s = tl.load(part_ml_ptr + (base + sp) * 2 + 1)
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :],
+                  mask=d_ok[None, :], other=0.0)  # [NUM_SPLITS, BLOCK_D]
+    m_all = tl.max(m_s, 0)
+    w = tl.exp2(m_s - m_all)
+    w = tl.where(l_s > 0.0, w, 0.0)  # empty splits
+    total = tl.sum(l_s * w, 0)
+    return tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
 def _decode_combine_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, seq_lens_ptr, head_dim, num_q_heads,
     stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr, TL: tl.constexpr = False, tl_ptr=None,
+    PER_TOKEN: tl.constexpr = False, num_rows=None,
 ):
-    """Flash-decoding, part 2: merge a (row, head)'s splits."""
+    """Flash-decoding, part 2: merge a (row, head)'s splits (one-token rows, grid (rows, Hq)),
+    or with PER_TOKEN a (query token, head)'s (the split kernel's Q_MAX > 1 form, grid (tokens,
+    Hq)): a token past the last of the `num_rows` rows (padding) gets zeros."""
     pdl_trigger(PDL)
     stamp(TL, tl_ptr, ENTRY)
     pdl_wait(PDL)
     stamp(TL, tl_ptr, WAITED)
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + row)
-    q_len = tl.load(qsl_ptr + row + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + row)
-    if (q_len == 1) & (seq_len > 0):
-        sp = tl.arange(0, NUM_SPLITS)
+    if PER_TOKEN:
+        tok = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        out = tl.zeros([BLOCK_D], tl.float32)
+        if tok < tl.load(qsl_ptr + num_rows):
+            out = _merge_splits(part_acc_ptr, part_ml_ptr, tok, head, num_q_heads, head_dim,
+                                NUM_SPLITS, BLOCK_D)
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < head_dim
-        base = (row * num_q_heads + head) * NUM_SPLITS
-        m_s = tl.load(part_ml_ptr + (base + sp) * 2)
-        l_s = tl.load(part_ml_ptr + (base + sp) * 2 + 1)
-        acc = tl.load(part_acc_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :],
-                      mask=d_ok[None, :], other=0.0)  # [NUM_SPLITS, BLOCK_D]
-        m_all = tl.max(m_s, 0)
-        w = tl.exp2(m_s - m_all)
-        w = tl.where(l_s > 0.0, w, 0.0)  # empty splits
-        total = tl.sum(l_s * w, 0)
-        out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
-                 out.to(out_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d,
+                 out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        q_start = tl.load(qsl_ptr + row)
+        q_len = tl.load(qsl_ptr + row + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + row)
+        if (q_len == 1) & (seq_len > 0):
+            out = _merge_splits(part_acc_ptr, part_ml_ptr, row, head, num_q_heads, head_dim,
+                                NUM_SPLITS, BLOCK_D)
+            d = tl.arange(0, BLOCK_D)
+            tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
+                     out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
     stamp(TL, tl_ptr, EXIT)
 
 
@@ -377,6 +434,9 @@ SPLIT_WAVES = 2
 SPLIT_MIN_KEYS = 64
 DECODE_BLOCK_N = 64
 SPLIT_STAGES = 2
+# rows of at most this many query tokens may take the split-KV kernel (all of a row's tokens in
+# one program: `_decode_split_kernel`'s Q_MAX form)
+SHORT_QUERY_ROWS = 8
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device) -> int:
@@ -393,6 +453,23 @@ def decode_split_warps(num_programs: int, device) -> int:
     (each program streams its keys alone: more loads in flight), else 4 (8-warp programs lost
     once the grid holds several programs an SM)."""
     return 8 if num_programs <= num_sms(device) else 4
+
+
+def split_tiles(q_max: int, group: int, block_d: int, num_programs: int, device,
+                block_n: int | None = None) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, warps, prefetch) of a split-KV program taking q_max query tokens of a
+    row, its score tile [BLOCK_M = q_max x group (>= 16), BLOCK_D]; block_n: the keys a tile
+    when given (the interpreter's). One-token rows: the grid's warps (`decode_split_warps`),
+    DECODE_BLOCK_N keys a tile, `decode_prefetch`. A verify row's tile wider than [16, 256]
+    takes 8 warps ([32, 256]: 255 registers at 4, 168 at 8); past [32, 256] also 32-key tiles
+    and no prefetch ([64, 256]: 255 at 64 keys, 242 at 32 prefetching, 181 not). From sm_90
+    compiles (tests/ops/test_sm90_compile.py), not yet timed on the GPU."""
+    block_m = max(16, next_pow2(q_max * group))
+    warps, wide = decode_split_warps(num_programs, device), False
+    if q_max > 1 and block_m * block_d > 16 * 256:
+        warps, wide = 8, block_m * block_d > 32 * 256
+    block_n = block_n or (32 if wide else DECODE_BLOCK_N)
+    return block_m, block_n, warps, decode_prefetch(warps, block_n, block_d) and not wide
 
 
 def decode_prefetch(warps: int, block_n: int, block_d: int) -> bool:
@@ -425,18 +502,19 @@ def paged_attention_triton(
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
     sliding_window: int | None = None, num_splits: int | None = None,
-    prefetch: bool | None = None, short_rows: tuple[Tensor, Tensor, Tensor] | None = None,
+    prefetch: bool | None = None,
 ) -> Tensor:
-    """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) split each
-    row's keys over `num_splits` programs (flash-decoding; chosen from the batch shape when None)
-    when too few (row, kv head) programs would otherwise run. prefetch: see `_decode_split`.
-    short_rows: `token_rows` of these rows, when the caller computed it once for every layer of
-    the step (otherwise computed here where needed)."""
+    """Triton launcher of `paged_attention`. Batches of decode rows (max_query_len 1) and of
+    short query rows (at most SHORT_QUERY_ROWS tokens: speculative verify rows) split each row's
+    keys over `num_splits` programs (flash-decoding; chosen from the rows when None) when too
+    few (row, kv head) programs would otherwise run; a short row's program takes all its query
+    tokens (`_decode_split_kernel`'s Q_MAX form). prefetch: see `_decode_split`."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     # [T, Hq, D]: every token of a row is written (a row with q_len >= 1 has seq_len >= 1);
-    # tokens outside every row (none in practice) are left as they are: no memset per layer
+    # tokens after the last row are left as they are (no memset per layer), but for the split
+    # kernel's short query rows, whose combine writes zeros there
     out = torch.empty_like(q)
     num_rows = seq_lens.shape[0]
     if num_tokens == 0 or num_rows == 0 or max_query_len <= 0:
@@ -446,26 +524,16 @@ def paged_attention_triton(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_table.stride(-1) == 1
     interpret = q.device.type == "cpu"
-    forced_splits = num_splits
-    if num_splits is None:
-        num_splits = 1
-        if max_query_len == 1:
+    if max_query_len <= SHORT_QUERY_ROWS:
+        # decode rows, and short query rows (speculative verify rows, small chunks): split like
+        # decode rows when the rows alone would leave the GPU idle (the varlen kernel runs one
+        # program a row and KV head)
+        if num_splits is None:
             num_splits = decode_num_splits(num_rows, num_kv_heads, max_seq_len, q.device)
-    if max_query_len == 1 and num_splits > 1:
-        _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
-                      sliding_window, num_splits, interpret, prefetch)
-        return out
-    if 1 < max_query_len <= SHORT_QUERY_ROWS:
-        # short query rows (speculative verify rows, small chunks): each token as a one-token
-        # row of its own, its keys split like a decode row's, when the rows alone would leave
-        # the GPU idle (the varlen kernel runs one program a row and KV head)
-        splits = forced_splits or decode_num_splits(num_tokens, num_kv_heads, max_seq_len,
-                                                    q.device)
-        if splits > 1:
-            tok_qsl, tok_seq_lens, tok_table = short_rows or token_rows(
-                query_start_loc, seq_lens, block_table, num_tokens)
-            _decode_split(q, k_cache, v_cache, out, tok_qsl, tok_seq_lens, tok_table, scale,
-                          sliding_window, splits, interpret, prefetch)
+        if num_splits > 1:
+            _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table,
+                          scale, sliding_window, num_splits, interpret, prefetch,
+                          q_max=next_pow2(max_query_len))
             return out
     config = _launch_config(max_query_len, group, interpret, head_dim)
     grid = (num_rows, num_kv_heads, cdiv(max_query_len, config["BLOCK_M"] // group))
@@ -483,29 +551,6 @@ def paged_attention_triton(
         BLOCK_D=next_pow2(head_dim), **config, **pdl_args(pdl),
     )
     return out
-
-
-SHORT_QUERY_ROWS = 8  # rows of at most this many query tokens may run as one-token rows
-
-
-def token_rows(query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor, num_tokens: int
-               ) -> tuple[Tensor, Tensor, Tensor]:
-    """Each of `num_tokens` query tokens as a one-token row: query_start_loc int32 [T + 1]
-    (0..T), seq_lens int32 [T] (the keys up to and including the token's own position) and
-    block_table [T, width] (its row's). On the device, no host sync (CUDA-graph safe); tokens
-    past the last row (a padded bucket) take the last row with one key."""
-    dev = seq_lens.device
-    rows = seq_lens.shape[0]
-    t = torch.arange(num_tokens, device=dev, dtype=torch.int32)  # [T]
-    ends = query_start_loc[1 : rows + 1].contiguous()  # [R] each row's query end
-    row_of = torch.searchsorted(ends, t, right=True)  # [T] int64
-    past = row_of >= rows
-    row_of = row_of.clamp_(max=max(rows - 1, 0))
-    # token t of a row ending at e (exclusive) sees seq_len - (e - 1 - t) keys
-    tok_seq = seq_lens[row_of] - (ends[row_of] - 1 - t)
-    tok_seq = torch.where(past, 1, tok_seq).to(torch.int32)
-    tok_qsl = torch.arange(num_tokens + 1, device=dev, dtype=torch.int32)
-    return tok_qsl, tok_seq, block_table[row_of]
 
 
 def decode_split_rope(
@@ -538,27 +583,32 @@ def decode_split_rope(
 
 def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale,
                   sliding_window, num_splits, interpret, prefetch: bool | None = None,
-                  rope: dict | None = None) -> None:
+                  rope: dict | None = None, q_max: int = 1) -> None:
     """Flash-decoding launches: the split kernel, then the combine kernel. prefetch: each
     split's first K/V tile loaded before the PDL wait (None: `decode_prefetch`). rope: the
-    split kernel's ROPE arguments (`decode_split_rope`), None for a q already rotated."""
+    split kernel's ROPE arguments (`decode_split_rope`), None for a q already rotated. q_max:
+    1 for rows of one query token (others skipped); past 1, every row has at most q_max tokens,
+    each program takes all of its row's, and q's tokens past the last row get zeros."""
     num_rows = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     block_d = next_pow2(head_dim)
-    # [rows, Hq, splits, D] unnormalised outputs and [rows, Hq, splits, 2] (max, sum)
-    part_acc = torch.empty(num_rows, num_q_heads, num_splits, block_d, dtype=torch.float32,
+    per_token = q_max > 1
+    num_parts = q.shape[0] if per_token else num_rows
+    # [rows or tokens, Hq, splits, D] unnormalised outputs and [..., splits, 2] (max, sum)
+    part_acc = torch.empty(num_parts, num_q_heads, num_splits, block_d, dtype=torch.float32,
                            device=q.device)
-    part_ml = torch.empty(num_rows, num_q_heads, num_splits, 2, dtype=torch.float32,
+    part_ml = torch.empty(num_parts, num_q_heads, num_splits, 2, dtype=torch.float32,
                           device=q.device)
     grid = (num_rows, num_kv_heads, num_splits)
-    warps = decode_split_warps(num_rows * num_kv_heads * num_splits, q.device)
-    block_n = 128 if interpret else DECODE_BLOCK_N
+    block_m, block_n, warps, may_prefetch = split_tiles(
+        q_max, group, block_d, num_rows * num_kv_heads * num_splits, q.device,
+        128 if interpret else None)
     opts = {} if interpret else dict(num_warps=warps, num_stages=SPLIT_STAGES)
     pdl = use_pdl(q)
     if prefetch is None:
-        prefetch = decode_prefetch(warps, block_n, block_d)
+        prefetch = may_prefetch
     _decode_split_kernel[grid](
         q, k_cache, v_cache, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
@@ -569,15 +619,16 @@ def _decode_split(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
         block_table.stride(0),
         GROUP=group, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, PREFETCH=prefetch, Q_FIRST=warps == 8,
+        NUM_SPLITS=num_splits, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d, PREFETCH=prefetch, Q_FIRST=warps == 8, Q_MAX=q_max,
         **(rope or {}), **opts, **pdl_args(pdl),
         **timeline_args("decode_split", grid, q.device),
     )
-    _decode_combine_kernel[(num_rows, num_q_heads)](
+    _decode_combine_kernel[(num_parts, num_q_heads)](
         out, part_acc, part_ml, query_start_loc, seq_lens, head_dim, num_q_heads,
         out.stride(0), out.stride(1), NUM_SPLITS=num_splits, BLOCK_D=block_d,
-        **pdl_args(pdl), **timeline_args("decode_combine", (num_rows, num_q_heads), q.device),
+        **pdl_args(pdl), **timeline_args("decode_combine", (num_parts, num_q_heads), q.device),
+        **(dict(PER_TOKEN=True, num_rows=num_rows) if per_token else {}),
     )
 
 
@@ -618,19 +669,18 @@ def paged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor,
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float,
-    sliding_window: int | None = None, short_rows: tuple[Tensor, Tensor, Tensor] | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor:
     """Varlen causal paged attention; returns [T, Hq, D] in q's dtype.
 
     q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; query_start_loc int32 [B+1];
     seq_lens int32 [B] (total length including this step's tokens); block_table int32
     [B, max_blocks_per_seq]. Rows with q_len 0 or seq_len 0 produce nothing; output tokens that
-    no row covers are zero. short_rows: these rows' `token_rows`, computed once a step
-    (`AttentionMetadata.short_rows`), for the Triton path's short query rows.
+    no row covers (padding after the last row) are zero here and where the Triton path's split-KV
+    kernel takes short query rows; its other kernels leave them unwritten.
     """
     if use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                                      max_query_len, max_seq_len, scale, sliding_window,
-                                      short_rows=short_rows)
+                                      max_query_len, max_seq_len, scale, sliding_window)
     return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                                max_query_len, max_seq_len, scale, sliding_window)

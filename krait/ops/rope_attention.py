@@ -16,7 +16,6 @@ def rope_paged_attention(
     k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
     query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
     max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None = None,
-    short_rows: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] as the projection left them; the other arguments as in
     `rope_kv_write` and `paged_attention`. Returns the attention output [T, Hq, D]."""
@@ -30,4 +29,4 @@ def rope_paged_attention(
     q = rope_kv_write(q, k, v, positions, cos_sin_cache, is_neox, q_norm_weight, k_norm_weight,
                       eps, k_cache, v_cache, slot_mapping)
     return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                           max_query_len, max_seq_len, scale, sliding_window, short_rows)
+                           max_query_len, max_seq_len, scale, sliding_window)

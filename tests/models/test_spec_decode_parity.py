@@ -266,3 +266,27 @@ def test_spec_stop_strings_inside_an_accepted_run(references, arch: str) -> None
         assert len(g.logprobs) == len(g.token_ids)
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
     assert sum(o.outputs[0].finish_reason == "stop" for o in got) >= len(PROMPTS) // 2
+
+
+def test_spec_parity_through_the_split_attention_kernel(references, monkeypatch) -> None:
+    """The Triton kernels on CPU (KRAIT_TRITON_CPU=1) with every decode and verify batch's
+    attention split 2 ways: verify steps take the split-KV kernel's multi-token form (a row's
+    1 + k tokens in one program a split) and decode steps its one-token form; the greedy
+    tokens and logprobs still equal HF's."""
+    import krait.ops.paged_attention as pa
+
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setattr(pa, "decode_num_splits", lambda *args: 2)
+    q_maxes: list[int] = []
+    split = pa._decode_split
+    monkeypatch.setattr(pa, "_decode_split", lambda *a, **k: (
+        q_maxes.append(k.get("q_max", 1)), split(*a, **k))[1])
+    ref = references("llama")
+    n = 8  # the interpreter is slow
+    llm = make_llm(ref)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], _params(max_tokens=n),
+                        use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert_matches(ref, i, out.outputs[0], n)
+    assert_spec_ran(llm)
+    assert 4 in q_maxes, q_maxes  # verify rows of 1 + 3 tokens

@@ -262,6 +262,33 @@ def test_decode_split_compiles_without_spills(warps, rope):
     assert r["local"] == 0 and r["pdl"], r
 
 
+@pytest.mark.parametrize("group,head_dim", [(2, 128), (8, 256)])  # qwen3-0.6b, Qwen3-Next
+@pytest.mark.parametrize("q_max", [4, 8])
+@pytest.mark.parametrize("programs", [1, 1000])  # within the (CPU's 4) SMs: 8 warps; past: 4
+def test_verify_split_compiles_without_spills(group, head_dim, q_max, programs):
+    """The split kernel's multi-token form (verify rows of up to q_max tokens) at the tiles,
+    warps and prefetch its launcher picks: nothing spilled, below the 255-register cap (head_dim
+    256 over 32 score rows took 255 at 4 warps)."""
+    import torch
+
+    from krait.ops import paged_attention as pa
+
+    block_m, block_n, warps, prefetch = pa.split_tiles(q_max, group, head_dim, programs,
+                                                       torch.device("cpu"))
+    types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32,
+                 qsl_ptr=I32, seq_lens_ptr=I32, block_table_ptr=I32, qk_scale="fp32")
+    r = compile_sm90("krait.ops.paged_attention", "_decode_split_kernel", types, dict(
+        GROUP=group, USE_WINDOW=False, DOT_PRECISION="tf32", NUM_SPLITS=16, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=head_dim, PDL=True, PREFETCH=prefetch, Q_FIRST=warps == 8,
+        Q_MAX=q_max), num_warps=warps, num_stages=pa.SPLIT_STAGES,
+        odd=("block_size", "sliding_window", "head_dim"))
+    assert _fits(r) and r["pdl"] and r["regs"] < 255, (warps, block_n, prefetch, r)
+    r = compile_sm90("krait.ops.paged_attention", "_decode_combine_kernel", dict(
+        out_ptr=BF, part_acc_ptr=F32, part_ml_ptr=F32, qsl_ptr=I32, seq_lens_ptr=I32),
+        dict(NUM_SPLITS=16, BLOCK_D=head_dim, PDL=True, PER_TOKEN=True))
+    assert r["local"] == 0 and r["pdl"], r
+
+
 @pytest.mark.parametrize("state,block_p", [(F32, 8), (BF, 16)])
 def test_mamba_verify_ssm_kernel_compiles(state, block_p):
     # speculative verify: a row's 1 + k tokens in a loop with the state tile in registers, a
