@@ -1,10 +1,12 @@
 """Writes a draft-model checkpoint directory for a bench config: the config cut to its first
 LAYERS layers (random weights under `load_format=dummy`), sharing the target's vocabulary.
 Under the same seed such a draft shares the target's embedding and first layers, and its drafts
-are often accepted; `--foreign` also halves the widths (hidden, intermediate, heads), so every
-weight differs (on the H200 qwen3-0.6b's foreign draft was still accepted throughout: both
-models' dummy weights settle on the same degenerate tokens; the random EAGLE head below is the
-always-rejected case). `--eagle` writes an EAGLE-1 head for a Llama-family config instead (one
+are often accepted. `--foreign` is the always-rejected draft: it halves the widths (hidden,
+intermediate, heads), so every weight differs, and unties the draft's lm_head from its
+embedding. (Small random weights leave the residual stream near the input embedding, so a tied
+model's logits are about E·e_last and its greedy token repeats the last one. Every such model
+agrees on that, so tied foreign drafts were accepted throughout on the H200. An untied head
+picks other tokens: acceptance 0.00 on CPU for a tiny Qwen3 target.) `--eagle` writes an EAGLE-1 head for a Llama-family config instead (one
 decoder layer at the target's widths, `LlamaForCausalLMEagle`; random weights: its drafts are
 rejected, so a bench shows what the head and its graphs cost).
 
@@ -36,6 +38,7 @@ def draft_config(cfg: dict, layers: int = 2, foreign: bool = False,
         # head_dim stays; Mamba2 heads follow the halved width (expand * hidden / head_dim)
         if "num_heads" in cfg and "head_dim" in cfg and cfg.get("model_type") == "mamba2":
             cfg["num_heads"] = cfg.get("expand", 2) * cfg["hidden_size"] // cfg["head_dim"]
+        cfg["tie_word_embeddings"] = False
     cfg["num_hidden_layers"] = layers
     for key in ("layer_types", "layers_block_type"):
         if isinstance(cfg.get(key), list):

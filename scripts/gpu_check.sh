@@ -58,12 +58,12 @@ case $what in
       tests/models/test_spec_draft_chained.py -p no:cacheprovider 2>&1 | tail -15 \
       | tee "$LOG/kernels_spec.log"
     for m in ${SPEC_MODELS:-$TARGETS}; do
-      bench_latency $m "_spec" --speculative-config '{"method":"ngram","num_speculative_tokens":3}'
+      bench_latency $m "_spec" --workload repetitive \
+        --speculative-config '{"method":"ngram","num_speculative_tokens":3}'
     done
     # a foreign random draft model (the target's config cut to 2 layers at half the width,
-    # random weights; measured on qwen3-0.6b its drafts were all accepted: both models' dummy
-    # weights settle on the same degenerate tokens), beside the draft's own decode step (its
-    # cost) and the plain target
+    # its lm_head untied: drafts always rejected, see scripts/draft_config.py), beside the
+    # draft's own decode step (its cost) and the plain target
     for m in ${DRAFT_MODELS:-mamba2-1.3b qwen3-0.6b}; do
       d=/tmp/krait_draft_$m
       python3 scripts/draft_config.py "$m" "$d" 2 --foreign
