@@ -50,6 +50,7 @@ from krait.runner.sampler import (
     build_sampling_metadata,
     greedy_sampling_metadata,
 )
+from krait.runner.spec_decode.draft_model import DEVICE_DRAFT
 from krait.runner.spec_decode.drafter import create_drafter, drafts_allowed
 from krait.runner.spec_decode.rejection_sampler import RejectionSampler
 
@@ -121,6 +122,8 @@ class ModelRunner:
             self.tables = DeviceTables(
                 self.states.max_num_reqs, self.max_model_len, max_blocks, self.device
             )
+        if hasattr(self.drafter, "target_tables"):  # the draft model writes drafts there
+            self.drafter.target_tables = self.tables
         spec = self.config.speculative
         # speculative steps run asynchronously where the drafts can be made on the device: the
         # ngram drafter over the device token table, one rank (the host counters run ahead and
@@ -313,7 +316,12 @@ class ModelRunner:
 
     def _write_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Puts each verified request's drafts after its last known token in the token tables
-        (they stay uncounted: the sampled tokens overwrite them)."""
+        (they stay uncounted: the sampled tokens overwrite them). Rows of DEVICE_DRAFT
+        placeholders are skipped: the drafter wrote them into the device table already."""
+        if any(ids and ids[0] == DEVICE_DRAFT for ids in drafts.values()):
+            drafts = {r: ids for r, ids in drafts.items() if ids and ids[0] != DEVICE_DRAFT}
+            if not drafts:
+                return
         st = self.states
         index = st.index
         lens = np.fromiter((len(ids) for ids in drafts.values()), np.int64, len(drafts))
