@@ -255,12 +255,15 @@ def record_proposals(drafter, replace=None) -> list[tuple[list[int], list[int]]]
     """Wraps `drafter.propose` so that every row's proposal is recorded as (the row's tokens,
     its drafts); returns the (growing) list. `replace(tokens, step)`, when given, returns the
     drafts the target verifies instead (step: the count recorded so far), the head's own still
-    recorded."""
+    recorded. Drafts a drafter left on the device are read back at once (`resolve`: the same
+    drafts, one wait more)."""
     seen: list[tuple[list[int], list[int]]] = []
     propose = drafter.propose
 
     def recording(token_table, rows, num_tokens, max_drafts):
         drafts, counts = propose(token_table, rows, num_tokens, max_drafts)
+        if hasattr(drafter, "resolve"):  # drafts left on the device: their host copy, now
+            drafter.resolve()
         for j, (row, n) in enumerate(zip(rows, num_tokens)):
             if counts[j]:
                 tokens = token_table[row, :n].tolist()

@@ -154,6 +154,8 @@ class ChainedSample:
 
     def __init__(self, req_ids: list[str], tokens: torch.Tensor) -> None:
         self.req_ids = req_ids
+        # int64 [num_reqs, S] on the device: the chain's buffer, valid until its next run
+        self.device = tokens
         self._event = None
         if tokens.is_cuda:
             self._host = tokens.to("cpu", non_blocking=True)

@@ -19,6 +19,7 @@ from krait.ops.argmax import argmax
 from krait.ops.ngram_propose import ngram_propose
 from krait.ops.spec_commit import commit_sampled
 from krait.ops.token_bitmask import apply_token_bitmask
+from krait.ops.write_tokens import write_tokens
 from krait.runner.chained_graphs import ChainedSample
 from krait.runner.device_tables import DeviceTables
 from krait.runner.input_batch import (
@@ -49,6 +50,7 @@ from krait.runner.sampler import (
     build_sampling_metadata,
     greedy_sampling_metadata,
 )
+from krait.runner.spec_decode.draft_model import DEVICE_DRAFT
 from krait.runner.spec_decode.drafter import create_drafter, drafts_allowed
 from krait.runner.spec_decode.rejection_sampler import RejectionSampler
 
@@ -90,6 +92,7 @@ class ModelRunner:
         self.chained_graphs = None
         # speculative decoding: graphs of verify steps, every row 1 + k tokens (drafts padded)
         self.verify_graphs = None
+        self._verify_cu_cache: torch.Tensor | None = None  # int64 (_verify_cu)
         self.piecewise = None  # PiecewiseGraphs for eager steps (krait/envs.py turns them off)
         self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps
         self._grammar = None  # this step's (structured req ids, bitmask), see execute_model
@@ -119,6 +122,8 @@ class ModelRunner:
             self.tables = DeviceTables(
                 self.states.max_num_reqs, self.max_model_len, max_blocks, self.device
             )
+        if hasattr(self.drafter, "target_tables"):  # the draft model writes drafts there
+            self.drafter.target_tables = self.tables
         spec = self.config.speculative
         # speculative steps run asynchronously where the drafts can be made on the device: the
         # ngram drafter over the device token table, one rank (the host counters run ahead and
@@ -311,7 +316,12 @@ class ModelRunner:
 
     def _write_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Puts each verified request's drafts after its last known token in the token tables
-        (they stay uncounted: the sampled tokens overwrite them)."""
+        (they stay uncounted: the sampled tokens overwrite them). Rows of DEVICE_DRAFT
+        placeholders are skipped: the drafter wrote them into the device table already."""
+        if any(ids and ids[0] == DEVICE_DRAFT for ids in drafts.values()):
+            drafts = {r: ids for r, ids in drafts.items() if ids and ids[0] != DEVICE_DRAFT}
+            if not drafts:
+                return
         st = self.states
         index = st.index
         lens = np.fromiter((len(ids) for ids in drafts.values()), np.int64, len(drafts))
@@ -440,16 +450,17 @@ class ModelRunner:
         same step sample as usual. Synchronous: the accepted counts are read back here, and the
         host tables advance by them."""
         st = self.states
-        spec = sched.scheduled_spec_decode_tokens
         v = self._verify(sched, req_ids, num_scheduled, None)
         batch, hidden, rows, computed, end = v.batch, v.hidden, v.rows, v.computed, v.end
         n = batch.num_reqs
         idx = batch.idx_mapping_np[:n]
         prompt_lps = v.prompt_logprobs
-        draft_ids = [t for r in rows for t in spec.get(req_ids[r], ())]
-        out = self._reject(v, req_ids, host_to_device(np.array(draft_ids, dtype=np.int64),
-                                                      self.device))
+        full = self._full_verify_rows(v)
+        out = self._reject(v, req_ids, self._verify_draft_ids(v, full),
+                           cu=self._verify_cu(n) if full else None)
         self.penalties.record(idx[rows], out.output_token_ids[:, 0])  # no drafts with penalties
+        # a verify graph's rows: the sampled tokens go to the device table before the wait
+        on_device = full and self.tables is not None and self._write_verified(v, out)
         lps = out.logprobs
         # the step's one sync: tokens [rows, 1 + max k], counts [rows] (and the logprobs)
         host = device_to_host([out.output_token_ids, out.num_sampled] + (
@@ -465,7 +476,7 @@ class ModelRunner:
         w_pos, w_tok = pos[keep], tokens[keep]
         st.token_ids[w_rows, w_pos] = w_tok
         st.num_tokens[rows_i] = start + num_sampled
-        if self.tables is not None and len(w_rows):
+        if self.tables is not None and len(w_rows) and not on_device:
             self.tables.write_known(w_rows, w_pos, w_tok)
         sampled: dict[str, SampledTokens] = {}
         for j, (r, m, toks) in enumerate(zip(rows.tolist(), num_sampled.tolist(),
@@ -490,6 +501,51 @@ class ModelRunner:
         for rid, entries in prompt_lps.items():
             sampled.setdefault(rid, SampledTokens([])).prompt_logprobs = entries
         return PendingSample.resolved(sampled)
+
+    def _full_verify_rows(self, v: _VerifyStep) -> bool:
+        """Whether a verify step ran its graph with every row a full verify row (1 + k tokens,
+        k drafts): its input ids and positions are then [n, 1 + k] on the device."""
+        return bool(v.greedy is not None and len(v.rows) == v.batch.num_reqs
+                    and (v.counts == 1 + self.num_spec_tokens).all())
+
+    def _verify_draft_ids(self, v: _VerifyStep, full: bool) -> torch.Tensor:
+        """int64 [sum(counts - 1)]: the drafts a synchronous verify step verifies, in row
+        order, read from its input ids on the device (the token tables hold them after each
+        row's last token): a view for full verify rows, else one gather."""
+        ids = v.batch.input_ids
+        if full:
+            n, per = len(v.rows), 1 + self.num_spec_tokens
+            return ids[: n * per].view(n, per)[:, 1:].reshape(-1)
+        nd = v.counts - 1
+        drafts_before = v.cu[:-1] - np.arange(len(v.rows))  # drafts of the rows before each
+        at = np.repeat(v.first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
+        return ids[host_to_device(at.astype(np.int64), self.device)]
+
+    def _verify_cu(self, n: int) -> torch.Tensor:
+        """int64 [n + 1] cumulative logits rows of n full verify rows (0, 1 + k, ...): a slice
+        of one device tensor made once, not a copy a step."""
+        per = 1 + self.num_spec_tokens
+        cu = self._verify_cu_cache
+        if cu is None or cu.numel() < n + 1:
+            rows = max(n, self.config.scheduler.max_num_seqs) + 1
+            cu = torch.arange(rows, dtype=torch.int64, device=self.device) * per
+            self._verify_cu_cache = cu
+        return cu[: n + 1]
+
+    def _write_verified(self, v: _VerifyStep, out) -> bool:
+        """Full verify rows' sampled tokens into the device token table, on the device (no
+        host arrays): output column q of row r goes after the row's input q, at
+        positions[r, q] + 1, where it is a token (-1 past the row's outputs writes nothing).
+        Returns True (the host then writes only its own table)."""
+        n, per = len(v.rows), 1 + self.num_spec_tokens
+        tokens = out.output_token_ids  # int64 [n, per]
+        if tokens.shape != (n, per):
+            return False
+        batch = v.batch
+        rows = torch.where(tokens >= 0, batch.idx_mapping[:n, None], -1)  # int32 [n, per]
+        pos = batch.positions[: n * per] + 1  # int64 [n * per]
+        write_tokens(self.tables.token_ids, rows.reshape(-1), pos, tokens.reshape(-1))
+        return True
 
     def _verify(self, sched: SchedulerOutput, req_ids: list[str], num_scheduled: list[int],
                 rejections) -> _VerifyStep:
@@ -539,9 +595,11 @@ class ModelRunner:
         return _VerifyStep(batch, hidden, logits, prompt_lps, computed, end, rows, first, counts,
                            cu, greedy)
 
-    def _reject(self, v: _VerifyStep, req_ids: list[str], draft_ids: torch.Tensor):
+    def _reject(self, v: _VerifyStep, req_ids: list[str], draft_ids: torch.Tensor,
+                cu: torch.Tensor | None = None):
         """The rejection sampler over a verify step's logits (structured rows masked first:
-        they draft nothing, one position each), given the drafts in row order."""
+        they draft nothing, one position each), given the drafts in row order; `cu`: v.cu on
+        the device already (else copied)."""
         st = self.states
         rows_i = v.batch.idx_mapping_np[v.rows]
         if self._grammar is not None:
@@ -550,7 +608,9 @@ class ModelRunner:
             meta = greedy_sampling_metadata(len(v.rows), v.logits.device)
         else:
             meta = self._sampling_metadata(v.logits, rows_i)
-        return self.rejection_sampler(v.logits, host_to_device(v.cu, self.device), draft_ids,
+        if cu is None:
+            cu = host_to_device(v.cu, self.device)
+        return self.rejection_sampler(v.logits, cu, draft_ids,
                                       None, meta, num_draft_tokens=v.counts - 1,
                                       target_argmax=None if self._grammar else v.greedy)
 

@@ -82,6 +82,52 @@ def test_chained_graphs_over_the_device_token_table(references, tmp_path,  # noq
     _check_greedy_continuations(draft_dir, seen)
 
 
+def test_chained_drafts_stay_on_the_device(references, tmp_path,  # noqa: F811
+                                          monkeypatch) -> None:
+    """With device token tables and the target's verify graphs (record=False): a chained call
+    writes its drafts into the target's device table and returns placeholders without reading
+    them back; the verify step reads them from its inputs and writes its sampled tokens on the
+    device. The outputs stay HF's and the drafts (read back a call later) the draft's greedy
+    continuations."""
+    from krait.runner.cuda_graphs import CudaGraphRunner
+    from krait.runner.spec_decode.draft_model import DEVICE_DRAFT
+
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setattr(chained_graphs, "ENABLED", True)
+    ref = references("llama")
+    draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
+    llm = make_llm(ref, draft_dir, max_num_seqs=1)
+    runner = llm.llm_engine.runner
+    runner.cuda_graphs = CudaGraphRunner(runner, record=False)
+    runner.cuda_graphs.capture_all()
+    runner.verify_graphs = CudaGraphRunner(runner, record=False, tokens_per_row=1 + K)
+    runner.verify_graphs.capture_all()
+    drafter = runner.drafter
+    assert drafter.target_tables is runner.tables is not None
+    drafter.capture_graphs(record=False)
+    placeholders, written = [], []
+    propose, write = drafter.propose, runner._write_verified
+
+    def proposing(*args):
+        drafts, counts = propose(*args)
+        placeholders.append(bool((drafts[counts > 0] == DEVICE_DRAFT).all()))
+        return drafts, counts
+
+    def writing(*args):
+        written.append(write(*args))
+        return written[-1]
+
+    drafter.propose, runner._write_verified = proposing, writing
+    seen = record_proposals(drafter)
+    n = 7  # (the interpreter is slow)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == ref.tokens[0][:n]
+    assert drafter.num_chained_calls > 0 and any(placeholders)
+    assert any(written)
+    _check_greedy_continuations(draft_dir, seen)
+
+
 def test_chained_graphs_off_for_hybrid_drafts(references, monkeypatch) -> None:  # noqa: F811
     """A hybrid draft steps (its recurrent state would need slots advanced in the chain)."""
     ref = references("granitemoehybrid")

@@ -34,7 +34,12 @@ With chained graphs (a dense draft whose runner has graphs; krait/runner/chained
 a call in which no request is new and every row catches up one token and takes k drafts runs
 1 and 2 as one replay (`_draft_chained`): the catch-up token, then the k drafts fed back on
 the device, read back once. `keep_last_draft` is on with them, so the catch-up after a verify
-step is always one token (the target's own after any acceptance).
+step is always one token (the target's own after any acceptance). With device token tables
+(the GPU), the chained call reads nothing back: its drafts go straight into the target's
+device token table after each row's tokens (`_drafts_on_device`), `propose` returns
+DEVICE_DRAFT placeholders (the scheduler needs the counts only; the target's verify step reads
+the drafts from its device inputs), and the host copy is taken at the next call (`resolve`),
+so a step's one wait is the verify step's.
 
 Hybrid drafts hold 2 state slots per request: A, the state after the last verified token, which
 only catch-ups advance, and B, scratch: before step 2, A's conv and SSM state are copied into B
@@ -86,6 +91,9 @@ logger = logging.getLogger(__name__)
 # the share of the target's cache memory the draft's KV blocks and state slots may take
 DRAFT_CACHE_FRACTION = 0.1
 _GREEDY = SamplingParams(temperature=0.0)
+# a draft the host has not seen: the drafter wrote it into the target's device token table
+# (`DraftModelDrafter._drafts_on_device`); the runner's `_write_drafts` skips such rows
+DEVICE_DRAFT = -2
 
 
 @dataclass
@@ -308,6 +316,10 @@ class DraftModelDrafter:
         self.num_kept_draft_tokens = 0  # accepted drafts whose KV a dense draft kept
         self.num_reused_first_drafts = 0
         self.num_chained_calls = 0  # calls whose steps ran as one chained graph
+        # the target runner's DeviceTables (it sets them): a chained call's drafts go there on
+        # the device, not through the host (`_drafts_on_device`)
+        self.target_tables = None
+        self._unresolved = None  # (plan, ChainedSample, order, drafts, rows): see `resolve`
 
     # -- requests leaving -----------------------------------------------------------------
     def on_requests_removed(self, rows: list[int]) -> None:
@@ -356,6 +368,7 @@ class DraftModelDrafter:
         """token_table int32 [max_reqs, max_model_len] (the target's host token table), the rows
         (its req_state indices) to draft for, their token counts and the most drafts each may
         take -> (drafts int32 [R, k], -1 padded; counts int32 [R])."""
+        self.resolve()  # the last call's device drafts: `_keep_accepted` compares with them
         num_rows = len(rows)
         drafts = np.full((num_rows, self.k), -1, dtype=np.int32)
         counts = np.zeros(num_rows, dtype=np.int32)
@@ -415,7 +428,7 @@ class DraftModelDrafter:
                 target_of[seq.request_id] = row
             plan.append((j, seq, n, m))
         if self._chain_serves(plan, catch_up, new_reqs):
-            return self._draft_chained(plan, held, cached, token_table, drafts, counts)
+            return self._draft_chained(plan, rows, held, cached, token_table, drafts, counts)
         one_token_steps = self._one_token_catch_up(catch_up, new_reqs)
         held.write(st, token_table, 0, self.runner.tables, decode_rows=bool(one_token_steps))
         finished, self._finished = self._finished, set()
@@ -471,24 +484,35 @@ class DraftModelDrafter:
         """Checks and records a call's drafts (`got` int64 [len(plan), k], each plan row's,
         -1 after them) into the outputs, and rolls the draft runner's counters back to the
         verified tokens."""
-        st = self.runner.states
-        m_of = np.array([m for *_, m in plan], dtype=np.int64)
-        check_drafts(got, m_of, [seq.request_id for _, seq, _, _ in plan])
         js = np.array([j for j, *_ in plan], dtype=np.int64)
+        self._record(plan, got)
         drafts[js] = got
-        counts[js] = m_of
-        n_of = np.array([n for _, _, n, _ in plan], dtype=np.int32)
-        ids = np.fromiter((st.index[seq.request_id] for _, seq, _, _ in plan), np.int64, len(plan))
+        counts[js] = [m for *_, m in plan]
+        self._roll_back(plan)
+        return drafts, counts
+
+    def _record(self, plan: list, got: np.ndarray) -> None:
+        """Checks a call's drafts (`got` int64 [len(plan), k], -1 after each row's m) and keeps
+        each row's draft 1 and its one-token steps' inputs."""
+        check_drafts(got, np.array([m for *_, m in plan], dtype=np.int64),
+                     [seq.request_id for _, seq, _, _ in plan])
         extra = int(self.keep_last_draft)
-        for (_, seq, n, m), row_drafts in zip(plan, got.tolist()):
-            seq.num_computed_tokens = n
+        for (_, seq, _, m), row_drafts in zip(plan, got.tolist()):
             seq.next_token = row_drafts[0]
             seq.drafted = row_drafts[: m - 1 + extra]  # the one-token steps' inputs
-        st.num_computed_tokens[ids] = n_of  # verified tokens only: the drafts are forgotten
+
+    def _roll_back(self, plan: list) -> None:
+        """The draft runner's counters back to each row's n verified tokens (the drafts are
+        forgotten); a hybrid draft's slot column back to A."""
+        st = self.runner.states
+        n_of = np.array([n for _, _, n, _ in plan], dtype=np.int32)
+        ids = np.fromiter((st.index[seq.request_id] for _, seq, _, _ in plan), np.int64, len(plan))
+        for _, seq, n, _ in plan:
+            seq.num_computed_tokens = n
+        st.num_computed_tokens[ids] = n_of
         st.num_tokens[ids] = n_of
         if self.hybrid:  # back to A
             st.state_slots[ids, 0] = [seq.state_slots[0] for _, seq, _, _ in plan]
-        return drafts, counts
 
     def _chain_serves(self, plan: list, catch_up: dict[str, int], new_reqs: list) -> bool:
         """Whether the call runs as one chained graph: the draft runner has them, no request is
@@ -501,21 +525,59 @@ class DraftModelDrafter:
             and all(m == self.k for *_, m in plan)
             and chained.size_for(len(plan)) is not None)
 
-    def _draft_chained(self, plan: list, held: HeldRows, cached: list, token_table: np.ndarray,
-                       drafts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _draft_chained(self, plan: list, rows: np.ndarray, held: HeldRows, cached: list,
+                       token_table: np.ndarray, drafts: np.ndarray,
+                       counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The call as one chained graph (`ModelRunner.execute_chained`): each row's catch-up
-        token, then its k drafts fed back on the device; one read-back. The same drafts as the
-        stepwise path (`tests/models/test_spec_draft_chained.py`)."""
+        token, then its k drafts fed back on the device; one read-back, or none with device
+        token tables (`_drafts_on_device`). The same drafts as the stepwise path
+        (`tests/models/test_spec_draft_chained.py`)."""
         held.write(self.runner.states, token_table, 0, self.runner.tables, decode_rows=True)
         finished, self._finished = self._finished, set()
         sample = self.runner.execute_chained(sched_output(
             {seq.request_id: 1 for _, seq, _, _ in plan}, [], cached, finished))
         self.num_catch_up_steps += 1
         self.num_chained_calls += 1
-        tokens = sample.tokens()  # int64 [rows, 1 + k]: the last is draft k's successor
         where = {rid: q for q, rid in enumerate(sample.req_ids)}
         order = np.fromiter((where[seq.request_id] for _, seq, _, _ in plan), np.int64, len(plan))
+        if self.target_tables is not None and self.runner.tables is not None:
+            return self._drafts_on_device(plan, rows, sample, order, drafts, counts)
+        tokens = sample.tokens()  # int64 [rows, 1 + k]: the last is draft k's successor
         return self._finish(plan, tokens[order, : self.k], drafts, counts)
+
+    def _drafts_on_device(self, plan: list, rows: np.ndarray, sample, order: np.ndarray,
+                          drafts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The chain's k drafts a row go straight into the target's device token table, after
+        each row's n tokens (`target_tables`), and the call returns without waiting for them:
+        `drafts` holds DEVICE_DRAFT placeholders (the scheduler needs counts only; the target's
+        verify step reads the drafts from its device inputs). The host learns them in the next
+        call (`resolve`, by then long copied back), when it needs them for `_keep_accepted`."""
+        k, num = self.k, len(plan)
+        target_rows = np.asarray(rows, dtype=np.int64)[[j for j, *_ in plan]]
+        n_of = np.array([n for _, _, n, _ in plan], dtype=np.int64)
+        chain = sample.device[torch.from_numpy(order).to(sample.device.device)] if (
+            (order != np.arange(num)).any()) else sample.device
+        self.target_tables.write_sampled(
+            np.repeat(target_rows, k), (n_of[:, None] + np.arange(k)).reshape(-1),
+            chain[:, :k].reshape(-1))  # int64 [num * k]
+        js = np.array([j for j, *_ in plan], dtype=np.int64)
+        drafts[js] = DEVICE_DRAFT
+        counts[js] = k
+        self._roll_back(plan)
+        self._unresolved = (plan, sample, order, drafts, js)
+        return drafts, counts
+
+    def resolve(self) -> None:
+        """Takes the host copy of the last call's device drafts (`_drafts_on_device`): checks
+        them, records each row's draft 1 and one-token inputs, and writes them over the
+        placeholders of the array that call returned. A no-op when nothing is pending."""
+        if self._unresolved is None:
+            return
+        plan, sample, order, drafts, js = self._unresolved
+        self._unresolved = None
+        got = sample.tokens()[order, : self.k]  # int64 [len(plan), k]
+        self._record(plan, got)
+        drafts[js] = got
 
     def _one_token_catch_up(self, catch_up: dict[str, int],
                             new_reqs: list) -> list[dict[str, int]]:
