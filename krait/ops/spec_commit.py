@@ -16,6 +16,7 @@ corrected in place on the device; `delta[b]` keeps each row's correction.
 their true positions and records its rejections:
 
   p = start[s] - delta[s];  table[rows[s], p + q] = tokens[s, q]  for q < num_sampled[s], p + q < L
+  (delta None: start is the true position already, p = start[s])
   rejected[rows[s]] += num_positions[s] - num_sampled[s];  next_len[s] = p + num_sampled[s]
 
 (`start`: the host's position of the first sampled token; `num_positions`: the tokens the row
@@ -79,10 +80,13 @@ def apply_rejections(idx: Tensor, known: Tensor, rejected: Tensor, computed: Ten
 @triton.jit
 def _commit_sampled_kernel(table_ptr, rejected_ptr, rows_ptr, start_ptr, delta_ptr, tok_ptr,
                            nsamp_ptr, npos_ptr, next_ptr, width, stride_row, stride_tok,
-                           HAS_NSAMP: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_NSAMP: tl.constexpr, HAS_DELTA: tl.constexpr,
+                           BLOCK: tl.constexpr):
     s = tl.program_id(0)
     i = tl.load(rows_ptr + s)
-    p = tl.load(start_ptr + s) - tl.load(delta_ptr + s)
+    p = tl.load(start_ptr + s)
+    if HAS_DELTA:
+        p -= tl.load(delta_ptr + s)
     if HAS_NSAMP:
         m = tl.load(nsamp_ptr + s)
     else:
@@ -99,22 +103,22 @@ def _commit_sampled_kernel(table_ptr, rejected_ptr, rows_ptr, start_ptr, delta_p
 
 
 def commit_sampled_triton(table: Tensor, rejected: Tensor, rows: Tensor, start: Tensor,
-                          delta: Tensor, tokens: Tensor, num_sampled: Tensor | None,
+                          delta: Tensor | None, tokens: Tensor, num_sampled: Tensor | None,
                           num_positions: Tensor, next_len: Tensor) -> None:
     n = rows.shape[0]
     if n == 0:
         return
     tokens = tokens.reshape(n, -1)
     _commit_sampled_kernel[(n,)](
-        table, rejected, rows, start, delta, tokens,
+        table, rejected, rows, start, delta if delta is not None else start, tokens,
         num_sampled if num_sampled is not None else rows, num_positions, next_len,
         table.shape[1], table.stride(0), tokens.stride(0),
-        HAS_NSAMP=num_sampled is not None, BLOCK=next_pow2(max(tokens.shape[1], 1)),
+        HAS_NSAMP=num_sampled is not None, HAS_DELTA=delta is not None, BLOCK=next_pow2(max(tokens.shape[1], 1)),
     )
 
 
 def commit_sampled_ref(table: Tensor, rejected: Tensor, rows: Tensor, start: Tensor,
-                       delta: Tensor, tokens: Tensor, num_sampled: Tensor | None,
+                       delta: Tensor | None, tokens: Tensor, num_sampled: Tensor | None,
                        num_positions: Tensor, next_len: Tensor) -> None:
     n = rows.shape[0]
     if n == 0:
@@ -122,7 +126,7 @@ def commit_sampled_ref(table: Tensor, rejected: Tensor, rows: Tensor, start: Ten
     tokens = tokens.reshape(n, -1)
     m = (num_sampled if num_sampled is not None
          else torch.ones(n, dtype=torch.int32, device=rows.device)).long()
-    p = (start - delta).long()
+    p = (start if delta is None else start - delta).long()
     q = torch.arange(tokens.shape[1], device=rows.device)
     pos = p[:, None] + q  # [n, N]
     r = rows.long()
@@ -134,12 +138,13 @@ def commit_sampled_ref(table: Tensor, rejected: Tensor, rows: Tensor, start: Ten
     next_len.copy_((p + m).to(next_len.dtype))
 
 
-def commit_sampled(table: Tensor, rejected: Tensor, rows: Tensor, start: Tensor, delta: Tensor,
-                   tokens: Tensor, num_sampled: Tensor | None, num_positions: Tensor,
+def commit_sampled(table: Tensor, rejected: Tensor, rows: Tensor, start: Tensor,
+                   delta: Tensor | None, tokens: Tensor, num_sampled: Tensor | None, num_positions: Tensor,
                    next_len: Tensor) -> None:
-    """table int32 [R, L]; rejected int32 [R]; rows, start, delta, num_positions int32 [S];
-    tokens int [S, N] (or [S] with num_sampled None: one token a row); num_sampled int32 [S];
-    next_len int32 [S] out. Rows must be distinct (see the module docstring)."""
+    """table int32 [R, L]; rejected int32 [R]; rows, delta int32 [S]; start, num_positions int32
+    or int64 [S]; tokens int [S, N] (or [S] with num_sampled None: one token a row);
+    num_sampled int32 [S]; next_len int32 [S] out. `delta` None: `start` holds the true
+    positions. Rows must be distinct (see the module docstring)."""
     if use_triton(table):
         commit_sampled_triton(table, rejected, rows, start, delta, tokens, num_sampled,
                               num_positions, next_len)

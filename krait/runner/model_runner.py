@@ -99,6 +99,10 @@ class ModelRunner:
         self.async_spec = False
         self.spec_rejected: torch.Tensor | None = None
         self.spec_known: np.ndarray | None = None
+        self._spec_ones: torch.Tensor | None = None  # int32 [R] ones: one position a row
+        # the last verify step's index arrays and their device copies (`_spec_index`)
+        self._spec_index_key: tuple | None = None
+        self._spec_index_val: list[torch.Tensor] = []
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -130,6 +134,7 @@ class ModelRunner:
             n = self.states.max_num_reqs
             self.spec_rejected = torch.zeros(n, dtype=torch.int32, device=self.device)
             self.spec_known = np.zeros(n, dtype=np.int32)
+            self._spec_ones = torch.ones(n, dtype=torch.int32, device=self.device)  # [R]
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs for every capture size (GPU, unless enforce_eager)."""
@@ -201,6 +206,7 @@ class ModelRunner:
             self.states, [], [], self.block_size, self.device,
             num_reqs_padded=n, num_tokens_padded=n * tokens_per_row, pad_decode=True,
             full_block_table=True, tables=self.tables, pad_tokens_per_row=tokens_per_row,
+            rejections=self._rejections(),  # (room in its buffers for a step's corrections)
         )
 
     def _dummy_prefill_lens(self, num_tokens: int) -> list[int]:
@@ -550,7 +556,8 @@ class ModelRunner:
             meta = greedy_sampling_metadata(len(v.rows), v.logits.device)
         else:
             meta = self._sampling_metadata(v.logits, rows_i)
-        return self.rejection_sampler(v.logits, host_to_device(v.cu, self.device), draft_ids,
+        # (cu_num_logits: not read when num_draft_tokens is given, so it stays on the host)
+        return self.rejection_sampler(v.logits, torch.from_numpy(v.cu), draft_ids,
                                       None, meta, num_draft_tokens=v.counts - 1,
                                       target_argmax=None if self._grammar else v.greedy)
 
@@ -566,26 +573,37 @@ class ModelRunner:
         """What build_input_batch corrects the rows' counters by (asynchronous speculation)."""
         return (self.spec_rejected, self.spec_known) if self.async_spec else None
 
-    def _commit_and_draft(self, rows: np.ndarray, start: np.ndarray, delta: torch.Tensor,
-                          tokens: torch.Tensor, num_sampled: torch.Tensor | None,
-                          num_positions: np.ndarray) -> torch.Tensor:
+    def _commit_and_draft(self, rows: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor,
+                          num_sampled: torch.Tensor | None,
+                          num_positions: torch.Tensor) -> torch.Tensor:
         """Asynchronous speculation, after sampling: the sampling rows' tokens go to their true
         positions of the device token table, their rejected positions are counted, and the
-        ngram drafts of their next step are written after them — all on the device. Returns
-        int32 [S]: k where the drafts came from a match, else 0 (the scheduler, one step
-        later, verifies no drafts for a row whose drafter found nothing)."""
-        rows_t, start_t, npos_t = to_device(
-            [rows.astype(np.int32), start.astype(np.int32), num_positions.astype(np.int32)],
-            np.int32, self.device, tag="spec")
-        next_len = torch.empty(len(rows), dtype=torch.int32, device=self.device)  # [S]
+        ngram drafts of their next step are written after them — all on the device, from
+        device tensors only: `rows` int32 [S] (req_state_idx), `start` int [S] (the true
+        position of each row's first sampled token), `num_positions` int [S] (1 + drafts).
+        Returns int32 [S]: k where the drafts came from a match, else 0 (the scheduler, one
+        step later, verifies no drafts for a row whose drafter found nothing)."""
+        n = rows.shape[0]
+        out = torch.empty(2, n, dtype=torch.int32, device=self.device)  # [2, S]: next_len, found
+        next_len, found = out[0], out[1]
         table = self.tables.token_ids
-        commit_sampled(table, self.spec_rejected, rows_t, start_t, delta, tokens, num_sampled,
-                       npos_t, next_len)
+        commit_sampled(table, self.spec_rejected, rows, start, None, tokens, num_sampled,
+                       num_positions, next_len)
         spec = self.config.speculative
-        found = torch.empty(len(rows), dtype=torch.int32, device=self.device)  # [S]
-        ngram_propose(table, rows_t, next_len, found, self.num_spec_tokens,
+        ngram_propose(table, rows, next_len, found, self.num_spec_tokens,
                       spec.prompt_lookup_min, spec.prompt_lookup_max)
         return found
+
+    def _spec_index(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """int64 device copies of a verify step's small index arrays, sent in one copy; the
+        last step's copies are reused while the values stay the same (a verify graph's steady
+        state: every row 1 + k tokens, no copy at all)."""
+        key = (tuple(a.size for a in arrays), b"".join(a.astype(np.int64).tobytes()
+                                                       for a in arrays))
+        if key != self._spec_index_key:
+            self._spec_index_val = to_device(arrays, np.int64, self.device, tag="spec")
+            self._spec_index_key = key
+        return self._spec_index_val
 
     def _execute_verify_async(self, sched: SchedulerOutput, req_ids: list[str],
                               num_scheduled: list[int]) -> PendingVerify:
@@ -593,7 +611,7 @@ class ModelRunner:
         host's counters advance as if every draft were accepted, the drafts of the next step
         are made on the device right after the rejection sampler, and the host learns the
         accepted counts when it reads the step back (`PendingVerify.result`), one step late.
-        The drafts verified here are the ones the device wrote after each row's last token."""
+        The drafts verified are the ones the device wrote after each row's last token."""
         st = self.states
         v = self._verify(sched, req_ids, num_scheduled, self._rejections())
         batch, rows, first, counts, cu, end = v.batch, v.rows, v.first, v.counts, v.cu, v.end
@@ -603,15 +621,14 @@ class ModelRunner:
         nd = counts - 1
         drafts_before = cu[:-1] - np.arange(len(rows))  # drafts of the rows before each row
         draft_at = np.repeat(first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
-        rows_t = host_to_device(rows.astype(np.int64), self.device)
-        out = self._reject(v, req_ids, batch.input_ids[host_to_device(draft_at.astype(np.int64),
-                                                                      self.device)])
+        rows_t, first_t, draft_at_t, npos_t = self._spec_index([rows, first, draft_at, counts])
+        out = self._reject(v, req_ids, batch.input_ids[draft_at_t])
         rows_i = idx[rows]
         self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts with penalties
         start = st.num_tokens[rows_i].astype(np.int32)
-        found = self._commit_and_draft(rows_i, start, batch.spec_delta[rows_t],
-                                       out.output_token_ids, out.num_sampled.to(torch.int32),
-                                       counts)
+        # a row's first sampled token goes after its first verified position (true positions)
+        found = self._commit_and_draft(batch.idx_mapping[rows_t], batch.positions[first_t] + 1,
+                                       out.output_token_ids, out.num_sampled, npos_t)
         st.num_tokens[rows_i] = start + counts  # as if every draft were accepted
         st.num_computed_tokens[idx] = end
         if self.model_state.num_accepted_tokens is not None:
@@ -744,12 +761,13 @@ class ModelRunner:
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
             num_drafts = None
             if self.async_spec:  # the true positions are known on the device only
-                delta = batch.spec_delta[: batch.num_reqs]
+                req_rows, last = batch.idx_mapping[: batch.num_reqs], batch.logits_indices
                 if len(rows) < batch.num_reqs:
-                    delta = delta[host_to_device(rows, self.device)]
-                num_drafts = self._commit_and_draft(idx[rows], pos, delta,
+                    req_rows, last = req_rows[sel], last[sel]
+                # each row's token goes after its last input token's (true) position
+                num_drafts = self._commit_and_draft(req_rows, batch.positions[last] + 1,
                                                     result.sampled_token_ids, None,
-                                                    np.ones(len(rows), dtype=np.int32))
+                                                    self._spec_ones[: len(rows)])
             elif self.tables is not None and not (
                     greedy_written and result.sampled_token_ids is greedy):
                 fits = pos < self.max_model_len
@@ -988,7 +1006,9 @@ class PendingVerify:
         self.waited_s = 0.0
         self._value: dict[str, SampledTokens] | None = None
         lp = out.logprobs
-        tensors = [out.output_token_ids, out.num_sampled, num_drafts]
+        # one copy back: int64 [S, max_n + 2], each row's tokens, then num_sampled, num_drafts
+        tensors = [torch.cat([out.output_token_ids, out.num_sampled[:, None],
+                              num_drafts[:, None]], dim=1)]
         if lp is not None:
             tensors += [lp.token_ids, lp.logprobs, lp.ranks]
         self._event = None
@@ -1005,10 +1025,11 @@ class PendingVerify:
             t0 = time.perf_counter()
             self._event.synchronize()
             self.waited_s = time.perf_counter() - t0
-        tokens = self._host[0].tolist()
-        num_sampled = self._host[1].tolist()
-        num_drafts = self._host[2].tolist()
-        lp = [t.tolist() for t in self._host[3:]] if len(self._host) > 3 else None
+        packed = self._host[0].numpy()
+        tokens = packed[:, :-2].tolist()
+        num_sampled = packed[:, -2].tolist()
+        num_drafts = packed[:, -1].tolist()
+        lp = [t.tolist() for t in self._host[1:]] if len(self._host) > 1 else None
         runner = self.runner
         st = runner.states
         out: dict[str, SampledTokens] = {}

@@ -63,6 +63,22 @@ def test_commit_sampled_one_token_rows(impl):
     assert rejected.tolist() == [0, 0] and next_len.tolist() == [3, 1]
 
 
+@pytest.mark.parametrize("impl", [commit_sampled_ref, commit_sampled_triton], ids=["ref", "triton"])
+def test_commit_sampled_takes_true_int64_positions_without_delta(impl):
+    """delta None: start holds the true positions (the runner's: the positions the device
+    prepared, + 1), int64 as prepare_inputs makes them."""
+    table = torch.zeros(2, 8, dtype=I32)
+    rejected = torch.tensor([2, 0], dtype=I32)
+    rows = torch.tensor([1, 0], dtype=I32)
+    start = torch.tensor([6, 1], dtype=torch.int64)
+    tokens = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    next_len = torch.zeros(2, dtype=I32)
+    impl(table, rejected, rows, start, None, tokens, torch.tensor([3, 1], dtype=I32),
+         torch.tensor([3, 3], dtype=I32), next_len)
+    assert table.tolist() == [[0, 21, 0, 0, 0, 0, 0, 0], [0] * 6 + [11, 12]]
+    assert rejected.tolist() == [2 + 2, 0] and next_len.tolist() == [9, 2]
+
+
 def _random_rows(seed: int, num_rows: int, width: int, vocab: int):
     g = np.random.default_rng(seed)
     table = g.integers(0, vocab, size=(num_rows, width)).astype(np.int32)
