@@ -17,7 +17,7 @@ from krait.models.loader import load_model
 from krait.ops._dispatch import use_triton
 from krait.ops.argmax import argmax
 from krait.ops.ngram_propose import ngram_propose
-from krait.ops.spec_commit import commit_sampled
+from krait.ops.spec_commit import commit_greedy, commit_sampled
 from krait.ops.token_bitmask import apply_token_bitmask
 from krait.runner.chained_graphs import ChainedSample
 from krait.runner.device_tables import DeviceTables
@@ -42,6 +42,7 @@ from krait.runner.prefill_graphs import (
 )
 from krait.runner.request_states import RequestStates
 from krait.runner.sampler import (
+    LogprobsTensors,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -53,6 +54,11 @@ from krait.runner.spec_decode.drafter import create_drafter, drafts_allowed
 from krait.runner.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger(__name__)
+
+# asynchronous verify steps of plain greedy rows: acceptance, commit and the next ngram drafts in
+# one launch (ops/spec_commit.commit_greedy); False: the rejection sampler, commit_sampled and
+# ngram_propose in turn (what a test's scripted drafter replaces)
+FUSED_GREEDY_COMMIT = True
 
 
 class ModelRunner:
@@ -617,26 +623,43 @@ class ModelRunner:
         batch, rows, first, counts, cu, end = v.batch, v.rows, v.first, v.counts, v.cu, v.end
         n = batch.num_reqs
         idx = batch.idx_mapping_np[:n]
-        # the drafts: each decode row's input tokens after its first
-        nd = counts - 1
-        drafts_before = cu[:-1] - np.arange(len(rows))  # drafts of the rows before each row
-        draft_at = np.repeat(first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
-        rows_t, first_t, draft_at_t, npos_t = self._spec_index([rows, first, draft_at, counts])
-        out = self._reject(v, req_ids, batch.input_ids[draft_at_t])
         rows_i = idx[rows]
-        self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts with penalties
         start = st.num_tokens[rows_i].astype(np.int32)
-        # a row's first sampled token goes after its first verified position (true positions)
-        found = self._commit_and_draft(batch.idx_mapping[rows_t], batch.positions[first_t] + 1,
-                                       out.output_token_ids, out.num_sampled, npos_t)
+        if FUSED_GREEDY_COMMIT and self._grammar is None and st.plain_greedy[rows_i].all():
+            # acceptance, commit and the next drafts in one launch (ops/spec_commit.py)
+            rows_t, first_t, lrow_t, npos_t = self._spec_index([rows, first, cu[:-1], counts])
+            target = v.greedy if v.greedy is not None else argmax(v.logits)  # [cu[-1]]
+            spec = self.config.speculative
+            packed = commit_greedy(
+                self.tables.token_ids, self.spec_rejected, batch.idx_mapping, rows_t, first_t,
+                lrow_t, npos_t, batch.input_ids, batch.positions, target, int(counts.max()),
+                self.num_spec_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            num_sampled, logprobs = packed[:, -2], None
+        else:
+            # the drafts: each decode row's input tokens after its first
+            nd = counts - 1
+            drafts_before = cu[:-1] - np.arange(len(rows))  # drafts of the rows before a row
+            draft_at = np.repeat(first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
+            rows_t, first_t, draft_at_t, npos_t = self._spec_index(
+                [rows, first, draft_at, counts])
+            out = self._reject(v, req_ids, batch.input_ids[draft_at_t])
+            self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts: penalties
+            # a row's first sampled token goes after its first verified position (true ones)
+            found = self._commit_and_draft(batch.idx_mapping[rows_t],
+                                           batch.positions[first_t] + 1, out.output_token_ids,
+                                           out.num_sampled, npos_t)
+            # int64 [S, max_n + 2]: each row's tokens, then num_sampled, found
+            packed = torch.cat([out.output_token_ids, out.num_sampled[:, None], found[:, None]],
+                               dim=1)
+            num_sampled, logprobs = out.num_sampled, out.logprobs
         st.num_tokens[rows_i] = start + counts  # as if every draft were accepted
         st.num_computed_tokens[idx] = end
         if self.model_state.num_accepted_tokens is not None:
             per_row = torch.zeros(n, dtype=torch.int32, device=self.device)  # 0: sampled nothing
-            per_row.index_copy_(0, rows_t, out.num_sampled.to(torch.int32))
+            per_row.index_copy_(0, rows_t, num_sampled.to(torch.int32))
             self.model_state.postprocess_state(batch.idx_mapping[:n], per_row, batch.seq_lens[:n])
-        pending = PendingVerify(self, [req_ids[r] for r in rows], rows_i, counts, out,
-                                st.wants_logprobs[rows_i], found)
+        pending = PendingVerify(self, [req_ids[r] for r in rows], rows_i, counts, packed,
+                                logprobs, st.wants_logprobs[rows_i])
         pending.prompt_logprobs = v.prompt_logprobs
         return pending
 
@@ -995,8 +1018,10 @@ class PendingVerify:
     corrected its own when the step ran)."""
 
     def __init__(self, runner: ModelRunner, req_ids: list[str], rows: np.ndarray,
-                 counts: np.ndarray, out, want_logprobs: np.ndarray,
-                 num_drafts: torch.Tensor) -> None:
+                 counts: np.ndarray, packed: torch.Tensor, lp: LogprobsTensors | None,
+                 want_logprobs: np.ndarray) -> None:
+        """packed int64 [S, max_n + 2]: each row's tokens (-1 past its outputs), then its
+        num_sampled and its drafter's found count; `lp`: the step's logprobs, or None."""
         self.runner = runner
         self.req_ids = req_ids
         self.rows = rows  # req_state_idx of each sampling row
@@ -1005,10 +1030,7 @@ class PendingVerify:
         self.prompt_logprobs: dict = {}
         self.waited_s = 0.0
         self._value: dict[str, SampledTokens] | None = None
-        lp = out.logprobs
-        # one copy back: int64 [S, max_n + 2], each row's tokens, then num_sampled, num_drafts
-        tensors = [torch.cat([out.output_token_ids, out.num_sampled[:, None],
-                              num_drafts[:, None]], dim=1)]
+        tensors = [packed]  # (one copy back without logprobs)
         if lp is not None:
             tensors += [lp.token_ids, lp.logprobs, lp.ranks]
         self._event = None

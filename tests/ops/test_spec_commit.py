@@ -118,3 +118,42 @@ def test_device_ngram_skips_padding_and_clips_at_the_table_end():
                          counts, 3, 1, 3)
     assert t.tolist() == want.tolist()
     assert counts.tolist() == [3, 0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_commit_greedy_equals_its_ops_in_sequence(seed):
+    """The fused kernel (greedy acceptance, commit at the true positions, the next ngram
+    drafts) against its reference, which runs greedy_accept, commit_sampled and
+    ngram_propose's references in turn: the same table, rejections and packed result. Rows:
+    verify rows of 1 + k tokens (drafts right or wrong) and a prefill row's last token."""
+    from krait.ops.spec_commit import commit_greedy_ref, commit_greedy_triton
+
+    g = np.random.default_rng(seed)
+    k, width = 3, 40
+    table, n = _random_rows(seed, num_rows=5, width=width, vocab=6)
+    idx = torch.tensor([3, 0, 4, -1, 1], dtype=I32)  # batch rows -> request rows (3: padding)
+    counts = np.array([1 + k, 1 + k, 1, 1 + k], dtype=np.int64)  # batch rows 0, 1, 2, 4 sample
+    batch_rows = np.array([0, 1, 2, 4])
+    tokens_per_row = np.array([1 + k, 1 + k, 5, 1, 1 + k])
+    qsl = np.concatenate([[0], np.cumsum(tokens_per_row)])
+    firsts = np.array([qsl[0], qsl[1], qsl[3] - 1, qsl[4]])  # the prefill row: its last token
+    logits_rows = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    positions = np.zeros(qsl[-1], dtype=np.int64)
+    for b, (i, t) in enumerate(zip(idx.tolist(), tokens_per_row)):
+        if i >= 0:  # the row's tokens end where its table row's do
+            positions[qsl[b]: qsl[b] + t] = n[i] - t + np.arange(t)
+    input_ids = torch.from_numpy(g.integers(0, 6, qsl[-1]))
+    target = torch.from_numpy(g.integers(0, 6, int(counts.sum())))
+    input_ids[1:1 + k] = target[:k]  # batch row 0 accepts every draft
+    results = []
+    for impl in (commit_greedy_ref, commit_greedy_triton):
+        t = torch.from_numpy(table.copy())
+        rejected = torch.tensor([0, 1, 0, 2, 0], dtype=I32)
+        out = impl(t, rejected, idx, *(torch.from_numpy(a).long() for a in (
+            batch_rows, firsts, logits_rows, counts)), input_ids, torch.from_numpy(positions),
+            target, int(counts.max()), k, 1, 3)
+        results.append((t.tolist(), rejected.tolist(), out.tolist()))
+    assert results[0] == results[1]
+    out = results[0][2]
+    assert out[0][:k + 2] == target[: k + 1].tolist() + [k + 1]  # all accepted, then num_sampled
+    assert [row[-2] for row in out][2] == 1  # the prefill row samples one token
