@@ -1047,21 +1047,26 @@ class PendingVerify:
             t0 = time.perf_counter()
             self._event.synchronize()
             self.waited_s = time.perf_counter() - t0
-        packed = self._host[0].numpy()
-        tokens = packed[:, :-2].tolist()
-        num_sampled = packed[:, -2].tolist()
-        num_drafts = packed[:, -1].tolist()
+        packed = self._host[0].numpy()  # [S, max_n + 2]
         lp = [t.tolist() for t in self._host[1:]] if len(self._host) > 1 else None
         runner = self.runner
         st = runner.states
+        # the rows' rejected drafts off the host counters, for rows still held by the same
+        # request (a row may have a new request by now); rows are distinct
+        rejected = self.counts - packed[:, -2]  # [S]
+        held = np.fromiter((st.req_ids[i] == rid for i, rid in zip(self.rows.tolist(),
+                                                                   self.req_ids)),
+                           bool, len(self.req_ids))
+        fix = held & (rejected > 0)
+        if fix.any():
+            st.num_tokens[self.rows[fix]] -= rejected[fix]
+            runner.spec_known[self.rows[fix]] += rejected[fix]
+        tokens = packed[:, :-2].tolist()
+        num_sampled = packed[:, -2].tolist()
+        num_drafts = packed[:, -1].tolist()
         out: dict[str, SampledTokens] = {}
         for j, rid in enumerate(self.req_ids):
             m = num_sampled[j]
-            i = int(self.rows[j])
-            rejected = int(self.counts[j]) - m
-            if rejected and st.req_ids[i] == rid:  # (the row may have a new request by now)
-                st.num_tokens[i] -= rejected
-                runner.spec_known[i] += rejected
             got = SampledTokens(tokens[j][:m], num_drafts=num_drafts[j])
             if lp is not None and self.want_logprobs[j]:
                 got.logprobs = [dict(zip(lp[0][j][q], lp[1][j][q])) for q in range(m)]
