@@ -188,7 +188,7 @@ def _commit_greedy_kernel(table_ptr, rejected_ptr, idx_ptr, brow_ptr, first_ptr,
         tl.store(rejected_ptr + i, tl.load(rejected_ptr + i) + npos - m)
         tl.debug_barrier()  # the committed tokens, visible to the drafter's loads below
         found = ngram_row(base, (p + m).to(tl.int32), width, k, min_n, MAX_N, BLOCK, BLOCK_K)
-    tl.store(out + max_n + 1, found.to(tl.int64))
+    tl.store(out + max_n + 1, found)  # (stored as int64)
 
 
 def commit_greedy_triton(table: Tensor, rejected: Tensor, idx_mapping: Tensor, batch_rows: Tensor,

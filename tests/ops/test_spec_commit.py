@@ -131,12 +131,13 @@ def test_commit_greedy_equals_its_ops_in_sequence(seed):
     g = np.random.default_rng(seed)
     k, width = 3, 40
     table, n = _random_rows(seed, num_rows=5, width=width, vocab=6)
-    idx = torch.tensor([3, 0, 4, -1, 1], dtype=I32)  # batch rows -> request rows (3: padding)
-    counts = np.array([1 + k, 1 + k, 1, 1 + k], dtype=np.int64)  # batch rows 0, 1, 2, 4 sample
-    batch_rows = np.array([0, 1, 2, 4])
+    # batch rows -> request rows (3: padding, here a "sampling" row too: it commits nothing)
+    idx = torch.tensor([3, 0, 4, -1, 1], dtype=I32)
+    counts = np.array([1 + k, 1 + k, 1, 1, 1 + k], dtype=np.int64)
+    batch_rows = np.array([0, 1, 2, 3, 4])
     tokens_per_row = np.array([1 + k, 1 + k, 5, 1, 1 + k])
     qsl = np.concatenate([[0], np.cumsum(tokens_per_row)])
-    firsts = np.array([qsl[0], qsl[1], qsl[3] - 1, qsl[4]])  # the prefill row: its last token
+    firsts = np.array([qsl[0], qsl[1], qsl[3] - 1, qsl[3], qsl[4]])  # prefill row: last token
     logits_rows = np.concatenate([[0], np.cumsum(counts)[:-1]])
     positions = np.zeros(qsl[-1], dtype=np.int64)
     for b, (i, t) in enumerate(zip(idx.tolist(), tokens_per_row)):
