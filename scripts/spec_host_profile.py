@@ -3,6 +3,7 @@ no speculation, ngram, a draft model and an EAGLE head, at batch 1 and batch 8.
 
 PYTHONPATH=. python3 scripts/spec_host_profile.py [--modes none,ngram,draft_model,eagle]
     [--batches 1,8] [--config qwen3-0.6b] [--sync-phases] [--graphs] [--cprofile] [--steps 48]
+    [--device-tables] [--count-ops] [--workload random|repetitive]
 
 Models: by default tiny random ones built in a temp dir with the test helpers (a 4-layer
 Qwen3 target; the draft its `scripts/draft_config.py --foreign` config, 2 layers at half width,
@@ -23,6 +24,16 @@ replayed no graph; `draft.chained_replay`: a call's steps as one chained graph);
 (or graph replay) of verify steps. `--graphs` (CPU only) puts the target's and the drafter's
 CUDA-graph paths in their record=False form (eager bodies over the captured buffers, as the
 tests do): slower on CPU, but it shows which steps would replay a graph on the GPU.
+
+`--device-tables` (CPU): device-side input preparation (DeviceTables) through the ops' torch
+references, so ngram takes the GPU's asynchronous path (drafts made on the "device", accepted
+counts read one step late: ModelRunner._execute_verify_async). `--count-ops` adds one more run
+that counts, per engine step and outside the models' forwards (eager ones and graph replays),
+the krait.ops dispatcher calls (each a Triton launch or more on the GPU; their references'
+torch ops are not counted), the other aten ops the host issues (torch dispatch), and the calls
+of `to_device`, `host_to_device` and `device_to_host` (each one copy); its times are not used.
+`--workload repetitive`: prompts of a repeated 8-token cycle (prompt lookup's case: ngram drafts
+mostly accepted on models that continue the cycle, rejected on random ones).
 
 Prints one JSON object per (mode, batch): ms_per_step (mean and median), forward_ms_per_step
 (eager forwards and graph replays) and other_ms_per_step (everything else: the host's
@@ -115,6 +126,7 @@ def instrument(llm: LLM, timers: Timers) -> None:
     patch(runner, "_verify", timers, "target.verify_forward")
     patch(runner, "_reject", timers, "target.rejection_sampler")
     patch(runner, "_execute_verify", timers, "target.execute_verify")
+    patch(runner, "_execute_verify_async", timers, "target.execute_verify_async")
     patch(runner, "_observe", timers, "target.observe")
     patch(runner, "forward", timers, "target.forward")
     patch(runner, "_sample_and_update", timers, "target.sample_and_update")
@@ -209,6 +221,110 @@ def instrument_draft_steps(drafter, draft, timers: Timers) -> None:
     drafter.propose = proposing
 
 
+class OpCounter:
+    """Counts, while `on` and outside the models' forwards, krait.ops dispatcher calls (by
+    name), the aten ops issued around them (not inside them) and the host/device copies
+    (`to_device`, `host_to_device`, `device_to_host` calls)."""
+
+    COPIES = ("to_device", "host_to_device", "device_to_host")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = defaultdict(int)
+        self.depth = 0  # inside a counted op or a forward: aten ops there are not counted
+        self.on = False
+        self.prefix = ""  # "verify.": inside ModelRunner._execute_verify_async
+
+    def add(self, key: str) -> None:
+        self.counts[key] += 1
+        if self.prefix:
+            self.counts[self.prefix + key] += 1
+
+    def wrap(self, key: str, fn, count: bool = True):
+        def counted(*args, **kwargs):
+            if self.on and self.depth == 0 and count:
+                self.add(key)
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        counted.__wrapped__ = fn
+        return counted
+
+    def install(self, llm: LLM) -> None:
+        """Wraps every krait.ops dispatcher and copy helper where krait's modules bound them
+        (once a process), and this engine's forwards (runner.forward, graph runs) as uncounted
+        regions; `_execute_verify_async` also counts its calls, its contents under `verify.`."""
+        import inspect
+
+        if not getattr(OpCounter, "_patched", False):
+            OpCounter._patched = True
+            seen: dict[int, object] = {}
+            for name, mod in list(sys.modules.items()):
+                if not name.startswith("krait") or mod is None:
+                    continue
+                for attr, fn in list(vars(mod).items()):
+                    if not inspect.isfunction(fn):
+                        continue
+                    home = getattr(fn, "__module__", "") or ""
+                    if home == "krait.runner.input_batch" and attr in self.COPIES:
+                        key = f"copy.{attr}"
+                    elif (home.startswith("krait.ops.") and not attr.startswith("_")
+                          and not attr.endswith(("_ref", "_triton")) and attr != "use_triton"
+                          and home != "krait.ops._dispatch"):
+                        key = f"op.{attr}"
+                    else:
+                        continue
+                    if id(fn) not in seen:
+                        seen[id(fn)] = self.wrap(key, fn)
+                    setattr(mod, attr, seen[id(fn)])
+        runner = llm.llm_engine.runner
+        runner.forward = self.region(runner.forward)
+        for m in ("cuda_graphs", "verify_graphs"):
+            g = getattr(runner, m, None)
+            if g is not None:
+                g.run = self.region(g.run)
+        verify = runner._execute_verify_async
+
+        def counted_verify(*args, **kwargs):
+            if self.on:
+                self.counts["verify_steps"] += 1
+            self.prefix, prefix = "verify.", self.prefix
+            try:
+                return verify(*args, **kwargs)
+            finally:
+                self.prefix = prefix
+
+        runner._execute_verify_async = counted_verify
+
+    def region(self, fn):
+        """fn, its contents not counted (a forward)."""
+        def uncounted(*args, **kwargs):
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        return uncounted
+
+    def mode(self):
+        """A TorchDispatchMode counting the aten ops outside counted regions."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Aten(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if counter.on and counter.depth == 0:
+                    counter.add("aten")
+                    counter.add(f"aten.{func.__name__}")
+                return func(*args, **(kwargs or {}))
+
+        return Aten()
+
+
 def build_models(root: Path, config: str | None) -> dict[str, str]:
     """{"target", "draft", "head"}: checkpoint directories (see the module doc)."""
     from tests.models.test_spec_eagle import make_head
@@ -259,7 +375,17 @@ def run_mode(mode: str, batches: list[int], models: dict[str, str], args) -> lis
                 enforce_eager=args.enforce_eager)
     if args.config:
         opts |= dict(load_format="dummy", gpu_memory_utilization=0.5)
-    llm = LLM(models["target"], **opts)
+    if args.device_tables and not cuda:
+        import krait.runner.model_runner as mr
+
+        use_triton, mr.use_triton = mr.use_triton, lambda t: True  # DeviceTables on CPU
+        try:
+            llm = LLM(models["target"], **opts)
+        finally:
+            mr.use_triton = use_triton
+        assert mode != "ngram" or llm.llm_engine.runner.async_spec
+    else:
+        llm = LLM(models["target"], **opts)
     vocab = llm.llm_engine.config.model.vocab_size
     if args.graphs and not cuda:
         emulate_graphs(llm, args.k)
@@ -269,8 +395,13 @@ def run_mode(mode: str, batches: list[int], models: dict[str, str], args) -> lis
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
     out = []
     for b in batches:
-        prompts = [{"prompt_token_ids": rng.integers(10, vocab - 10, args.prompt_len).tolist()}
-                   for _ in range(b)]
+        if args.workload == "repetitive":  # a repeated 8-token cycle a prompt
+            prompts = [{"prompt_token_ids": np.resize(rng.integers(10, vocab - 10, 8),
+                                                      args.prompt_len).tolist()}
+                       for _ in range(b)]
+        else:
+            prompts = [{"prompt_token_ids": rng.integers(10, vocab - 10, args.prompt_len)
+                        .tolist()} for _ in range(b)]
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         engine = llm.llm_engine
         step = engine.step
@@ -320,6 +451,8 @@ def run_mode(mode: str, batches: list[int], models: dict[str, str], args) -> lis
                            "calls_per_step": round(calls[k] / max(steps, 1), 2)}
                        for k, v in sorted(total.items(), key=lambda kv: -kv[1])},
         }
+        if args.count_ops:
+            res["per_step_outside_forwards"] = count_ops(llm, prompts, params)
         print(json.dumps(res), flush=True)
         if prof:
             s = io.StringIO()
@@ -328,6 +461,40 @@ def run_mode(mode: str, batches: list[int], models: dict[str, str], args) -> lis
         out.append(res)
     del llm
     return out
+
+
+def count_ops(llm: LLM, prompts, params) -> dict:
+    """One more run under an OpCounter: {what: calls per engine step} (see the module doc)."""
+    counter = getattr(llm, "_op_counter", None)
+    if counter is None:
+        counter = llm._op_counter = OpCounter()
+        counter.install(llm)
+    engine = llm.llm_engine
+    step, steps = engine.step, [0]
+
+    def counted_step():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted_step
+    counter.counts.clear()
+    counter.on = True
+    try:
+        with counter.mode():
+            llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        counter.on = False
+        engine.step = step
+    n = max(steps[0], 1)
+    counts = dict(counter.counts)
+    nv = counts.pop("verify_steps", 0)
+    top = sorted(counts.items(), key=lambda kv: -kv[1])
+    per_step = {k: round(v / n, 2) for k, v in top
+                if not k.startswith("verify.") and (not k.startswith("aten.") or v / n >= 0.5)}
+    per_verify = {k[7:]: round(v / nv, 2) for k, v in top
+                  if k.startswith("verify.") and (not k.startswith("verify.aten.") or v >= nv)}
+    return {"verify_steps_per_step": round(nv / n, 2), "per_step": per_step,
+            "per_verify_step": per_verify}
 
 
 def main() -> None:
@@ -348,6 +515,12 @@ def main() -> None:
                    help="CPU: the target's and the drafter's CUDA-graph paths in their "
                         "record=False form (eager bodies over the captured buffers), to count "
                         "which steps would replay a graph on the GPU")
+    p.add_argument("--device-tables", action="store_true",
+                   help="CPU: device-side input preparation through the ops' torch references "
+                        "(ngram then takes the asynchronous path)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="one more run counting ops, aten ops and copies a step outside forwards")
+    p.add_argument("--workload", choices=("random", "repetitive"), default="random")
     p.add_argument("--cprofile", action="store_true")
     p.add_argument("--cprofile-top", type=int, default=30)
     args = p.parse_args()

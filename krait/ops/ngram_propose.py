@@ -21,6 +21,39 @@ from krait.ops._dispatch import next_pow2, use_triton
 
 
 @triton.jit
+def ngram_row(base, n, width, k, min_n, MAX_N: tl.constexpr, BLOCK: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """One row's drafts (`base`: its table row, n >= 1 tokens): writes them after its tokens
+    and returns k if they came from a match, else 0. Also called by spec_commit's fused
+    greedy kernel, after it commits the row's tokens."""
+    found = 0
+    best = tl.full([BLOCK], -1, tl.int64)
+    for e0 in range(0, n - 1, BLOCK):
+        e = e0 + tl.arange(0, BLOCK)
+        run = e < n - 1
+        length = tl.zeros([BLOCK], tl.int32)
+        for j in tl.static_range(MAX_N):
+            last = tl.load(base + n - 1 - j, mask=n - 1 - j >= 0, other=-1)
+            ok = run & (e - j >= 0)
+            t = tl.load(base + e - j, mask=ok, other=-2)
+            run = ok & (t == last)
+            length += run.to(tl.int32)
+        key = tl.where(length >= min_n, length.to(tl.int64) * (1 << 40) + e, -1)
+        best = tl.maximum(best, key)
+    top = tl.max(best, axis=0)
+    q = tl.arange(0, BLOCK_K)
+    if top >= 0:
+        found = k
+        start = (top % (1 << 40)).to(tl.int32) + 1
+        src = start + q % (n - start)
+    else:
+        src = q * 0 + n - 1
+    d = tl.load(base + src, mask=q < k, other=0)
+    tl.store(base + n + q, d, mask=(q < k) & (n + q < width))
+    return found
+
+
+@triton.jit
 def _ngram_propose_kernel(table_ptr, rows_ptr, ntok_ptr, counts_ptr, width, stride_row, k, min_n,
                           MAX_N: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     s = tl.program_id(0)
@@ -28,30 +61,8 @@ def _ngram_propose_kernel(table_ptr, rows_ptr, ntok_ptr, counts_ptr, width, stri
     n = tl.load(ntok_ptr + s)
     found = 0
     if i >= 0 and n >= 1:
-        base = table_ptr + i.to(tl.int64) * stride_row
-        best = tl.full([BLOCK], -1, tl.int64)
-        for e0 in range(0, n - 1, BLOCK):
-            e = e0 + tl.arange(0, BLOCK)
-            run = e < n - 1
-            length = tl.zeros([BLOCK], tl.int32)
-            for j in tl.static_range(MAX_N):
-                last = tl.load(base + n - 1 - j, mask=n - 1 - j >= 0, other=-1)
-                ok = run & (e - j >= 0)
-                t = tl.load(base + e - j, mask=ok, other=-2)
-                run = ok & (t == last)
-                length += run.to(tl.int32)
-            key = tl.where(length >= min_n, length.to(tl.int64) * (1 << 40) + e, -1)
-            best = tl.maximum(best, key)
-        top = tl.max(best, axis=0)
-        q = tl.arange(0, BLOCK_K)
-        if top >= 0:
-            found = k
-            start = (top % (1 << 40)).to(tl.int32) + 1
-            src = start + q % (n - start)
-        else:
-            src = q * 0 + n - 1
-        d = tl.load(base + src, mask=q < k, other=0)
-        tl.store(base + n + q, d, mask=(q < k) & (n + q < width))
+        found = ngram_row(table_ptr + i.to(tl.int64) * stride_row, n, width, k, min_n,
+                          MAX_N, BLOCK, BLOCK_K)
     tl.store(counts_ptr + s, found)
 
 

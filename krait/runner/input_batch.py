@@ -37,7 +37,8 @@ class InputBatch:
     block_table: torch.Tensor
     logits_indices: torch.Tensor  # int64 [num_reqs]: last scheduled token of each row
     # int32, flat: idx_mapping, query_start_loc, seq_lens and the rows' computed counts are views
-    # of it (device-side preparation only); a decode graph's replay refills it in one copy
+    # of it (device-side preparation only), then with `rejections` the rows' known rejections
+    # and spec_delta; a decode graph's replay refills it in one copy
     device_i32: torch.Tensor | None = None
     # asynchronous speculative steps: int32 [num_reqs_padded] on the device, the positions each
     # row's host counters are ahead of the true ones (krait/ops/spec_commit.py); else None
@@ -73,7 +74,9 @@ def build_input_batch(
     verify graph).
     `rejections` (with `tables`; asynchronous speculative steps): (the device's rejected
     positions per request row, the host's known part of them): the rows' counters are corrected
-    on the device before the inputs are gathered (krait/ops/spec_commit.py)."""
+    on the device before the inputs are gathered (krait/ops/spec_commit.py), their known part
+    sent in the same copy as the other per-row inputs (an `into` batch must have been built
+    with rejections too, for the room)."""
     num_reqs = len(req_ids)
     num_reqs_padded = num_reqs_padded or num_reqs
     idx = np.full(num_reqs_padded, -1, dtype=np.int32)
@@ -107,16 +110,19 @@ def build_input_batch(
             ) or qsl[-1] != num_tokens_padded:
                 raise ValueError("into: a captured batch of the same rows, every token in a row")
             out = (into.input_ids, into.positions, into.slot_mapping, into.block_table)
-        (idx_t, qsl_t, seq_lens_t, computed_t), device_i32 = to_device(
-            [idx, qsl, seq_lens, computed], np.int32, device, flat=True,
+        arrays = [idx, qsl, seq_lens, computed]
+        if rejections is not None:  # in the same copy: each row's known rejections, its delta
+            known = rejections[1]
+            known_b = np.where(idx >= 0, known[np.maximum(idx, 0)], 0)  # [num_reqs_padded]
+            arrays += [known_b, np.zeros(num_reqs_padded, dtype=np.int32)]
+        views, device_i32 = to_device(
+            arrays, np.int32, device, flat=True,
             out=into.device_i32 if into is not None else None,
         )
+        idx_t, qsl_t, seq_lens_t, computed_t = views[:4]
         if rejections is not None:
-            rejected, known = rejections
-            known_b = np.where(idx >= 0, known[np.maximum(idx, 0)], 0).astype(np.int32)
-            spec_delta = torch.empty(num_reqs_padded, dtype=torch.int32, device=device)
-            apply_rejections(idx_t, host_to_device(known_b, device), rejected, computed_t,
-                             seq_lens_t, spec_delta)
+            known_t, spec_delta = views[4:]  # int32 [num_reqs_padded] each
+            apply_rejections(idx_t, known_t, rejections[0], computed_t, seq_lens_t, spec_delta)
         if into is not None:  # decode graphs: the logits of every row (verify graphs: unused)
             logits_indices_t = _row_indices(num_reqs_padded, device)[:num_reqs]
         else:

@@ -17,7 +17,7 @@ from krait.models.loader import load_model
 from krait.ops._dispatch import use_triton
 from krait.ops.argmax import argmax
 from krait.ops.ngram_propose import ngram_propose
-from krait.ops.spec_commit import commit_sampled
+from krait.ops.spec_commit import commit_greedy, commit_sampled
 from krait.ops.token_bitmask import apply_token_bitmask
 from krait.ops.write_tokens import write_tokens
 from krait.runner.chained_graphs import ChainedSample
@@ -43,6 +43,7 @@ from krait.runner.prefill_graphs import (
 )
 from krait.runner.request_states import RequestStates
 from krait.runner.sampler import (
+    LogprobsTensors,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -55,6 +56,11 @@ from krait.runner.spec_decode.drafter import create_drafter, drafts_allowed
 from krait.runner.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger(__name__)
+
+# asynchronous verify steps of plain greedy rows: acceptance, commit and the next ngram drafts in
+# one launch (ops/spec_commit.commit_greedy); False: the rejection sampler, commit_sampled and
+# ngram_propose in turn (what a test's scripted drafter replaces)
+FUSED_GREEDY_COMMIT = True
 
 
 class ModelRunner:
@@ -92,7 +98,6 @@ class ModelRunner:
         self.chained_graphs = None
         # speculative decoding: graphs of verify steps, every row 1 + k tokens (drafts padded)
         self.verify_graphs = None
-        self._verify_cu_cache: torch.Tensor | None = None  # int64 (_verify_cu)
         self.piecewise = None  # PiecewiseGraphs for eager steps (krait/envs.py turns them off)
         self.prefill_graphs = None  # PrefillGraphs for one-prefill-row steps
         self._grammar = None  # this step's (structured req ids, bitmask), see execute_model
@@ -102,6 +107,10 @@ class ModelRunner:
         self.async_spec = False
         self.spec_rejected: torch.Tensor | None = None
         self.spec_known: np.ndarray | None = None
+        self._spec_ones: torch.Tensor | None = None  # int32 [R] ones: one position a row
+        # the last verify step's index arrays and their device copies (`_spec_index`)
+        self._spec_index_key: tuple | None = None
+        self._spec_index_val: list[torch.Tensor] = []
 
     # -- set-up -----------------------------------------------------------------------
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
@@ -135,6 +144,7 @@ class ModelRunner:
             n = self.states.max_num_reqs
             self.spec_rejected = torch.zeros(n, dtype=torch.int32, device=self.device)
             self.spec_known = np.zeros(n, dtype=np.int32)
+            self._spec_ones = torch.ones(n, dtype=torch.int32, device=self.device)  # [R]
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs for every capture size (GPU, unless enforce_eager)."""
@@ -206,6 +216,7 @@ class ModelRunner:
             self.states, [], [], self.block_size, self.device,
             num_reqs_padded=n, num_tokens_padded=n * tokens_per_row, pad_decode=True,
             full_block_table=True, tables=self.tables, pad_tokens_per_row=tokens_per_row,
+            rejections=self._rejections(),  # (room in its buffers for a step's corrections)
         )
 
     def _dummy_prefill_lens(self, num_tokens: int) -> list[int]:
@@ -456,8 +467,7 @@ class ModelRunner:
         idx = batch.idx_mapping_np[:n]
         prompt_lps = v.prompt_logprobs
         full = self._full_verify_rows(v)
-        out = self._reject(v, req_ids, self._verify_draft_ids(v, full),
-                           cu=self._verify_cu(n) if full else None)
+        out = self._reject(v, req_ids, self._verify_draft_ids(v, full))
         self.penalties.record(idx[rows], out.output_token_ids[:, 0])  # no drafts with penalties
         # a verify graph's rows: the sampled tokens go to the device table before the wait
         on_device = full and self.tables is not None and self._write_verified(v, out)
@@ -520,17 +530,6 @@ class ModelRunner:
         drafts_before = v.cu[:-1] - np.arange(len(v.rows))  # drafts of the rows before each
         at = np.repeat(v.first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
         return ids[host_to_device(at.astype(np.int64), self.device)]
-
-    def _verify_cu(self, n: int) -> torch.Tensor:
-        """int64 [n + 1] cumulative logits rows of n full verify rows (0, 1 + k, ...): a slice
-        of one device tensor made once, not a copy a step."""
-        per = 1 + self.num_spec_tokens
-        cu = self._verify_cu_cache
-        if cu is None or cu.numel() < n + 1:
-            rows = max(n, self.config.scheduler.max_num_seqs) + 1
-            cu = torch.arange(rows, dtype=torch.int64, device=self.device) * per
-            self._verify_cu_cache = cu
-        return cu[: n + 1]
 
     def _write_verified(self, v: _VerifyStep, out) -> bool:
         """Full verify rows' sampled tokens into the device token table, on the device (no
@@ -595,11 +594,9 @@ class ModelRunner:
         return _VerifyStep(batch, hidden, logits, prompt_lps, computed, end, rows, first, counts,
                            cu, greedy)
 
-    def _reject(self, v: _VerifyStep, req_ids: list[str], draft_ids: torch.Tensor,
-                cu: torch.Tensor | None = None):
+    def _reject(self, v: _VerifyStep, req_ids: list[str], draft_ids: torch.Tensor):
         """The rejection sampler over a verify step's logits (structured rows masked first:
-        they draft nothing, one position each), given the drafts in row order; `cu`: v.cu on
-        the device already (else copied)."""
+        they draft nothing, one position each), given the drafts in row order."""
         st = self.states
         rows_i = v.batch.idx_mapping_np[v.rows]
         if self._grammar is not None:
@@ -608,9 +605,8 @@ class ModelRunner:
             meta = greedy_sampling_metadata(len(v.rows), v.logits.device)
         else:
             meta = self._sampling_metadata(v.logits, rows_i)
-        if cu is None:
-            cu = host_to_device(v.cu, self.device)
-        return self.rejection_sampler(v.logits, cu, draft_ids,
+        # (cu_num_logits: not read when num_draft_tokens is given, so a host one serves)
+        return self.rejection_sampler(v.logits, torch.from_numpy(v.cu), draft_ids,
                                       None, meta, num_draft_tokens=v.counts - 1,
                                       target_argmax=None if self._grammar else v.greedy)
 
@@ -626,26 +622,37 @@ class ModelRunner:
         """What build_input_batch corrects the rows' counters by (asynchronous speculation)."""
         return (self.spec_rejected, self.spec_known) if self.async_spec else None
 
-    def _commit_and_draft(self, rows: np.ndarray, start: np.ndarray, delta: torch.Tensor,
-                          tokens: torch.Tensor, num_sampled: torch.Tensor | None,
-                          num_positions: np.ndarray) -> torch.Tensor:
+    def _commit_and_draft(self, rows: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor,
+                          num_sampled: torch.Tensor | None,
+                          num_positions: torch.Tensor) -> torch.Tensor:
         """Asynchronous speculation, after sampling: the sampling rows' tokens go to their true
         positions of the device token table, their rejected positions are counted, and the
-        ngram drafts of their next step are written after them — all on the device. Returns
-        int32 [S]: k where the drafts came from a match, else 0 (the scheduler, one step
-        later, verifies no drafts for a row whose drafter found nothing)."""
-        rows_t, start_t, npos_t = to_device(
-            [rows.astype(np.int32), start.astype(np.int32), num_positions.astype(np.int32)],
-            np.int32, self.device, tag="spec")
-        next_len = torch.empty(len(rows), dtype=torch.int32, device=self.device)  # [S]
+        ngram drafts of their next step are written after them — all on the device, from
+        device tensors only: `rows` int32 [S] (req_state_idx), `start` int [S] (the true
+        position of each row's first sampled token), `num_positions` int [S] (1 + drafts).
+        Returns int32 [S]: k where the drafts came from a match, else 0 (the scheduler, one
+        step later, verifies no drafts for a row whose drafter found nothing)."""
+        n = rows.shape[0]
+        out = torch.empty(2, n, dtype=torch.int32, device=self.device)  # [2, S]: next_len, found
+        next_len, found = out[0], out[1]
         table = self.tables.token_ids
-        commit_sampled(table, self.spec_rejected, rows_t, start_t, delta, tokens, num_sampled,
-                       npos_t, next_len)
+        commit_sampled(table, self.spec_rejected, rows, start, None, tokens, num_sampled,
+                       num_positions, next_len)
         spec = self.config.speculative
-        found = torch.empty(len(rows), dtype=torch.int32, device=self.device)  # [S]
-        ngram_propose(table, rows_t, next_len, found, self.num_spec_tokens,
+        ngram_propose(table, rows, next_len, found, self.num_spec_tokens,
                       spec.prompt_lookup_min, spec.prompt_lookup_max)
         return found
+
+    def _spec_index(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """int64 device copies of a verify step's small index arrays, sent in one copy; the
+        last step's copies are reused while the values stay the same (a verify graph's steady
+        state: every row 1 + k tokens, no copy at all)."""
+        key = (tuple(a.size for a in arrays), b"".join(a.astype(np.int64).tobytes()
+                                                       for a in arrays))
+        if key != self._spec_index_key:
+            self._spec_index_val = to_device(arrays, np.int64, self.device, tag="spec")
+            self._spec_index_key = key
+        return self._spec_index_val
 
     def _execute_verify_async(self, sched: SchedulerOutput, req_ids: list[str],
                               num_scheduled: list[int]) -> PendingVerify:
@@ -653,33 +660,49 @@ class ModelRunner:
         host's counters advance as if every draft were accepted, the drafts of the next step
         are made on the device right after the rejection sampler, and the host learns the
         accepted counts when it reads the step back (`PendingVerify.result`), one step late.
-        The drafts verified here are the ones the device wrote after each row's last token."""
+        The drafts verified are the ones the device wrote after each row's last token."""
         st = self.states
         v = self._verify(sched, req_ids, num_scheduled, self._rejections())
         batch, rows, first, counts, cu, end = v.batch, v.rows, v.first, v.counts, v.cu, v.end
         n = batch.num_reqs
         idx = batch.idx_mapping_np[:n]
-        # the drafts: each decode row's input tokens after its first
-        nd = counts - 1
-        drafts_before = cu[:-1] - np.arange(len(rows))  # drafts of the rows before each row
-        draft_at = np.repeat(first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
-        rows_t = host_to_device(rows.astype(np.int64), self.device)
-        out = self._reject(v, req_ids, batch.input_ids[host_to_device(draft_at.astype(np.int64),
-                                                                      self.device)])
         rows_i = idx[rows]
-        self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts with penalties
         start = st.num_tokens[rows_i].astype(np.int32)
-        found = self._commit_and_draft(rows_i, start, batch.spec_delta[rows_t],
-                                       out.output_token_ids, out.num_sampled.to(torch.int32),
-                                       counts)
+        if FUSED_GREEDY_COMMIT and self._grammar is None and st.plain_greedy[rows_i].all():
+            # acceptance, commit and the next drafts in one launch (ops/spec_commit.py)
+            rows_t, first_t, lrow_t, npos_t = self._spec_index([rows, first, cu[:-1], counts])
+            target = v.greedy if v.greedy is not None else argmax(v.logits)  # [cu[-1]]
+            spec = self.config.speculative
+            packed = commit_greedy(
+                self.tables.token_ids, self.spec_rejected, batch.idx_mapping, rows_t, first_t,
+                lrow_t, npos_t, batch.input_ids, batch.positions, target, int(counts.max()),
+                self.num_spec_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            num_sampled, logprobs = packed[:, -2], None
+        else:
+            # the drafts: each decode row's input tokens after its first
+            nd = counts - 1
+            drafts_before = cu[:-1] - np.arange(len(rows))  # drafts of the rows before a row
+            draft_at = np.repeat(first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
+            rows_t, first_t, draft_at_t, npos_t = self._spec_index(
+                [rows, first, draft_at, counts])
+            out = self._reject(v, req_ids, batch.input_ids[draft_at_t])
+            self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts: penalties
+            # a row's first sampled token goes after its first verified position (true ones)
+            found = self._commit_and_draft(batch.idx_mapping[rows_t],
+                                           batch.positions[first_t] + 1, out.output_token_ids,
+                                           out.num_sampled, npos_t)
+            # int64 [S, max_n + 2]: each row's tokens, then num_sampled, found
+            packed = torch.cat([out.output_token_ids, out.num_sampled[:, None], found[:, None]],
+                               dim=1)
+            num_sampled, logprobs = out.num_sampled, out.logprobs
         st.num_tokens[rows_i] = start + counts  # as if every draft were accepted
         st.num_computed_tokens[idx] = end
         if self.model_state.num_accepted_tokens is not None:
             per_row = torch.zeros(n, dtype=torch.int32, device=self.device)  # 0: sampled nothing
-            per_row.index_copy_(0, rows_t, out.num_sampled.to(torch.int32))
+            per_row.index_copy_(0, rows_t, num_sampled.to(torch.int32))
             self.model_state.postprocess_state(batch.idx_mapping[:n], per_row, batch.seq_lens[:n])
-        pending = PendingVerify(self, [req_ids[r] for r in rows], rows_i, counts, out,
-                                st.wants_logprobs[rows_i], found)
+        pending = PendingVerify(self, [req_ids[r] for r in rows], rows_i, counts, packed,
+                                logprobs, st.wants_logprobs[rows_i])
         pending.prompt_logprobs = v.prompt_logprobs
         return pending
 
@@ -804,12 +827,13 @@ class ModelRunner:
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
             num_drafts = None
             if self.async_spec:  # the true positions are known on the device only
-                delta = batch.spec_delta[: batch.num_reqs]
+                req_rows, last = batch.idx_mapping[: batch.num_reqs], batch.logits_indices
                 if len(rows) < batch.num_reqs:
-                    delta = delta[host_to_device(rows, self.device)]
-                num_drafts = self._commit_and_draft(idx[rows], pos, delta,
+                    req_rows, last = req_rows[sel], last[sel]
+                # each row's token goes after its last input token's (true) position
+                num_drafts = self._commit_and_draft(req_rows, batch.positions[last] + 1,
                                                     result.sampled_token_ids, None,
-                                                    np.ones(len(rows), dtype=np.int32))
+                                                    self._spec_ones[: len(rows)])
             elif self.tables is not None and not (
                     greedy_written and result.sampled_token_ids is greedy):
                 fits = pos < self.max_model_len
@@ -1037,8 +1061,10 @@ class PendingVerify:
     corrected its own when the step ran)."""
 
     def __init__(self, runner: ModelRunner, req_ids: list[str], rows: np.ndarray,
-                 counts: np.ndarray, out, want_logprobs: np.ndarray,
-                 num_drafts: torch.Tensor) -> None:
+                 counts: np.ndarray, packed: torch.Tensor, lp: LogprobsTensors | None,
+                 want_logprobs: np.ndarray) -> None:
+        """packed int64 [S, max_n + 2]: each row's tokens (-1 past its outputs), then its
+        num_sampled and its drafter's found count; `lp`: the step's logprobs, or None."""
         self.runner = runner
         self.req_ids = req_ids
         self.rows = rows  # req_state_idx of each sampling row
@@ -1047,8 +1073,7 @@ class PendingVerify:
         self.prompt_logprobs: dict = {}
         self.waited_s = 0.0
         self._value: dict[str, SampledTokens] | None = None
-        lp = out.logprobs
-        tensors = [out.output_token_ids, out.num_sampled, num_drafts]
+        tensors = [packed]  # (one copy back without logprobs)
         if lp is not None:
             tensors += [lp.token_ids, lp.logprobs, lp.ranks]
         self._event = None
@@ -1065,20 +1090,26 @@ class PendingVerify:
             t0 = time.perf_counter()
             self._event.synchronize()
             self.waited_s = time.perf_counter() - t0
-        tokens = self._host[0].tolist()
-        num_sampled = self._host[1].tolist()
-        num_drafts = self._host[2].tolist()
-        lp = [t.tolist() for t in self._host[3:]] if len(self._host) > 3 else None
+        packed = self._host[0].numpy()  # [S, max_n + 2]
+        lp = [t.tolist() for t in self._host[1:]] if len(self._host) > 1 else None
         runner = self.runner
         st = runner.states
+        # the rows' rejected drafts off the host counters, for rows still held by the same
+        # request (a row may have a new request by now); rows are distinct
+        rejected = self.counts - packed[:, -2]  # [S]
+        held = np.fromiter((st.req_ids[i] == rid for i, rid in zip(self.rows.tolist(),
+                                                                   self.req_ids)),
+                           bool, len(self.req_ids))
+        fix = held & (rejected > 0)
+        if fix.any():
+            st.num_tokens[self.rows[fix]] -= rejected[fix]
+            runner.spec_known[self.rows[fix]] += rejected[fix]
+        tokens = packed[:, :-2].tolist()
+        num_sampled = packed[:, -2].tolist()
+        num_drafts = packed[:, -1].tolist()
         out: dict[str, SampledTokens] = {}
         for j, rid in enumerate(self.req_ids):
             m = num_sampled[j]
-            i = int(self.rows[j])
-            rejected = int(self.counts[j]) - m
-            if rejected and st.req_ids[i] == rid:  # (the row may have a new request by now)
-                st.num_tokens[i] -= rejected
-                runner.spec_known[i] += rejected
             got = SampledTokens(tokens[j][:m], num_drafts=num_drafts[j])
             if lp is not None and self.want_logprobs[j]:
                 got.logprobs = [dict(zip(lp[0][j][q], lp[1][j][q])) for q in range(m)]

@@ -94,6 +94,7 @@ def test_async_verify_steps_are_lossless_and_overlapped(arch, models, monkeypatc
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     log: list[int] = []
     monkeypatch.setattr(model_runner_mod, "ngram_propose", _scripted_drafter(want, log))
+    monkeypatch.setattr(model_runner_mod, "FUSED_GREEDY_COMMIT", False)  # (drafts its own)
     llm = _llm(model_dir, max_num_seqs=2, max_num_batched_tokens=9)  # chunked, staggered
     overlapped = _count_overlapped_steps(llm)
     assert _generate(llm) == want
@@ -126,3 +127,38 @@ def test_async_device_ngram_with_preemption_and_stops(models, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == [w[:n] for w, n in zip(want, lens)]
     assert sum(r.num_preemptions for r in seen) > 0
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
+
+
+def test_fused_greedy_commit_equals_the_separate_ops(models, monkeypatch):
+    """Greedy verify steps through ops/spec_commit.commit_greedy (acceptance, commit and the
+    next drafts in one launch) and through the rejection sampler, commit_sampled and
+    ngram_propose in turn: HF's tokens, and the same drafts and acceptances (long enough for
+    the tiny model to repeat itself, so some drafts are accepted)."""
+    import krait.ops.spec_commit as spec_commit_mod
+
+    model_dir, _ = models("llama")
+    want = hf_greedy(model_dir, PROMPTS, 24)[0]
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    fused_calls = [0]
+    commit_greedy = spec_commit_mod.commit_greedy
+
+    def counted(*args):
+        fused_calls[0] += 1
+        return commit_greedy(*args)
+
+    monkeypatch.setattr(model_runner_mod, "commit_greedy", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    stats = []
+    for fused in (True, False):
+        monkeypatch.setattr(model_runner_mod, "FUSED_GREEDY_COMMIT", fused)
+        llm = _llm(model_dir)
+        assert _generate(llm, params) == want
+        s = llm.llm_engine.get_stats()
+        stats.append({k: v for k, v in s.items() if k.startswith("spec_decode")})
+        if fused:
+            assert fused_calls[0] > 0
+            calls = fused_calls[0]
+    assert fused_calls[0] == calls  # the second run took the separate ops
+    assert stats[0] == stats[1]
+    assert 0 < stats[0]["spec_decode_num_accepted_tokens"] < stats[0][
+        "spec_decode_num_draft_tokens"]

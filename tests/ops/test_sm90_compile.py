@@ -452,3 +452,32 @@ def test_qwen3_next_router_compiles():
                      dict(logits_ptr=BF, w_ptr=F32, ids_ptr=I32),
                      dict(TOPK=10, TOPK_PAD=16, RENORM=True, ROUND_W=True, BLOCK_E=512, PDL=True))
     assert _fits(r) and r["pdl"], r
+
+
+I64 = "*i64"
+
+
+def test_speculative_commit_kernels_compile():
+    # the asynchronous ngram step's device work: the fused greedy accept + commit + drafts
+    # (a debug barrier inside a per-program branch, ngram_row called from it), and the
+    # separate kernels it replaces for sampled rows
+    types = dict(table_ptr=I32, rejected_ptr=I32, idx_ptr=I32, brow_ptr=I64, first_ptr=I64,
+                 lrow_ptr=I64, npos_ptr=I64, ids_ptr=I64, pos_ptr=I64, target_ptr=I64,
+                 out_ptr=I64)
+    r = compile_sm90("krait.ops.spec_commit", "_commit_greedy_kernel", types, dict(
+        MAX_N=4, BLOCK_N=4, BLOCK=256, BLOCK_K=4))
+    assert r["local"] == 0, r
+    r = compile_sm90("krait.ops.greedy_accept", "_greedy_accept_kernel", dict(
+        target_ptr=I64, drafts_ptr=I64, firsts_ptr=I64, ndraft_ptr=I64, tok_ptr=I64,
+        nsamp_ptr=I32), dict(BLOCK=4))
+    assert r["local"] == 0, r
+    r = compile_sm90("krait.ops.ngram_propose", "_ngram_propose_kernel", dict(
+        table_ptr=I32, rows_ptr=I32, ntok_ptr=I32, counts_ptr=I32), dict(
+        MAX_N=4, BLOCK=256, BLOCK_K=4))
+    assert r["local"] == 0, r
+    for delta in (False, True):
+        r = compile_sm90("krait.ops.spec_commit", "_commit_sampled_kernel", dict(
+            table_ptr=I32, rejected_ptr=I32, rows_ptr=I32, start_ptr=I64, delta_ptr=I32,
+            tok_ptr=I64, nsamp_ptr=I32, npos_ptr=I32, next_ptr=I32), dict(
+            HAS_NSAMP=True, HAS_DELTA=delta, BLOCK=4))
+        assert r["local"] == 0, r

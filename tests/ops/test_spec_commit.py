@@ -63,6 +63,22 @@ def test_commit_sampled_one_token_rows(impl):
     assert rejected.tolist() == [0, 0] and next_len.tolist() == [3, 1]
 
 
+@pytest.mark.parametrize("impl", [commit_sampled_ref, commit_sampled_triton], ids=["ref", "triton"])
+def test_commit_sampled_takes_true_int64_positions_without_delta(impl):
+    """delta None: start holds the true positions (the runner's: the positions the device
+    prepared, + 1), int64 as prepare_inputs makes them."""
+    table = torch.zeros(2, 8, dtype=I32)
+    rejected = torch.tensor([2, 0], dtype=I32)
+    rows = torch.tensor([1, 0], dtype=I32)
+    start = torch.tensor([6, 1], dtype=torch.int64)
+    tokens = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    next_len = torch.zeros(2, dtype=I32)
+    impl(table, rejected, rows, start, None, tokens, torch.tensor([3, 1], dtype=I32),
+         torch.tensor([3, 3], dtype=I32), next_len)
+    assert table.tolist() == [[0, 21, 0, 0, 0, 0, 0, 0], [0] * 6 + [11, 12]]
+    assert rejected.tolist() == [2 + 2, 0] and next_len.tolist() == [9, 2]
+
+
 def _random_rows(seed: int, num_rows: int, width: int, vocab: int):
     g = np.random.default_rng(seed)
     table = g.integers(0, vocab, size=(num_rows, width)).astype(np.int32)
@@ -102,3 +118,77 @@ def test_device_ngram_skips_padding_and_clips_at_the_table_end():
                          counts, 3, 1, 3)
     assert t.tolist() == want.tolist()
     assert counts.tolist() == [3, 0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_commit_greedy_equals_its_ops_in_sequence(seed):
+    """The fused kernel (greedy acceptance, commit at the true positions, the next ngram
+    drafts) against its reference, which runs greedy_accept, commit_sampled and
+    ngram_propose's references in turn: the same table, rejections and packed result. Rows:
+    verify rows of 1 + k tokens (drafts right or wrong) and a prefill row's last token."""
+    from krait.ops.spec_commit import commit_greedy_ref, commit_greedy_triton
+
+    g = np.random.default_rng(seed)
+    k, width = 3, 40
+    table, n = _random_rows(seed, num_rows=5, width=width, vocab=6)
+    # batch rows -> request rows (3: padding, here a "sampling" row too: it commits nothing)
+    idx = torch.tensor([3, 0, 4, -1, 1], dtype=I32)
+    counts = np.array([1 + k, 1 + k, 1, 1, 1 + k], dtype=np.int64)
+    batch_rows = np.array([0, 1, 2, 3, 4])
+    tokens_per_row = np.array([1 + k, 1 + k, 5, 1, 1 + k])
+    qsl = np.concatenate([[0], np.cumsum(tokens_per_row)])
+    firsts = np.array([qsl[0], qsl[1], qsl[3] - 1, qsl[3], qsl[4]])  # prefill row: last token
+    logits_rows = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    positions = np.zeros(qsl[-1], dtype=np.int64)
+    for b, (i, t) in enumerate(zip(idx.tolist(), tokens_per_row)):
+        if i >= 0:  # the row's tokens end where its table row's do
+            positions[qsl[b]: qsl[b] + t] = n[i] - t + np.arange(t)
+    input_ids = torch.from_numpy(g.integers(0, 6, qsl[-1]))
+    target = torch.from_numpy(g.integers(0, 6, int(counts.sum())))
+    input_ids[1:1 + k] = target[:k]  # batch row 0 accepts every draft
+    results = []
+    for impl in (commit_greedy_ref, commit_greedy_triton):
+        t = torch.from_numpy(table.copy())
+        rejected = torch.tensor([0, 1, 0, 2, 0], dtype=I32)
+        out = impl(t, rejected, idx, *(torch.from_numpy(a).long() for a in (
+            batch_rows, firsts, logits_rows, counts)), input_ids, torch.from_numpy(positions),
+            target, int(counts.max()), k, 1, 3)
+        results.append((t.tolist(), rejected.tolist(), out.tolist()))
+    assert results[0] == results[1]
+    out = results[0][2]
+    assert out[0][:k + 2] == target[: k + 1].tolist() + [k + 1]  # all accepted, then num_sampled
+    assert [row[-2] for row in out][2] == 1  # the prefill row samples one token
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_commit_greedy_real_sizes_gpu(rows):
+    """commit_greedy's kernel against its reference at a bench's sizes: 64 verify rows of
+    1 + 3 tokens over a 2048-token table, half the drafts right."""
+    from krait.ops.spec_commit import commit_greedy_ref, commit_greedy_triton
+
+    k, width = 3, 2048
+    table, n = _random_rows(1, num_rows=rows, width=width, vocab=151936)
+    n = np.maximum(n, 8)
+    per = 1 + k
+    positions = (n[:, None] - 1 + np.arange(per)).reshape(-1)
+    g = np.random.default_rng(2)
+    target = g.integers(0, 151936, rows * per)
+    input_ids = g.integers(0, 151936, rows * per)
+    right = g.random(rows * per) < 0.5
+    input_ids[1:][right[:-1]] = target[:-1][right[:-1]]
+    dev = "cuda"
+    args = [torch.arange(rows, dtype=I32, device=dev)] + [
+        torch.from_numpy(a).long().to(dev) for a in (
+            np.arange(rows), np.arange(rows) * per, np.arange(rows) * per,
+            np.full(rows, per))] + [torch.from_numpy(a).to(dev) for a in (
+                input_ids, positions, target)]
+    results = []
+    for impl in (commit_greedy_ref, commit_greedy_triton):
+        t = torch.from_numpy(table).to(dev)
+        rejected = torch.zeros(rows, dtype=I32, device=dev)
+        out = impl(t, rejected, *args, per, k, 1, 3)
+        results.append((t.cpu(), rejected.cpu(), out.cpu()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from krait.ops.argmax import argmax
+from krait.ops.greedy_accept import greedy_accept
 from krait.runner.input_batch import to_device
 from krait.runner.sampler import (
     LogprobsTensors,
@@ -127,6 +128,15 @@ class RejectionSampler(torch.nn.Module):
         if key != self._layout_key or self._layout is None:
             self._layout, self._layout_key = _layout(num_drafts, max_n, device), key
         lay = self._layout
+        plain = not (meta.banned or meta.bias or meta.needs_penalties)
+        if meta.all_greedy and plain and meta.max_num_logprobs is None:
+            # accept while the draft is the argmax: one launch (krait/ops/greedy_accept.py)
+            target = argmax(target_logits) if target_argmax is None else target_argmax  # [T]
+            packed = draft_token_ids.to(device=device, dtype=torch.int64, non_blocking=True)
+            tokens, num_sampled = greedy_accept(target, packed, lay.firsts, lay.num_drafts,
+                                                max_n)
+            return RejectionSamplerOutput(output_token_ids=tokens, num_sampled=num_sampled,
+                                          logprobs=None)
         if total_drafts:
             packed = draft_token_ids.to(device=device, dtype=torch.int64, non_blocking=True)
             # a valid draft is in the vocabulary; clamped so a bad one cannot fault a gather
@@ -135,22 +145,17 @@ class RejectionSampler(torch.nn.Module):
             drafts = torch.zeros(num_logits, dtype=torch.int64, device=device)  # [T]
             draft_probs = None
 
-        plain = not (meta.banned or meta.bias or meta.needs_penalties)
-        if meta.all_greedy and plain and meta.max_num_logprobs is None:
-            target = argmax(target_logits) if target_argmax is None else target_argmax  # [T]
-            accept, drawn = drafts == target, target
-        else:
-            x = target_logits
-            if not plain:  # only rows without drafts have these: their one position is starts[r]
-                x = target_logits.to(torch.float32, copy=True)  # [T, V]
-                starts = lay.at[:, 0]
-                x.index_copy_(
-                    0, starts, apply_bans_and_penalties(target_logits.index_select(0, starts), meta)
-                )
-            accept, drawn = _verify(
-                x, drafts, lay.is_draft, lay.draft_idx, draft_probs, lay.row_of, meta,
-                _seed_lists(meta, num_drafts),
+        x = target_logits
+        if not plain:  # only rows without drafts have these: their one position is starts[r]
+            x = target_logits.to(torch.float32, copy=True)  # [T, V]
+            starts = lay.at[:, 0]
+            x.index_copy_(
+                0, starts, apply_bans_and_penalties(target_logits.index_select(0, starts), meta)
             )
+        accept, drawn = _verify(
+            x, drafts, lay.is_draft, lay.draft_idx, draft_probs, lay.row_of, meta,
+            _seed_lists(meta, num_drafts),
+        )
 
         at = lay.at
         accepted = accept[at] & lay.draft_col  # [R, max_n]
@@ -187,6 +192,8 @@ class _Layout:
     at: torch.Tensor  # [R, max_n] int64: the logits row of (r, j) (clamped past n_r)
     cols: torch.Tensor  # [1, max_n] int64: j
     draft_col: torch.Tensor  # [R, max_n] bool: j < k_r
+    firsts: torch.Tensor  # [R] int64: the logits row of (r, 0)
+    num_drafts: torch.Tensor  # [R] int64: k_r
 
 
 def _layout(num_drafts: np.ndarray, max_n: int, device: torch.device) -> _Layout:
@@ -203,13 +210,15 @@ def _layout(num_drafts: np.ndarray, max_n: int, device: torch.device) -> _Layout
     cols = np.arange(max_n)
     at = np.minimum(firsts[:, None] + cols, num_logits - 1)  # [R, max_n]
     draft_col = cols < num_drafts[:, None]  # [R, max_n]
-    (row_of_t, pos_t, is_draft_t, draft_idx_t, at_t, cols_t, draft_col_t) = to_device(
-        [row_of, pos, is_draft, draft_idx, at, cols[None], draft_col],
+    (row_of_t, pos_t, is_draft_t, draft_idx_t, at_t, cols_t, draft_col_t, firsts_t,
+     num_drafts_t) = to_device(
+        [row_of, pos, is_draft, draft_idx, at, cols[None], draft_col, firsts, num_drafts],
         np.int64, device, tag="spec_verify",
     )
     return _Layout(
         row_of=row_of_t, pos=pos_t, is_draft=is_draft_t.bool(), draft_idx=draft_idx_t,
-        at=at_t, cols=cols_t, draft_col=draft_col_t.bool(),
+        at=at_t, cols=cols_t, draft_col=draft_col_t.bool(), firsts=firsts_t,
+        num_drafts=num_drafts_t,
     )
 
 
