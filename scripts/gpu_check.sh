@@ -55,7 +55,8 @@ case $what in
   spec)  # speculative decoding: the verify kernels at real sizes, then ngram drafts (k = 3)
     timeout 300 python3 -m pytest -q -m gpu tests/ops/test_selective_state_verify.py \
       tests/ops/test_causal_conv1d_verify.py tests/ops/test_paged_attention_split.py \
-      tests/models/test_spec_draft_chained.py -p no:cacheprovider 2>&1 | tail -15 \
+      tests/models/test_spec_draft_chained.py tests/ops/test_spec_commit.py \
+      tests/ops/test_greedy_accept.py -p no:cacheprovider 2>&1 | tail -15 \
       | tee "$LOG/kernels_spec.log"
     for m in ${SPEC_MODELS:-$TARGETS}; do
       bench_latency $m "_spec" --workload repetitive \
