@@ -30,8 +30,15 @@ def models(tmp_path_factory):
     def get(arch: str):
         if arch not in cache:
             path = tmp_path_factory.mktemp(arch)
-            d = (make_tiny_llama(path, arch="llama") if arch == "llama"
-                 else make_tiny_hybrid(path, arch))
+            if arch == "llama":
+                d = make_tiny_llama(path, arch="llama")
+            elif arch == "mamba2_repeating":
+                # tied embeddings and tiny weights: the residual stream stays near the input
+                # embedding, so greedy repeats the last token and ngram drafts get accepted
+                d = make_tiny_hybrid(path, "mamba2", tie_word_embeddings=True,
+                                     initializer_range=0.002)
+            else:
+                d = make_tiny_hybrid(path, arch)
             cache[arch] = (d, hf_greedy(d, PROMPTS, MAX_NEW)[0])
         return cache[arch]
 
@@ -67,9 +74,10 @@ def _llm(model_dir: str, **kw) -> LLM:
     return llm
 
 
-def _generate(llm: LLM, params: SamplingParams | None = None):
+def _generate(llm: LLM, params: SamplingParams | None = None,
+              prompts: list[list[int]] = PROMPTS):
     params = params or SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -129,15 +137,20 @@ def test_async_device_ngram_with_preemption_and_stops(models, monkeypatch):
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
 
 
-def test_fused_greedy_commit_equals_the_separate_ops(models, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "mamba2_repeating"])
+def test_fused_greedy_commit_equals_the_separate_ops(arch, models, monkeypatch):
     """Greedy verify steps through ops/spec_commit.commit_greedy (acceptance, commit and the
     next drafts in one launch) and through the rejection sampler, commit_sampled and
     ngram_propose in turn: HF's tokens, and the same drafts and acceptances (long enough for
-    the tiny model to repeat itself, so some drafts are accepted)."""
+    the tiny model to repeat itself, so some drafts are accepted). mamba2: the accepted
+    counts the fused launch returns also pick each row's recurrent state slot (a model that
+    repeats its last token, so that some drafts are accepted)."""
     import krait.ops.spec_commit as spec_commit_mod
 
-    model_dir, _ = models("llama")
-    want = hf_greedy(model_dir, PROMPTS, 24)[0]
+    model_dir, _ = models(arch)
+    # (the last prompt: a repeating model's ngram drafts for it may start with a wrong 9)
+    prompts = PROMPTS + [[8, 9, 10, 8]]
+    want = hf_greedy(model_dir, prompts, 24)[0]
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     fused_calls = [0]
     commit_greedy = spec_commit_mod.commit_greedy
@@ -152,7 +165,7 @@ def test_fused_greedy_commit_equals_the_separate_ops(models, monkeypatch):
     for fused in (True, False):
         monkeypatch.setattr(model_runner_mod, "FUSED_GREEDY_COMMIT", fused)
         llm = _llm(model_dir)
-        assert _generate(llm, params) == want
+        assert _generate(llm, params, prompts) == want
         s = llm.llm_engine.get_stats()
         stats.append({k: v for k, v in s.items() if k.startswith("spec_decode")})
         if fused:
@@ -160,5 +173,6 @@ def test_fused_greedy_commit_equals_the_separate_ops(models, monkeypatch):
             calls = fused_calls[0]
     assert fused_calls[0] == calls  # the second run took the separate ops
     assert stats[0] == stats[1]
-    assert 0 < stats[0]["spec_decode_num_accepted_tokens"] < stats[0][
-        "spec_decode_num_draft_tokens"]
+    accepted, drafted = (stats[0]["spec_decode_num_accepted_tokens"],
+                         stats[0]["spec_decode_num_draft_tokens"])
+    assert 0 < accepted < drafted
