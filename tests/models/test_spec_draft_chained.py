@@ -82,21 +82,24 @@ def test_chained_graphs_over_the_device_token_table(references, tmp_path,  # noq
     _check_greedy_continuations(draft_dir, seen)
 
 
-def test_chained_drafts_stay_on_the_device(references, tmp_path,  # noqa: F811
+@pytest.mark.parametrize("target", ["llama", "mamba2"])
+def test_chained_drafts_stay_on_the_device(target, references, tmp_path,  # noqa: F811
                                           monkeypatch) -> None:
     """With device token tables and the target's verify graphs (record=False): a chained call
     writes its drafts into the target's device table and returns placeholders without reading
     them back; the verify step reads them from its inputs and writes its sampled tokens on the
     device. The outputs stay HF's and the drafts (read back a call later) the draft's greedy
-    continuations."""
+    continuations. mamba2: a hybrid target (its verify rows' states) under a dense draft of
+    the same vocabulary (random: its drafts are mostly rejected)."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from krait.runner.spec_decode.draft_model import DEVICE_DRAFT
 
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.setattr(chained_graphs, "ENABLED", True)
-    ref = references("llama")
-    draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
-    llm = make_llm(ref, draft_dir, max_num_seqs=1)
+    ref = references(target)
+    draft_dir = (_perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03) if target == "llama"
+                 else make_tiny_llama(tmp_path / "draft"))
+    llm = make_llm(ref, draft_dir, max_num_seqs=1, max_model_len=256)
     runner = llm.llm_engine.runner
     runner.cuda_graphs = CudaGraphRunner(runner, record=False)
     runner.cuda_graphs.capture_all()
