@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from krait.ops.argmax import argmax
-from krait.runner.cuda_graphs import capture_sizes, capture_window, copy_tensors, warmup_stream
+from krait.runner.cuda_graphs import capture_each, capture_sizes, copy_tensors, record_graph
 from krait.runner.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -76,15 +76,10 @@ class ChainedDecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        if not self.record:
-            for n in self.sizes:
-                self._capture(n)
-            return
-        with capture_window(cuda=True) as cost:
-            for n in self.sizes:  # largest first: later graphs reuse its pool
-                self._capture(n)
-        logger.info("captured %d chained %d-step draft CUDA graphs (%.0f MiB, %.1f s)",
-                    len(self.sizes), self.steps, cost.bytes / 2**20, cost.seconds)
+        cost = capture_each(self.sizes, self._capture, self.record)
+        if cost is not None:
+            logger.info("captured %d chained %d-step draft CUDA graphs (%.0f MiB, %.1f s)",
+                        len(self.sizes), self.steps, cost.bytes / 2**20, cost.seconds)
 
     def _capture(self, n: int) -> None:
         r = self.runner
@@ -93,15 +88,7 @@ class ChainedDecodeGraphs:
         if not self.record:
             self.chains[n] = _Chain(None, batch, meta, None)
             return
-        stream = warmup_stream(torch.cuda.current_device())
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # Triton compiles and autotunes outside the graph
-                self._body(batch, meta)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            tokens = self._body(batch, meta)
+        graph, tokens = record_graph(lambda: self._body(batch, meta), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.chains[n] = _Chain(graph, batch, meta, tokens)

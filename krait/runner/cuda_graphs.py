@@ -79,6 +79,35 @@ class CaptureCost:
     seconds: float = 0.0
 
 
+def capture_each(sizes: list[int], capture, record: bool) -> CaptureCost | None:
+    """capture(n) for every size (largest first: later graphs reuse the first's pool); when
+    recording, all inside one `capture_window`, whose cost is returned (else None)."""
+    if not record:
+        for n in sizes:
+            capture(n)
+        return None
+    with capture_window(cuda=True) as cost:
+        for n in sizes:
+            capture(n)
+    return cost
+
+
+def record_graph(body, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`body()` warmed up twice on a side stream (Triton compiles and autotunes outside the
+    graph), then recorded into a new graph of memory pool `pool` (None: its own) -> (graph,
+    what the recorded body returned)."""
+    stream = warmup_stream(torch.cuda.current_device())
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
+
+
 @contextlib.contextmanager
 def capture_window(cuda: bool):
     """Around a series of graph captures: Python's cyclic GC collects first and is paused
@@ -165,16 +194,12 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        if not self.record:
-            for n in self.sizes:
-                self._capture(n)
-            return
-        with capture_window(cuda=True) as cost:
-            for n in self.sizes:  # largest first: later graphs reuse its pool
-                self._capture(n)
-        kind = "decode" if self.tokens_per_row == 1 else f"{self.tokens_per_row}-token verify"
-        logger.info("captured %d %s CUDA graphs (%.0f MiB, %.1f s)", len(self.sizes), kind,
-                    cost.bytes / 2**20, cost.seconds)
+        cost = capture_each(self.sizes, self._capture, self.record)
+        if cost is not None:
+            kind = ("decode" if self.tokens_per_row == 1
+                    else f"{self.tokens_per_row}-token verify")
+            logger.info("captured %d %s CUDA graphs (%.0f MiB, %.1f s)", len(self.sizes), kind,
+                        cost.bytes / 2**20, cost.seconds)
 
     def _capture(self, n: int) -> None:
         r = self.runner
@@ -189,15 +214,7 @@ class CudaGraphRunner:
             self.graphs[n] = _Graph(None, batch, meta, hidden_in,
                                     *self._body(batch, meta, hidden_in))
             return
-        stream = warmup_stream(torch.cuda.current_device())
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the graph
-                self._body(batch, meta, hidden_in)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            body = self._body(batch, meta, hidden_in)
+        graph, body = record_graph(lambda: self._body(batch, meta, hidden_in), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[n] = _Graph(graph, batch, meta, hidden_in, *body)

@@ -526,10 +526,7 @@ class ModelRunner:
         if full:
             n, per = len(v.rows), 1 + self.num_spec_tokens
             return ids[: n * per].view(n, per)[:, 1:].reshape(-1)
-        nd = v.counts - 1
-        drafts_before = v.cu[:-1] - np.arange(len(v.rows))  # drafts of the rows before each
-        at = np.repeat(v.first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
-        return ids[host_to_device(at.astype(np.int64), self.device)]
+        return ids[host_to_device(_draft_positions(v), self.device)]
 
     def _write_verified(self, v: _VerifyStep, out) -> bool:
         """Full verify rows' sampled tokens into the device token table, on the device (no
@@ -679,12 +676,8 @@ class ModelRunner:
                 self.num_spec_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
             num_sampled, logprobs = packed[:, -2], None
         else:
-            # the drafts: each decode row's input tokens after its first
-            nd = counts - 1
-            drafts_before = cu[:-1] - np.arange(len(rows))  # drafts of the rows before a row
-            draft_at = np.repeat(first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))
             rows_t, first_t, draft_at_t, npos_t = self._spec_index(
-                [rows, first, draft_at, counts])
+                [rows, first, _draft_positions(v), counts])
             out = self._reject(v, req_ids, batch.input_ids[draft_at_t])
             self.penalties.record(rows_i, out.output_token_ids[:, 0])  # no drafts: penalties
             # a row's first sampled token goes after its first verified position (true ones)
@@ -919,6 +912,15 @@ class _VerifyStep:
     counts: np.ndarray  # int32 [len(rows)] positions a row verifies: 1 + its drafts
     cu: np.ndarray  # int64 [len(rows) + 1] cumulative counts
     greedy: torch.Tensor | None = None  # int64 [cu[-1]]: the logits' argmax (verify graphs)
+
+
+def _draft_positions(v: _VerifyStep) -> np.ndarray:
+    """int64 [sum(counts - 1)]: where a verify step's drafts sit in its batch, in row order
+    (each sampling row's input tokens after its first)."""
+    nd = v.counts - 1
+    drafts_before = v.cu[:-1] - np.arange(len(v.rows))  # drafts of the rows before each row
+    return (np.repeat(v.first + 1 - drafts_before, nd) + np.arange(int(nd.sum()))).astype(
+        np.int64)
 
 
 class DeferredSample:
