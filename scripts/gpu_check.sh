@@ -58,6 +58,9 @@ case $what in
       tests/models/test_spec_draft_chained.py tests/ops/test_spec_commit.py \
       tests/ops/test_greedy_accept.py -p no:cacheprovider 2>&1 | tail -15 \
       | tee "$LOG/kernels_spec.log"
+    # the Mamba2 verify kernels at mamba2-1.3b's sizes: state tiles and warps, the gated norm
+    timeout 150 python3 scripts/bench_ssm_verify.py > "$LOG/ssm_verify.jsonl" 2>&1
+    echo "== mamba2 verify kernels (us a call)"; grep -v Warn "$LOG/ssm_verify.jsonl"; pack
     for m in ${SPEC_MODELS:-$TARGETS}; do
       bench_latency $m "_spec" --workload repetitive \
         --speculative-config '{"method":"ngram","num_speculative_tokens":3}'

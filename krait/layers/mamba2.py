@@ -179,6 +179,8 @@ class Mamba2Mixer(torch.nn.Module):
             set_spec(self.norm_weight, ShardSpec(0, full.intermediate, pieces["channels"]))
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        # with speculative decoding: (kept x, kept dt, kept B, replay_ctl), `replay_shapes`
+        self.ssm_replay: tuple[torch.Tensor, ...] | None = None
         self._A: torch.Tensor | None = None  # -exp(A_log) in float32, computed once
 
     def neg_A(self) -> torch.Tensor:
@@ -189,6 +191,16 @@ class Mamba2Mixer(torch.nn.Module):
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         d = self.d
         return (d.conv_dim, d.d_conv - 1), (d.num_heads, d.head_dim, d.d_state)
+
+    def replay_shapes(self, max_reqs: int, tokens: int) -> tuple[tuple[int, ...], ...]:
+        """Speculative decoding's kept inputs of the state update (`selective_state_verify`'s
+        deferred commit), for max_reqs request rows of at most `tokens` tokens a step: x
+        [2, R, S, H, P], dt [2, R, S, H], B [2, R, S, G, N]; the runner binds them as
+        `ssm_replay` (with the request rows' control words)."""
+        d = self.d
+        lead = (2, max_reqs, tokens)
+        return (*lead, d.num_heads, d.head_dim), (*lead, d.num_heads), (*lead, d.n_groups,
+                                                                         d.d_state)
 
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. A lone decode row on the Triton path takes the fusions
@@ -315,9 +327,11 @@ class Mamba2Mixer(torch.nn.Module):
         )
 
     def _verify_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """Speculative decoding's decode rows (1 + k tokens each): conv and state update from
-        the slot of the last accepted position, the state after every position kept in the
-        row's slots: y [num_decode_tokens, heads, P]."""
+        """Speculative decoding's decode rows (1 + k tokens each): the conv from the slot of
+        the last accepted position (the conv state after every position kept in the row's
+        slots), the state update with its deferred commit (the accepted tokens of the step
+        before replayed onto the committed state in slot column 0, this step's inputs kept):
+        y [num_decode_tokens, heads, P]."""
         from krait.ops.causal_conv1d_verify import causal_conv1d_verify
         from krait.ops.selective_state_verify import selective_state_verify
 
@@ -327,8 +341,10 @@ class Mamba2Mixer(torch.nn.Module):
         xbc_d = causal_conv1d_verify(xbc, self.conv_state, self.conv1d_weight.squeeze(1),
                                      self.conv1d_bias, *rows, d.activation)
         xs, B, C = self._split_xbc(xbc_d)
-        return selective_state_verify(self.ssm_state, xs, dt, self.neg_A(), B, C, self.D,
-                                      self.dt_bias, *rows, True, d.time_step_limit)
+        return selective_state_verify(
+            self.ssm_state, xs, dt, self.neg_A(), B, C, self.D, self.dt_bias,
+            meta.decode_query_start_loc, meta.decode_state_slots, meta.decode_idx_mapping,
+            self.ssm_replay, True, d.time_step_limit)
 
     def _prefill_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Varlen conv and chunked scan of the prefill rows: y [num_prefill_tokens, heads, P]."""

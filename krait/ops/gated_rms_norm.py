@@ -53,6 +53,15 @@ def _gated_rms_norm_kernel(
     tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], out, mask=mask)
 
 
+def _norm_warps(block_g: int, block_m: int) -> int:
+    """Warps a program: 16 for one group of 4096+ channels a program (Mamba2's one-group norm
+    of verify rows: 1.5-3.3 against 2.0-4.2 us a call on 4 warps, H100, 4 and 256 rows;
+    docs/benchmarks.md, session 30), else 4 (8 past 4096 elements a program)."""
+    if block_g >= 4096:
+        return 16
+    return 4 if block_g * block_m <= 4096 else 8
+
+
 def _rows(t: Tensor) -> Tensor:
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -60,9 +69,9 @@ def _rows(t: Tensor) -> Tensor:
 
 def gated_rms_norm_triton(
     x: Tensor, z: Tensor | None, weight: Tensor, eps: float, group_size: int,
-    gate_after: bool = False,
+    gate_after: bool = False, num_warps: int | None = None,
 ) -> Tensor:
-    """Triton launcher of `gated_rms_norm`."""
+    """Triton launcher of `gated_rms_norm` (`num_warps` overrides the warps a program)."""
     dim = x.shape[-1]
     assert dim % group_size == 0, "group_size must divide the channel count"
     assert weight.numel() in (dim, group_size)
@@ -81,7 +90,7 @@ def gated_rms_norm_triton(
             x2.stride(0), z2.stride(0), out.stride(0),
             HAS_Z=z is not None, BLOCK_M=block_m, BLOCK_G=block_g, GATE_AFTER=gate_after,
             GROUP_WEIGHT=weight.numel() != dim,
-            num_warps=4 if block_g * block_m <= 4096 else 8, **pdl_args(pdl),
+            num_warps=num_warps or _norm_warps(block_g, block_m), **pdl_args(pdl),
         )
     return out if x.dim() == 2 else out.view(x.shape)
 

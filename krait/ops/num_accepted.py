@@ -3,6 +3,10 @@
 `num_accepted[idx_mapping[b]] = max(num_sampled[b], 1)` for every batch row b whose
 idx_mapping is not -1. A row that sampled nothing (a prefill chunk, a non-last pipeline stage)
 gets 1, the neutral count: the next step starts from the slot of the first position.
+
+`fill_replay_ctl` writes the Mamba2 state update's control words for its deferred commit
+(krait/ops/selective_state_verify.py): a row with drafts keeps its accepted count and flips its
+parity; any other row (a prefill chunk, a decode row without drafts) keeps nothing.
 """
 
 from __future__ import annotations
@@ -73,3 +77,50 @@ def fill_num_accepted(num_accepted: Tensor, idx_mapping: Tensor, num_sampled: Te
         fill_num_accepted_triton(num_accepted, idx_mapping, num_sampled)
     else:
         fill_num_accepted_ref(num_accepted, idx_mapping, num_sampled)
+
+
+@triton.jit
+def _fill_replay_ctl_kernel(ctl_ptr, idx_mapping_ptr, num_sampled_ptr, drafts_ptr, n_rows,
+                            BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < n_rows
+    idx = tl.load(idx_mapping_ptr + offs, mask=in_range, other=-1)
+    keep = in_range & (idx >= 0)
+    n = tl.maximum(tl.load(num_sampled_ptr + offs, mask=in_range, other=1), 1)
+    drafts = tl.load(drafts_ptr + offs, mask=in_range, other=0)
+    old = tl.load(ctl_ptr + idx, mask=keep, other=0)
+    flipped = 1 - (old >> 16)
+    word = tl.where(drafts > 0, n | (flipped << 16), 0)
+    tl.store(ctl_ptr + idx, word.to(tl.int32), mask=keep)
+
+
+def fill_replay_ctl_ref(ctl: Tensor, idx_mapping: Tensor, num_sampled: Tensor,
+                        draft_counts: Tensor) -> None:
+    draft_counts = draft_counts[: idx_mapping.shape[0]]
+    keep = idx_mapping >= 0
+    if not bool(keep.any()):
+        return
+    idx = idx_mapping[keep].long()
+    n = num_sampled[keep].to(torch.int32).clamp(min=1)
+    flipped = 1 - (ctl[idx] >> 16)
+    ctl[idx] = torch.where(draft_counts[keep] > 0, n | (flipped << 16), 0).to(torch.int32)
+
+
+def fill_replay_ctl_triton(ctl: Tensor, idx_mapping: Tensor, num_sampled: Tensor,
+                           draft_counts: Tensor) -> None:
+    n_rows = idx_mapping.shape[0]
+    if n_rows == 0:
+        return
+    block = 128
+    _fill_replay_ctl_kernel[(cdiv(n_rows, block),)](
+        ctl, idx_mapping, num_sampled, draft_counts[:n_rows], n_rows, BLOCK=block)
+
+
+def fill_replay_ctl(ctl: Tensor, idx_mapping: Tensor, num_sampled: Tensor,
+                    draft_counts: Tensor) -> None:
+    """ctl int32 [max_reqs] (in place): for each batch row b with idx_mapping[b] >= 0,
+    `max(num_sampled[b], 1) | (1 - parity) << 16` where draft_counts[b] > 0 (a verify row
+    with drafts: its accepted tokens wait in the replay buffers it wrote at 1 - parity), else 0.
+    idx_mapping, num_sampled int32 [B]; draft_counts int32 [>= B]."""
+    fn = fill_replay_ctl_triton if use_triton(ctl) else fill_replay_ctl_ref
+    fn(ctl, idx_mapping, num_sampled, draft_counts)

@@ -1,12 +1,29 @@
-"""Mamba2 state update over a speculative verify batch: 1 + k tokens a row, a state slot a token.
+"""Mamba2 state update over a speculative verify batch (1 + k tokens a row) with a deferred
+commit: a verify row's state after its positions is not written; its inputs are kept, and the
+next step replays the accepted ones onto the committed state before its own tokens.
 
-Row r holds n_r = query_start_loc[r + 1] - query_start_loc[r] packed tokens (1 <= n_r <= S) and
-owns S state slots state_slots[r, 0..S-1]. It starts from the state in slot column
-num_accepted[idx_mapping[r]] - 1 (the position its last step accepted), advances it token by
-token with `selective_state_update`'s recurrence, and writes the state as of token j to slot
-state_slots[r, j]. The running state stays in float32 between tokens (it is rounded to the
-state's dtype only where it is stored). A row with idx_mapping -1 or state_slots[r, 0] -1 is
-skipped: nothing is written and its output rows are unspecified; so are those of tokens past S.
+Row r holds n_r = query_start_loc[r + 1] - query_start_loc[r] packed tokens (1 <= n_r <= S)
+and owns the state slot state_slots[r, 0] (the committed state) and its request's replay
+entries. Each request row q = idx_mapping[r] has a control word replay_ctl[q] = count |
+parity << 16: `count` tokens of the previous step, kept in the replay buffers at `parity`,
+were accepted and are not yet in the committed state.
+
+A program of row r:
+1. loads the committed state, replays the `count` kept tokens (x, raw dt, B: the state
+   update's own inputs, so the result is the state the step before would have written), and
+   writes it back when it replayed anything and the row has drafts (n_r > 1);
+2. advances through the row's own tokens, writing y for each;
+3. n_r > 1 (a row with drafts): keeps the tokens' x, dt and B at parity 1 - parity (the
+   programs of this step still read the other half) and writes no state; n_r == 1 (a decode
+   row without drafts): writes the state after its token, as a decode step would.
+
+`fill_replay_ctl` (after sampling) sets each row's next control word: the accepted count and the
+flipped parity for rows with drafts, 0 (nothing kept) for the others. A state slot so holds the
+state at the request's last committed position; rows are written 1 + (count > 0) times a step at
+most, against 1 + k for a state after every verified position (docs/architecture.md,
+invariant 2). The running state stays in float32 between tokens and is rounded to the state's
+dtype only where it is stored. A row with idx_mapping -1 or state_slots[r, 0] -1 is skipped:
+nothing is written and its output rows are unspecified; so are those of tokens past S.
 """
 
 import torch
@@ -14,7 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from krait.ops._dispatch import cdiv, next_pow2, use_triton
+from krait.ops._dispatch import cdiv, interpreting, next_pow2, use_triton
+from krait.ops.mamba_ssd import softplus_clamp
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.selective_state_update import (
     _block_p,
@@ -22,98 +40,144 @@ from krait.ops.selective_state_update import (
     ssu_advance,
     ssu_warps,
 )
-from krait.ops.verify_ref import verify_start_states
+
+PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
+COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
 # ----------------------------------------------------------------------------- triton
+
+
+def verify_tile(rows: int, heads: int, head_dim: int, d_state: int, state_bytes: int
+                ) -> tuple[int, int]:
+    """(state rows a program, warps). Few (row, head) pairs (batch 1): the decode update's 4 KB
+    tiles and warps, for programs enough to fill the SMs; many: 16 KB tiles on 4 warps, so the
+    per-token loads, softplus and reductions are paid over 4x the state (H100, mamba2-1.3b's
+    sizes at batch 64, fp32 state: 118 us a call against 131 for 4 KB tiles; docs/benchmarks.md,
+    session 30)."""
+    if interpreting() or rows * heads < 1024:
+        block_p = _block_p(head_dim, d_state, state_bytes)
+        return block_p, ssu_warps(rows * heads * cdiv(head_dim, block_p))
+    return max(1, min(next_pow2(head_dim), 16384 // (next_pow2(d_state) * state_bytes))), 4
 
 
 @triton.jit
 def _ssv_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr,
-    qsl_ptr, slots_ptr, num_acc_ptr, idx_ptr,
+    qsl_ptr, slots_ptr, ctl_ptr, idx_ptr, rx_ptr, rdt_ptr, rb_ptr,
     head_dim, d_state, heads_per_group, num_cols, dt_min, dt_max,
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
     stride_x_t, stride_x_h, stride_x_p, stride_dt_t, stride_dt_h,
     stride_B_t, stride_B_g, stride_B_n, stride_C_t, stride_C_g, stride_C_n,
-    stride_y_t, stride_y_h, stride_sl_r, stride_sl_c,
+    stride_y_t, stride_y_h, stride_sl_r,
+    stride_rx_par, stride_rx_q, stride_rx_j, stride_rx_h,
+    stride_rdt_par, stride_rdt_q, stride_rdt_j,
+    stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
     # One program: batch row r, head h, BLOCK_P rows of the [P, N] state (all of N), over the
-    # row's tokens with the state tile in registers.
+    # kept tokens, then the row's own, with the state tile in registers.
     r = tl.program_id(0)
     h = tl.program_id(1)
+    pb = tl.program_id(2)
     req = tl.load(idx_ptr + r)
-    slots_row = slots_ptr + r * stride_sl_r
-    first = tl.load(slots_row)
-    if (req >= 0) & (first >= 0):
-        col = tl.minimum(tl.maximum(tl.load(num_acc_ptr + req) - 1, 0), num_cols - 1)
-        src = tl.load(slots_row + col * stride_sl_c)
+    slot = tl.load(slots_ptr + r * stride_sl_r)
+    if (req >= 0) & (slot >= 0):
+        ctl = tl.load(ctl_ptr + req)
+        count = ctl & 0xFFFF
+        par = ctl >> 16
         start = tl.load(qsl_ptr + r)
         n = tl.minimum(tl.load(qsl_ptr + r + 1) - start, num_cols)
-        offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         p_ok = offs_p < head_dim
         n_ok = offs_n < d_state
         tile_ok = p_ok[:, None] & n_ok[None, :]
         tile = h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
-        state = tl.load(state_ptr + tl.maximum(src, 0).to(tl.int64) * stride_s_slot + tile,
-                        mask=tile_ok, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
+        s_ptrs = state_ptr + slot.to(tl.int64) * stride_s_slot + tile
+        state = tl.load(s_ptrs, mask=tile_ok, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
         a_h = tl.load(A_ptr + h).to(tl.float32)
         d_h = tl.load(D_ptr + h).to(tl.float32)
         dt_bias_h = tl.load(dt_bias_ptr + h).to(tl.float32)
         g = h // heads_per_group
-        # the source slot may be a destination too (column 0 when nothing was accepted): every
-        # thread's read of it lands before any thread's first store
-        tl.debug_barrier()
+        q64 = req.to(tl.int64)
+        kept_x = rx_ptr + q64 * stride_rx_q + h * stride_rx_h + offs_p
+        kept_dt = rdt_ptr + q64 * stride_rdt_q + h
+        kept_b = rb_ptr + q64 * stride_rb_q + g * stride_rb_g + offs_n
+        for j in range(0, count):  # the previous step's accepted tokens
+            x = tl.load(kept_x + par * stride_rx_par + j * stride_rx_j, mask=p_ok,
+                        other=0.0).to(tl.float32)
+            dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
+            bv = tl.load(kept_b + par * stride_rb_par + j * stride_rb_j, mask=n_ok,
+                         other=0.0).to(tl.float32)
+            dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+            state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
+        if (count > 0) & (n > 1):
+            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
+        keep = n > 1
+        out = 1 - par
+        keep_b = keep & (pb == 0) & (h % heads_per_group == 0)  # one program a (row, group)
         for j in range(0, n):
             t = start + j
-            x = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                        mask=p_ok, other=0.0).to(tl.float32)
-            dt = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h).to(tl.float32)
-            bv = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
-                         mask=n_ok, other=0.0).to(tl.float32)
+            x_raw = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
+                            mask=p_ok, other=0.0)
+            dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h)
+            b_raw = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
+                            mask=n_ok, other=0.0)
             cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
                          mask=n_ok, other=0.0).to(tl.float32)
-            state, y = ssu_advance(state, x, dt + dt_bias_h, bv, cv, a_h, d_h, dt_min, dt_max,
+            state, y = ssu_advance(state, x_raw.to(tl.float32), dt_raw.to(tl.float32) + dt_bias_h,
+                                   b_raw.to(tl.float32), cv, a_h, d_h, dt_min, dt_max,
                                    DT_SOFTPLUS, DT_CLAMP)
             tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
                      y.to(y_ptr.dtype.element_ty), mask=p_ok)
-            dst = tl.load(slots_row + j * stride_sl_c)
-            tl.store(state_ptr + tl.maximum(dst, 0).to(tl.int64) * stride_s_slot + tile,
-                     state.to(state_ptr.dtype.element_ty), mask=tile_ok & (dst >= 0))
+            tl.store(kept_x + out * stride_rx_par + j * stride_rx_j,
+                     x_raw.to(rx_ptr.dtype.element_ty), mask=p_ok & keep)
+            tl.store(kept_dt + out * stride_rdt_par + j * stride_rdt_j,
+                     dt_raw.to(rdt_ptr.dtype.element_ty), mask=keep & (pb == 0))
+            tl.store(kept_b + out * stride_rb_par + j * stride_rb_j,
+                     b_raw.to(rb_ptr.dtype.element_ty), mask=n_ok & keep_b)
+        if n == 1:
+            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
 
 
 def selective_state_verify_triton(
     ssm_state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-    dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, num_accepted: Tensor,
-    idx_mapping: Tensor, dt_softplus: bool = True,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
+    replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
-    """Triton launcher of `selective_state_verify`; returns y [T, H, P]."""
+    """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
+    `num_warps` override `verify_tile`'s choice (scripts/bench_ssm_verify.py sweeps them)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
-    rows, num_cols = state_slots.shape
+    rows = state_slots.shape[0]
     y = torch.empty((num_tokens, heads, head_dim), dtype=x.dtype, device=x.device)  # [T, H, P]
     if num_tokens == 0 or rows == 0:
         return y
+    kept_x, kept_dt, kept_b, ctl = replay
+    num_cols = kept_x.shape[2]  # S: the most tokens a row keeps (and runs)
+    assert kept_x.stride(-1) == 1 and kept_b.stride(-1) == 1, "kept x and B: unit last stride"
     slots = state_slots.to(torch.int32)
-    block_p = _block_p(head_dim, d_state, ssm_state.element_size())
+    tile_p, warps = verify_tile(rows, heads, head_dim, d_state, ssm_state.element_size())
+    block_p = block_p or tile_p
     clamp = dt_limit != (0.0, float("inf"))
     grid = (rows, heads, cdiv(head_dim, block_p))
     _ssv_kernel[grid](
         ssm_state, x, dt, A, B, C, D, dt_bias, y,
-        query_start_loc.to(torch.int32), slots, num_accepted.to(torch.int32),
-        idx_mapping.to(torch.int32),
+        query_start_loc.to(torch.int32), slots, ctl, idx_mapping.to(torch.int32),
+        kept_x, kept_dt, kept_b,
         head_dim, d_state, heads // groups, num_cols,
         float(dt_limit[0]), float(dt_limit[1]) if clamp else 0.0,
         *ssm_state.stride(), *x.stride(), *dt.stride()[:2], *B.stride(), *C.stride(),
-        *y.stride()[:2], *slots.stride(),
+        *y.stride()[:2], slots.stride(0),
+        *kept_x.stride()[:4], *kept_dt.stride()[:3], *kept_b.stride()[:4],
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state), **pdl_args(use_pdl(x)),
-        num_warps=ssu_warps(grid[0] * grid[1] * grid[2]),
+        num_warps=num_warps or warps,
     )
     return y
 
@@ -123,34 +187,57 @@ def selective_state_verify_triton(
 
 def selective_state_verify_ref(
     ssm_state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-    dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, num_accepted: Tensor,
-    idx_mapping: Tensor, dt_softplus: bool = True,
+    dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
+    replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
 ) -> Tensor:
-    """Torch reference of `selective_state_verify`: the rows' running states in a float32
-    scratch [R, H, P, N], advanced one token position at a time by
-    `selective_state_update_ref` (all rows still holding a token at that position at once)."""
-    rows, num_cols = state_slots.shape
+    """Torch reference of `selective_state_verify`: the live rows' states in a float32 scratch
+    [R, H, P, N], advanced one position at a time by `selective_state_update_ref` (every row
+    still holding a kept token, then a token of its own, at that position at once)."""
+    rows = state_slots.shape[0]
     y = torch.zeros_like(x)  # [T, H, P]
     if rows == 0 or x.shape[0] == 0:
         return y
+    kept_x, kept_dt, kept_b, ctl = replay
+    num_cols = kept_x.shape[2]  # S
     qsl = query_start_loc.long()
-    # scratch [R, H, P, N]
-    slots, live, scratch = verify_start_states(ssm_state, state_slots, num_accepted, idx_mapping)
-    lens = (qsl[1:] - qsl[:-1]).clamp(max=num_cols)  # [R]
+    req = idx_mapping.long()
+    slot = state_slots[:, 0].long()
+    live = (req >= 0) & (slot >= 0)  # [R]
+    q = req.clamp(min=0)
+    word = ctl[q].long()
+    count = torch.where(live, word & COUNT_MASK, 0)  # [R]
+    par = word >> PARITY_SHIFT  # [R]
+    lens = torch.where(live, (qsl[1:] - qsl[:-1]).clamp(max=num_cols), 0)  # [R]
+    scratch = torch.zeros((rows, *ssm_state.shape[1:]), dtype=torch.float32,
+                          device=ssm_state.device)  # [R, H, P, N]
+    scratch[live] = ssm_state[slot[live]].float()
     row_ids = torch.arange(rows, device=x.device)
+    no_c = torch.zeros_like(kept_b[0, 0, 0])  # [G, N]: the replay's outputs are not used
+    for j in range(int(count.max())):
+        act = row_ids[count > j]  # rows with a kept token at position j
+        selective_state_update_ref(
+            scratch, kept_x[par[act], q[act], j], kept_dt[par[act], q[act], j], A,
+            kept_b[par[act], q[act], j], no_c.expand(act.numel(), -1, -1), D, dt_bias,
+            act.to(torch.int32), dt_softplus, dt_limit)
+    commit = (count > 0) & (lens > 1)
+    ssm_state[slot[commit]] = scratch[commit].to(ssm_state.dtype)
     for j in range(int(lens.max())):
-        act = row_ids[live & (lens > j)]  # rows with a token at position j
-        if act.numel() == 0:
-            continue
+        act = row_ids[lens > j]  # rows with a token at position j
         tok = qsl[act] + j  # [n]
         y[tok] = selective_state_update_ref(
             scratch, x[tok], dt[tok], A, B[tok], C[tok], D, dt_bias, act.to(torch.int32),
             dt_softplus, dt_limit,
         )
-        dst = slots[act, j]
-        keep = dst >= 0
-        ssm_state[dst[keep]] = scratch[act[keep]].to(ssm_state.dtype)
+        kept = act[lens[act] > 1]
+        if kept.numel():
+            t = qsl[kept] + j
+            out = 1 - par[kept]
+            kept_x[out, q[kept], j] = x[t].to(kept_x.dtype)
+            kept_dt[out, q[kept], j] = dt[t].to(kept_dt.dtype)
+            kept_b[out, q[kept], j] = B[t].to(kept_b.dtype)
+    single = lens == 1
+    ssm_state[slot[single]] = scratch[single].to(ssm_state.dtype)
     return y
 
 
@@ -159,26 +246,20 @@ def selective_state_verify_ref(
 
 def selective_state_verify(
     ssm_state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-    dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, num_accepted: Tensor,
-    idx_mapping: Tensor, dt_softplus: bool = True,
+    dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
+    replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
 ) -> Tensor:
-    """The selective state update of a verify batch (1 + k tokens a row); returns y [T, H, P]
-    in x's dtype.
+    """The selective state update of a verify batch (1 + k tokens a row) with the deferred
+    commit of the module docstring; returns y [T, H, P] in x's dtype.
 
     ssm_state [num_slots, H, P, N] (fp32 or bf16) updated in place; x [T, H, P]; dt [T, H]
     raw; A (float32, -exp(A_log)), D, dt_bias [H]; B, C [T, G, N]; query_start_loc int32
-    [R + 1]; state_slots int32 [R, S]: row r reads slot state_slots[r, num_accepted[
-    idx_mapping[r]] - 1] and writes its state after token j to state_slots[r, j];
-    num_accepted int32 [max_reqs] (1..S); idx_mapping int32 [R] (-1: skip the row, as is a
-    row whose state_slots[r, 0] is -1).
+    [R + 1]; state_slots int32 [R, >= 1] (column 0: the row's committed state); idx_mapping
+    int32 [R] (-1: skip the row, as is a row whose state_slots[r, 0] is -1); replay = (kept x
+    [2, max_reqs, S, H, P], kept dt [2, max_reqs, S, H], kept B [2, max_reqs, S, G, N] in x's,
+    dt's and B's dtypes, replay_ctl int32 [max_reqs]), written by rows with drafts.
     """
-    if use_triton(x):
-        return selective_state_verify_triton(
-            ssm_state, x, dt, A, B, C, D, dt_bias, query_start_loc, state_slots, num_accepted,
-            idx_mapping, dt_softplus, dt_limit,
-        )
-    return selective_state_verify_ref(
-        ssm_state, x, dt, A, B, C, D, dt_bias, query_start_loc, state_slots, num_accepted,
-        idx_mapping, dt_softplus, dt_limit,
-    )
+    fn = selective_state_verify_triton if use_triton(x) else selective_state_verify_ref
+    return fn(ssm_state, x, dt, A, B, C, D, dt_bias, query_start_loc, state_slots, idx_mapping,
+              replay, dt_softplus, dt_limit)

@@ -88,8 +88,10 @@ def test_invariant_3_no_speculative_buffers_without_speculation(checkpoints, arc
         enforce_eager=True,  # graph replays would hide the layer inputs
     )
     state = hybrid_state(llm)
-    assert state.num_accepted_tokens is None
+    assert state.num_accepted_tokens is None and state.replay_ctl is None
     assert state.slots_per_request == 1
+    # no kept inputs for the deferred commit either
+    assert all(getattr(m, "ssm_replay", None) is None for m in state.mamba_layers)
     metas = record_mixer_inputs(llm)
     generate(llm, PROMPTS[:5])
     assert any(m.num_decodes and m.num_prefills for m in metas), "expected mixed steps"
@@ -113,6 +115,13 @@ def test_invariant_3_speculative_buffers_mark_rows(checkpoints) -> None:
     assert state.num_accepted_tokens is not None
     assert state.num_accepted_tokens.dtype == torch.int32
     assert state.num_accepted_tokens.tolist() == [1, 1, 1, 1]
+    # the Mamba2 state update's deferred commit: a control word a request row, nothing kept
+    assert state.replay_ctl.dtype == torch.int32 and state.replay_ctl.tolist() == [0] * 4
+    state.allocate_caches(8, 4 * state.slots_per_request)  # the engine is not stepped again
+    for m in state.mamba_layers:
+        kept_x, kept_dt, kept_b, ctl = m.ssm_replay
+        assert ctl is state.replay_ctl
+        assert kept_x.shape[:3] == kept_dt.shape[:3] == kept_b.shape[:3] == (2, 4, 3)
     block_size = llm.llm_engine.config.cache.block_size
     states = RequestStates(4, 64, cdiv(64, block_size), state.slots_per_request)
     state.request_states = states

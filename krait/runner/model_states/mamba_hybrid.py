@@ -9,7 +9,7 @@ import torch
 from krait.config import EngineConfig, resolve_dtype
 from krait.layers.mamba2 import MambaMetadata
 from krait.ops._dispatch import use_triton
-from krait.ops.num_accepted import fill_num_accepted
+from krait.ops.num_accepted import fill_num_accepted, fill_replay_ctl
 from krait.runner.attention_metadata import StepMetadata
 from krait.runner.input_batch import InputBatch, host_to_device, to_device
 from krait.runner.model_states.default import DefaultModelState
@@ -20,7 +20,9 @@ class MambaHybridModelState(DefaultModelState):
     layer) to the KV cache.
 
     A running request owns 1 slot without speculative decoding (1 + k with k draft tokens).
-    Slots are reset when (re)assigned. `num_accepted_tokens` exists only with speculation on."""
+    Slots are reset when (re)assigned. `num_accepted_tokens`, `replay_ctl` and the Mamba2
+    layers' kept inputs (`ssm_replay`: their state update's deferred commit) exist only with
+    speculation on."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         super().__init__(model, config)
@@ -40,12 +42,17 @@ class MambaHybridModelState(DefaultModelState):
         self._ssm_dtype_auto = ssm == "auto"
         self.conv_dtype = config.model.dtype
         self.num_accepted_tokens: torch.Tensor | None = None
+        self.replay_ctl: torch.Tensor | None = None
+        self.max_reqs = config.scheduler.max_num_seqs
         if spec is not None:
             # int32 per request row; 1 is the neutral count
             self.num_accepted_tokens = torch.ones(
-                config.scheduler.max_num_seqs, dtype=torch.int32, device=self.device
+                self.max_reqs, dtype=torch.int32, device=self.device
             )
+            # int32 per request row: the Mamba2 state update's kept tokens (0: none)
+            self.replay_ctl = torch.zeros(self.max_reqs, dtype=torch.int32, device=self.device)
         self._state_indices_np = None
+        self._step_drafts: torch.Tensor | None = None
 
     # -- cache sizing and allocation -----------------------------------------------------
     def layer_ssm_dtype(self, m: torch.nn.Module) -> torch.dtype:
@@ -61,7 +68,20 @@ class MambaHybridModelState(DefaultModelState):
             conv, ssm = m.state_shapes()
             s = torch.empty((), dtype=self.layer_ssm_dtype(m)).element_size()
             total += int(np.prod(conv)) * c + int(np.prod(ssm)) * s
-        return total
+        # the kept inputs belong to request rows, not slots: their share of each request's slots
+        return total + -(-self._replay_bytes() // (self.max_reqs * self.slots_per_request))
+
+    def _replay_layers(self) -> list[torch.nn.Module]:
+        """The layers whose state update defers its commit (Mamba2 mixers), with speculation
+        on; none otherwise."""
+        if self.replay_ctl is None:
+            return []
+        return [m for m in self.mamba_layers if hasattr(m, "replay_shapes")]
+
+    def _replay_bytes(self) -> int:
+        size = torch.empty((), dtype=self.conv_dtype).element_size()
+        return sum(int(np.prod(shape)) * size for m in self._replay_layers()
+                   for shape in m.replay_shapes(self.max_reqs, self.slots_per_request))
 
     def allocate_caches(self, num_blocks: int, num_slots: int) -> None:
         super().allocate_caches(num_blocks, num_slots)
@@ -76,6 +96,10 @@ class MambaHybridModelState(DefaultModelState):
             ).transpose(1, 2)
             m.ssm_state = torch.zeros((num_slots, *ssm), dtype=self.layer_ssm_dtype(m),
                                       device=self.device)
+        for m in self._replay_layers():  # in the model dtype, as the state update's inputs
+            kept = [torch.zeros(shape, dtype=self.conv_dtype, device=self.device)
+                    for shape in m.replay_shapes(self.max_reqs, self.slots_per_request)]
+            m.ssm_replay = (*kept, self.replay_ctl)
 
     # -- requests -----------------------------------------------------------------------
     def add_requests(self, new: list[tuple[int, list[int]]],
@@ -97,6 +121,7 @@ class MambaHybridModelState(DefaultModelState):
         if self.num_accepted_tokens is not None:
             rows = host_to_device([i for i, _ in new], self.device, torch.long)
             self.num_accepted_tokens.index_fill_(0, rows, 1)
+            self.replay_ctl.index_fill_(0, rows, 0)
 
     def _slot_rows(self, slots: list[int]) -> list[torch.Tensor]:
         """Each layer's conv and SSM state rows of these slots, contiguous views (the conv
@@ -179,6 +204,9 @@ class MambaHybridModelState(DefaultModelState):
             (meta.num_decode_draft_tokens, meta.decode_query_start_loc,
              meta.decode_state_slots) = views[3:]
             meta.decode_idx_mapping = batch.idx_mapping[: npad - npf]
+            # the step's draft counts, for its postprocess_state (device memory a graph's
+            # next refill overwrites only after that, in stream order)
+            self._step_drafts = meta.num_decode_draft_tokens
         return meta
 
     def _verify_arrays(self, batch: InputBatch, ndec: int) -> list[np.ndarray]:
@@ -202,8 +230,12 @@ class MambaHybridModelState(DefaultModelState):
         num_sampled: torch.Tensor | int,
         num_computed_tokens: torch.Tensor | None = None,
     ) -> None:
-        """Records each row's accepted count (0 -> 1; -1 rows skipped). Without speculative
-        decoding every step accepts exactly one position: nothing to record."""
+        """Records each row's accepted count (0 -> 1; -1 rows skipped) and the Mamba2 state
+        update's control words (`fill_replay_ctl`, from this step's draft counts). Without
+        speculative decoding every step accepts exactly one position: nothing to record."""
         if self.num_accepted_tokens is None:
             return
         fill_num_accepted(self.num_accepted_tokens, idx_mapping, num_sampled)
+        if self._step_drafts is not None and isinstance(num_sampled, torch.Tensor):
+            fill_replay_ctl(self.replay_ctl, idx_mapping, num_sampled.to(torch.int32),
+                            self._step_drafts)

@@ -1,0 +1,115 @@
+"""Times Mamba2's verify-step kernels at mamba2-1.3b's sizes (64 heads x 64 x 128, one group,
+fp32 state), one JSON line a measurement, microseconds a call (a CUDA graph of LAYERS calls,
+each on its own state tensor, as the model's layers are):
+
+- `selective_state_verify` (its deferred commit: every row replays k + 1 kept tokens, then runs
+  its own 1 + k) over state tiles and warps;
+- the decode step's `selective_state_update`, for scale;
+- the gated RMSNorm of the verify rows (1 + k rows a request, one 4096-wide group) over warps.
+0 in block_p / warps: the launcher's own choice.
+
+Usage (GPU): PYTHONPATH=. python3 scripts/bench_ssm_verify.py [--batches 1,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+
+from krait.ops.gated_rms_norm import gated_rms_norm_triton
+from krait.ops.selective_state_update import selective_state_update_triton
+from krait.ops.selective_state_verify import selective_state_verify_triton
+
+H, P, N, G = 64, 64, 128, 1
+LAYERS, REPLAYS = 48, 20
+
+
+def graph_us(calls) -> float:
+    """Median microseconds a call of `calls` captured in one CUDA graph."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def inputs(batch: int, k: int, dev):
+    t = batch * (1 + k)
+    g = torch.Generator(device=dev).manual_seed(0)
+    xbc = torch.randn(t, H * P + 2 * G * N, device=dev, generator=g).bfloat16()
+    x = xbc[:, : H * P].view(t, H, P)
+    B = xbc[:, H * P : H * P + G * N].view(t, G, N)
+    C = xbc[:, H * P + G * N :].view(t, G, N)
+    dt = (torch.randn(t, H, device=dev, generator=g) * 0.5 - 1).bfloat16()
+    A = -torch.rand(H, device=dev, generator=g).exp()
+    D = torch.randn(H, device=dev, generator=g)
+    dt_bias = torch.rand(H, device=dev, generator=g) - 0.5
+    qsl = torch.arange(0, t + 1, 1 + k, device=dev, dtype=torch.int32)
+    return x, dt, A, B, C, D, dt_bias, qsl
+
+
+def bench_batch(batch: int, k: int, dev) -> None:
+    """Prints the JSON lines of one batch size."""
+    x, dt, A, B, C, D, dt_bias, qsl = inputs(batch, k, dev)
+    cols = 1 + k
+    idx = torch.arange(batch, device=dev, dtype=torch.int32)
+    states = [torch.randn(batch, H, P, N, device=dev) * 0.1 for _ in range(LAYERS)]
+    rec = {"batch": batch, "k": k, "state_GB_per_layer": batch * H * P * N * 4 / 1e9}
+    # the decode step: one token a row, a slot a row
+    slots = torch.arange(batch, device=dev, dtype=torch.int32)
+    decode = [partial(selective_state_update_triton, s, x[::cols], dt[::cols], A, B[::cols],
+                      C[::cols], D, dt_bias, slots) for s in states]
+    print(json.dumps({**rec, "kernel": "decode_update", "us": graph_us(decode)}), flush=True)
+    # every request replays k + 1 kept tokens (all accepted: the most work), then its own
+    kept = [(torch.zeros(2, batch, cols, H, P, device=dev, dtype=torch.bfloat16),
+             torch.zeros(2, batch, cols, H, device=dev, dtype=torch.bfloat16),
+             torch.zeros(2, batch, cols, G, N, device=dev, dtype=torch.bfloat16),
+             torch.full((batch,), cols, device=dev, dtype=torch.int32)) for _ in range(LAYERS)]
+    for bp in (0, 8, 16, 32, 64):  # 0: verify_tile's choice
+        for w in (0,) if bp == 0 else (4, 8):
+            calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias, qsl,
+                             slots[:, None], idx, r, block_p=bp or None, num_warps=w or None)
+                     for s, r in zip(states, kept)]
+            print(json.dumps({**rec, "kernel": "verify", "block_p": bp, "warps": w,
+                              "us": graph_us(calls)}), flush=True)
+    # the gated norm of the verify rows
+    y = torch.randn(batch * cols, H * P, device=dev).bfloat16()
+    z = torch.randn(batch * cols, H * P, device=dev).bfloat16()
+    weight = torch.randn(H * P, device=dev).bfloat16()
+    for w in (0, 4, 8, 16, 32):
+        calls = [partial(gated_rms_norm_triton, y, z, weight, 1e-5, H * P, num_warps=w or None)]
+        print(json.dumps({**rec, "kernel": "gated_norm", "warps": w,
+                          "us": graph_us(calls * LAYERS)}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--k", type=int, default=3)
+    args = ap.parse_args()
+    for batch in [int(b) for b in args.batches.split(",")]:
+        bench_batch(batch, args.k, torch.device("cuda"))
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
