@@ -69,12 +69,13 @@ class MambaHybridModelState(DefaultModelState):
             s = torch.empty((), dtype=self.layer_ssm_dtype(m)).element_size()
             total += int(np.prod(conv)) * c + int(np.prod(ssm)) * s
         # the kept inputs belong to request rows, not slots: their share of each request's slots
-        return total + -(-self._replay_bytes() // (self.max_reqs * self.slots_per_request))
+        replay = self._replay_bytes()
+        return total + (-(-replay // (self.max_reqs * self.slots_per_request)) if replay else 0)
 
     def _replay_layers(self) -> list[torch.nn.Module]:
         """The layers whose state update defers its commit (Mamba2 mixers), with speculation
         on; none otherwise."""
-        if self.replay_ctl is None:
+        if getattr(self, "replay_ctl", None) is None:  # (also a sizing-only instance)
             return []
         return [m for m in self.mamba_layers if hasattr(m, "replay_shapes")]
 
