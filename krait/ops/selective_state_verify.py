@@ -42,9 +42,6 @@ from krait.ops.selective_state_update import (
 )
 
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
-# a row with drafts computes its tokens' outputs from the replayed state by dot products (its
-# later states are never stored) instead of advancing the state tile token by token
-Y_BY_DOTS = True
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
 # ----------------------------------------------------------------------------- triton
@@ -53,14 +50,13 @@ COUNT_MASK = (1 << PARITY_SHIFT) - 1
 def verify_tile(rows: int, heads: int, head_dim: int, d_state: int, state_bytes: int
                 ) -> tuple[int, int]:
     """(state rows a program, warps). Few (row, head) pairs (batch 1): the decode update's 4 KB
-    tiles and warps, for programs enough to fill the SMs; many: 16 KB tiles on 4 warps, so the
-    per-token loads, softplus and reductions are paid over 4x the state (H100, mamba2-1.3b's
-    sizes at batch 64, fp32 state: 118 us a call against 131 for 4 KB tiles; docs/benchmarks.md,
-    session 30)."""
+    tiles and warps, for programs enough to fill the SMs; many: 8 KB tiles on 4 warps (H100,
+    mamba2-1.3b's sizes at batch 64, fp32 state, 4 tokens replayed and 4 run a row: 161 us a
+    call against 217 for 4 KB and 168 for 16 KB tiles; docs/benchmarks.md, session 30)."""
     if interpreting() or rows * heads < 1024:
         block_p = _block_p(head_dim, d_state, state_bytes)
         return block_p, ssu_warps(rows * heads * cdiv(head_dim, block_p))
-    return max(1, min(next_pow2(head_dim), 16384 // (next_pow2(d_state) * state_bytes))), 4
+    return max(1, min(next_pow2(head_dim), 8192 // (next_pow2(d_state) * state_bytes))), 4
 
 
 @triton.jit
@@ -76,7 +72,7 @@ def _ssv_kernel(
     stride_rdt_par, stride_rdt_q, stride_rdt_j,
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, Y_BY_DOTS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -131,29 +127,9 @@ def _ssv_kernel(
                             mask=n_ok, other=0.0)
             cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
                          mask=n_ok, other=0.0).to(tl.float32)
-            if Y_BY_DOTS and keep:
-                # the row's states past the replay are never stored: y_j = C_j . h_j with h_j
-                # unrolled back to h (the state after the replay): (prod_{i<=j} a_i) C_j . h +
-                # sum_{s<=j} (prod_{s<i<=j} a_i) dt_s x_s (B_s . C_j), one FMA an element a
-                # token instead of a full state update
-                acc = tl.zeros([BLOCK_P], dtype=tl.float32)
-                decay = a_h * 0.0 + 1.0
-                for i in range(0, j + 1):  # s = j, j - 1, ..., 0
-                    s = t - i
-                    xs = tl.load(x_ptr + s * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                                 mask=p_ok, other=0.0).to(tl.float32)
-                    dts = softplus_clamp(
-                        tl.load(dt_ptr + s * stride_dt_t + h * stride_dt_h).to(tl.float32)
-                        + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-                    bs = tl.load(B_ptr + s * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
-                                 mask=n_ok, other=0.0).to(tl.float32)
-                    acc += (decay * dts * tl.sum(bs * cv, axis=0)) * xs
-                    decay = decay * tl.exp(dts * a_h)
-                y = decay * tl.sum(state * cv[None, :], axis=1) + acc + d_h * x_raw.to(tl.float32)
-            else:
-                state, y = ssu_advance(state, x_raw.to(tl.float32),
-                                       dt_raw.to(tl.float32) + dt_bias_h, b_raw.to(tl.float32),
-                                       cv, a_h, d_h, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
+            state, y = ssu_advance(state, x_raw.to(tl.float32), dt_raw.to(tl.float32) + dt_bias_h,
+                                   b_raw.to(tl.float32), cv, a_h, d_h, dt_min, dt_max,
+                                   DT_SOFTPLUS, DT_CLAMP)
             tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
                      y.to(y_ptr.dtype.element_ty), mask=p_ok)
             tl.store(kept_x + out * stride_rx_par + j * stride_rx_j,
@@ -171,11 +147,10 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None, y_by_dots: bool | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
-    """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p`,
-    `num_warps` and `y_by_dots` override `verify_tile`'s choice and `Y_BY_DOTS`
-    (scripts/bench_ssm_verify.py sweeps them)."""
+    """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
+    `num_warps` override `verify_tile`'s choice (scripts/bench_ssm_verify.py sweeps them)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     rows = state_slots.shape[0]
@@ -201,7 +176,7 @@ def selective_state_verify_triton(
         *kept_x.stride()[:4], *kept_dt.stride()[:3], *kept_b.stride()[:4],
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state), **pdl_args(use_pdl(x)),
-        num_warps=num_warps or warps, Y_BY_DOTS=Y_BY_DOTS if y_by_dots is None else y_by_dots,
+        num_warps=num_warps or warps,
     )
     return y
 
