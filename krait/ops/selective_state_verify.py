@@ -42,7 +42,6 @@ from krait.ops.selective_state_update import (
 )
 
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
-PREFETCH = True  # the token loops load a token ahead
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
 # ----------------------------------------------------------------------------- triton
@@ -73,7 +72,7 @@ def _ssv_kernel(
     stride_rdt_par, stride_rdt_q, stride_rdt_j,
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -106,37 +105,12 @@ def _ssv_kernel(
         kept_x = rx_ptr + q64 * stride_rx_q + h * stride_rx_h + offs_p
         kept_dt = rdt_ptr + q64 * stride_rdt_q + h
         kept_b = rb_ptr + q64 * stride_rb_q + g * stride_rb_g + offs_n
-        kept_x = kept_x + par * stride_rx_par
-        kept_dt = kept_dt + par * stride_rdt_par
-        kept_b = kept_b + par * stride_rb_par
-        x_ptrs = x_ptr + h * stride_x_h + offs_p * stride_x_p
-        dt_ptrs = dt_ptr + h * stride_dt_h
-        b_ptrs = B_ptr + g * stride_B_g + offs_n * stride_B_n
-        c_ptrs = C_ptr + g * stride_C_g + offs_n * stride_C_n
-        # PREFETCH: each loop loads the token after the one it computes (the first ones are
-        # loaded beside the state), so a token's loads wait behind the work before it, not
-        # in front of it
-        has = count > 0
-        kx = tl.load(kept_x, mask=p_ok & has, other=0.0)
-        kdt = tl.load(kept_dt, mask=has, other=0.0)
-        kb = tl.load(kept_b, mask=n_ok & has, other=0.0)
-        x_raw = tl.load(x_ptrs + start * stride_x_t, mask=p_ok, other=0.0)
-        dt_raw = tl.load(dt_ptrs + start * stride_dt_t)
-        b_raw = tl.load(b_ptrs + start * stride_B_t, mask=n_ok, other=0.0)
-        c_raw = tl.load(c_ptrs + start * stride_C_t, mask=n_ok, other=0.0)
         for j in range(0, count):  # the previous step's accepted tokens
-            x = kx.to(tl.float32)
-            dt = kdt.to(tl.float32)
-            bv = kb.to(tl.float32)
-            if PREFETCH:
-                nxt = j + 1 < count
-                kx = tl.load(kept_x + (j + 1) * stride_rx_j, mask=p_ok & nxt, other=0.0)
-                kdt = tl.load(kept_dt + (j + 1) * stride_rdt_j, mask=nxt, other=0.0)
-                kb = tl.load(kept_b + (j + 1) * stride_rb_j, mask=n_ok & nxt, other=0.0)
-            else:
-                x = tl.load(kept_x + j * stride_rx_j, mask=p_ok, other=0.0).to(tl.float32)
-                dt = tl.load(kept_dt + j * stride_rdt_j).to(tl.float32)
-                bv = tl.load(kept_b + j * stride_rb_j, mask=n_ok, other=0.0).to(tl.float32)
+            x = tl.load(kept_x + par * stride_rx_par + j * stride_rx_j, mask=p_ok,
+                        other=0.0).to(tl.float32)
+            dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
+            bv = tl.load(kept_b + par * stride_rb_par + j * stride_rb_j, mask=n_ok,
+                         other=0.0).to(tl.float32)
             dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
             state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
         if (count > 0) & (n > 1):
@@ -146,32 +120,24 @@ def _ssv_kernel(
         keep_b = keep & (pb == 0) & (h % heads_per_group == 0)  # one program a (row, group)
         for j in range(0, n):
             t = start + j
-            x_cur = x_raw
-            dt_cur = dt_raw
-            b_cur = b_raw
-            c_cur = c_raw
-            if PREFETCH:
-                nxt = j + 1 < n
-                x_raw = tl.load(x_ptrs + (t + 1) * stride_x_t, mask=p_ok & nxt, other=0.0)
-                dt_raw = tl.load(dt_ptrs + (t + 1) * stride_dt_t, mask=nxt, other=0.0)
-                b_raw = tl.load(b_ptrs + (t + 1) * stride_B_t, mask=n_ok & nxt, other=0.0)
-                c_raw = tl.load(c_ptrs + (t + 1) * stride_C_t, mask=n_ok & nxt, other=0.0)
-            else:
-                x_cur = tl.load(x_ptrs + t * stride_x_t, mask=p_ok, other=0.0)
-                dt_cur = tl.load(dt_ptrs + t * stride_dt_t)
-                b_cur = tl.load(b_ptrs + t * stride_B_t, mask=n_ok, other=0.0)
-                c_cur = tl.load(c_ptrs + t * stride_C_t, mask=n_ok, other=0.0)
-            state, y = ssu_advance(state, x_cur.to(tl.float32), dt_cur.to(tl.float32) + dt_bias_h,
-                                   b_cur.to(tl.float32), c_cur.to(tl.float32), a_h, d_h, dt_min,
-                                   dt_max, DT_SOFTPLUS, DT_CLAMP)
+            x_raw = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
+                            mask=p_ok, other=0.0)
+            dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h)
+            b_raw = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
+                            mask=n_ok, other=0.0)
+            cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
+                         mask=n_ok, other=0.0).to(tl.float32)
+            state, y = ssu_advance(state, x_raw.to(tl.float32), dt_raw.to(tl.float32) + dt_bias_h,
+                                   b_raw.to(tl.float32), cv, a_h, d_h, dt_min, dt_max,
+                                   DT_SOFTPLUS, DT_CLAMP)
             tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
                      y.to(y_ptr.dtype.element_ty), mask=p_ok)
-            tl.store(kept_x + (out - par) * stride_rx_par + j * stride_rx_j,
-                     x_cur.to(rx_ptr.dtype.element_ty), mask=p_ok & keep)
-            tl.store(kept_dt + (out - par) * stride_rdt_par + j * stride_rdt_j,
-                     dt_cur.to(rdt_ptr.dtype.element_ty), mask=keep & (pb == 0))
-            tl.store(kept_b + (out - par) * stride_rb_par + j * stride_rb_j,
-                     b_cur.to(rb_ptr.dtype.element_ty), mask=n_ok & keep_b)
+            tl.store(kept_x + out * stride_rx_par + j * stride_rx_j,
+                     x_raw.to(rx_ptr.dtype.element_ty), mask=p_ok & keep)
+            tl.store(kept_dt + out * stride_rdt_par + j * stride_rdt_j,
+                     dt_raw.to(rdt_ptr.dtype.element_ty), mask=keep & (pb == 0))
+            tl.store(kept_b + out * stride_rb_par + j * stride_rb_j,
+                     b_raw.to(rb_ptr.dtype.element_ty), mask=n_ok & keep_b)
         if n == 1:
             tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
 
@@ -181,11 +147,10 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None, prefetch: bool | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
-    """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p`,
-    `num_warps` and `prefetch` override `verify_tile`'s choice and PREFETCH
-    (scripts/bench_ssm_verify.py sweeps them)."""
+    """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
+    `num_warps` override `verify_tile`'s choice (scripts/bench_ssm_verify.py sweeps them)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     rows = state_slots.shape[0]
@@ -211,7 +176,7 @@ def selective_state_verify_triton(
         *kept_x.stride()[:4], *kept_dt.stride()[:3], *kept_b.stride()[:4],
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state), **pdl_args(use_pdl(x)),
-        num_warps=num_warps or warps, PREFETCH=PREFETCH if prefetch is None else prefetch,
+        num_warps=num_warps or warps,
     )
     return y
 
