@@ -14,7 +14,7 @@
 - `RayExecutor` (krait/distributed/ray_executor.py): the same workers as Ray actors.
 
 Every executor offers: `profiles` (one RankProfile a rank), `initialize(num_blocks,
-num_slots)`, `execute_model(sched) -> pending` (`.result()` -> {req_id: SampledTokens},
+num_slots, num_conv_slots=0)`, `execute_model(sched) -> pending` (`.result()` -> {req_id: SampledTokens},
 `.waited_s`), `propose_drafts(req_ids)`, `shutdown()`."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Executor:
     profiles: list[RankProfile]
     runner = None  # the in-process ModelRunner (UniExecutor only)
 
-    def initialize(self, num_blocks: int, num_slots: int) -> None:
+    def initialize(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
         raise NotImplementedError
 
     def execute_model(self, sched):
@@ -96,8 +96,8 @@ class UniExecutor(Executor):
         self.execute_model = self.runner.execute_model
         self.propose_drafts = self.runner.propose_drafts
 
-    def initialize(self, num_blocks: int, num_slots: int) -> None:
-        self.runner.initialize_cache(num_blocks, num_slots)
+    def initialize(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
+        self.runner.initialize_cache(num_blocks, num_slots, num_conv_slots)
         self.runner.capture_cuda_graphs()
 
 
@@ -305,8 +305,8 @@ class MultiprocExecutor(Executor):
         return [self._wait(r, "reply")[1] for r in ranks]
 
     # -- the interface ------------------------------------------------------------------
-    def initialize(self, num_blocks: int, num_slots: int) -> None:
-        self._call("initialize", num_blocks, num_slots)
+    def initialize(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
+        self._call("initialize", num_blocks, num_slots, num_conv_slots)
 
     def execute_model(self, sched) -> _RemotePending:
         self._step += 1

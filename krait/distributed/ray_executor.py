@@ -30,8 +30,8 @@ class _RayWorker:
     def profile(self):
         return self.worker.profile()
 
-    def initialize(self, num_blocks: int, num_slots: int) -> None:
-        self.worker.initialize(num_blocks, num_slots)
+    def initialize(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
+        self.worker.initialize(num_blocks, num_slots, num_conv_slots)
 
     def execute(self, sched):
         """The step; the output rank returns its tokens, the others None."""
@@ -102,10 +102,10 @@ class RayExecutor(Executor):
         logger.info("started %d Ray workers (tp=%d, pp=%d)", world, par.tensor_parallel_size,
                     par.pipeline_parallel_size)
 
-    def initialize(self, num_blocks: int, num_slots: int) -> None:
+    def initialize(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
         import ray
 
-        ray.get([a.initialize.remote(num_blocks, num_slots) for a in self.actors])
+        ray.get([a.initialize.remote(num_blocks, num_slots, num_conv_slots) for a in self.actors])
 
     def execute_model(self, sched) -> _RayPending:
         return _RayPending([a.execute.remote(sched) for a in self.actors], self.output_rank)

@@ -39,6 +39,9 @@ class RankProfile:
     chunk_size: int | None
     num_spec_tokens: int
     has_drafter: bool
+    # speculative decoding's conv-only slots (`ModelState.conv_only_columns`) and their bytes
+    conv_only_columns: int = 0
+    conv_bytes_per_slot: int = 0
 
 
 def rank_profile(runner, config: EngineConfig) -> RankProfile:
@@ -51,7 +54,8 @@ def rank_profile(runner, config: EngineConfig) -> RankProfile:
         budget = int(config.cache.cpu_kv_cache_gib * 2**30)
     return RankProfile(ms.kv_bytes_per_block(), ms.state_bytes_per_slot(), budget,
                        ms.slots_per_request, getattr(ms, "chunk_size", None),
-                       runner.num_spec_tokens, runner.drafter is not None)
+                       runner.num_spec_tokens, runner.drafter is not None,
+                       ms.conv_only_columns, ms.conv_bytes_per_slot())
 
 
 class Worker:
@@ -96,8 +100,8 @@ class Worker:
     def profile(self) -> RankProfile:
         return rank_profile(self.runner, self.config)
 
-    def initialize(self, num_blocks: int, num_slots: int) -> None:
-        self.runner.initialize_cache(num_blocks, num_slots)
+    def initialize(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
+        self.runner.initialize_cache(num_blocks, num_slots, num_conv_slots)
         self.runner.capture_cuda_graphs()
 
     def execute_model(self, sched):

@@ -48,7 +48,10 @@ class LLMEngine:
         try:
             self.state_block_size = self._state_block_size()
             num_blocks, num_slots, num_snapshots = self._size_cache()
-            self.executor.initialize(num_blocks, num_slots + num_snapshots)
+            # conv-only slots (ids past the full and snapshot slots): speculative decoding's
+            # per-position conv windows when the recurrent state is committed once a step
+            num_conv = config.scheduler.max_num_seqs * self._conv_only_columns()
+            self.executor.initialize(num_blocks, num_slots + num_snapshots, num_conv)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -57,6 +60,7 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             state_block_size=self.state_block_size,
             snapshot_slots=list(range(num_slots, num_slots + num_snapshots)),
+            conv_slots=list(range(num_slots + num_snapshots, num_slots + num_snapshots + num_conv)),
         )
         # pipeline parallel: a queue of micro-batches, P in flight with async scheduling
         pp = config.parallel.pipeline_parallel_size
@@ -133,20 +137,29 @@ class LLMEngine:
             logger.info("prefix caching: %d recurrent state snapshots", snapshots)
         return blocks, slots_only, snapshots
 
+    def _conv_only_columns(self) -> int:
+        """Slots a request takes from the conv-only pool (the same on every rank with
+        recurrent layers; 0 without speculation or with layers that keep full states)."""
+        return min((p.conv_only_columns for p in self.executor.profiles
+                    if p.state_bytes_per_slot), default=0)
+
     def _size_rank_cache(self, prof: RankProfile) -> tuple[int, int, int, int]:
-        """One rank's (blocks, slots, snapshots, its bytes per block)."""
+        """One rank's (blocks, full state slots, snapshots, its bytes per block)."""
         cc, sc = self.config.cache, self.config.scheduler
         per_block = prof.kv_bytes_per_block
         per_slot = prof.state_bytes_per_slot
-        slots = sc.max_num_seqs * self.executor.slots_per_request
-        budget = prof.budget
-        if slots and slots * per_slot > budget:
+        conv_only = self._conv_only_columns()
+        slots = sc.max_num_seqs * (self.executor.slots_per_request - conv_only)
+        conv_bytes = sc.max_num_seqs * conv_only * prof.conv_bytes_per_slot
+        if slots and slots * per_slot + conv_bytes > prof.budget:
             raise ValueError(
                 f"max_num_seqs={sc.max_num_seqs}: the recurrent state of that many requests needs "
-                f"{slots * per_slot / 2**30:.2f} GiB but only {budget / 2**30:.2f} GiB is free for "
+                f"{(slots * per_slot + conv_bytes) / 2**30:.2f} GiB but only "
+                f"{prof.budget / 2**30:.2f} GiB is free for "
                 "the cache; lower max_num_seqs or give the cache more memory "
                 "(gpu_memory_utilization, or cpu_kv_cache_gib on CPU)"
             )
+        budget = prof.budget - conv_bytes  # what the full slots, snapshots and blocks share
         snapshots = self._num_snapshots(budget - slots * per_slot, per_slot)
         slots_only = slots
         slots += snapshots

@@ -45,7 +45,11 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         state_block_size: int = 0,
         snapshot_slots: list[int] | None = None,
+        conv_slots: list[int] | None = None,
     ) -> None:
+        """`conv_slots`: a pool of conv-only state slots (speculative decoding's per-position
+        conv windows under Mamba2's deferred commit); a request then takes its first slot from
+        the `num_state_slots` full ones and the other slots_per_request - 1 from this pool."""
         # num_blocks == 0: the model has no attention layers (pure state-space model).
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -74,6 +78,8 @@ class KVCacheManager:
         self.num_state_slots = num_state_slots
         self.slots_per_request = slots_per_request
         self._free_slots: deque[int] = deque(range(num_state_slots))
+        self._free_conv_slots: deque[int] | None = deque(conv_slots) if conv_slots else None
+        self._conv_slot_ids = frozenset(conv_slots or ())
 
     # -- attention blocks ---------------------------------------------------------------
     @property
@@ -243,9 +249,17 @@ class KVCacheManager:
         """Gives a request its state slots if it has none; False if the pool is short."""
         if self.slots_per_request == 0 or request.state_slots:
             return True
-        if len(self._free_slots) < self.slots_per_request:
+        conv = self._free_conv_slots
+        if conv is None:
+            if len(self._free_slots) < self.slots_per_request:
+                return False
+            request.state_slots = [self._free_slots.popleft()
+                                   for _ in range(self.slots_per_request)]
+            return True
+        if not self._free_slots or len(conv) < self.slots_per_request - 1:
             return False
-        request.state_slots = [self._free_slots.popleft() for _ in range(self.slots_per_request)]
+        request.state_slots = [self._free_slots.popleft(),
+                               *(conv.popleft() for _ in range(self.slots_per_request - 1))]
         return True
 
     # -- both -------------------------------------------------------------------------
@@ -260,7 +274,8 @@ class KVCacheManager:
         request.snapshot_cut = 0
         self._keys.pop(request.request_id, None)
         self._published.pop(request.request_id, None)
-        self._free_slots.extend(request.state_slots)
+        for slot in request.state_slots:
+            (self._free_conv_slots if slot in self._conv_slot_ids else self._free_slots).append(slot)
         request.state_slots = []
 
     def usage(self) -> float:

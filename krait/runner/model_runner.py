@@ -113,9 +113,11 @@ class ModelRunner:
         self._spec_index_val: list[torch.Tensor] = []
 
     # -- set-up -----------------------------------------------------------------------
-    def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
+    def initialize_cache(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
+        """`num_conv_slots`: conv-only state slots past the `num_slots` full ones
+        (`ModelState.conv_only_columns`)."""
         self.num_blocks, self.num_slots = num_blocks, num_slots
-        self.model_state.allocate_caches(num_blocks, num_slots)
+        self.model_state.allocate_caches(num_blocks, num_slots, num_conv_slots)
         max_blocks = cdiv(self.max_model_len, self.block_size) if num_blocks else 0
         self.states = RequestStates(
             self.config.scheduler.max_num_seqs,

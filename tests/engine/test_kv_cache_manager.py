@@ -110,3 +110,22 @@ def test_usage_counts_blocks() -> None:
     assert kv.usage() == pytest.approx(0.5)
     kv.free(r)
     assert kv.usage() == 0.0
+
+
+def test_conv_only_slots_fill_the_later_columns() -> None:
+    # speculative decoding under Mamba2's deferred commit: a request's first slot is a full one
+    # (conv window + SSM state), its other slots_per_request - 1 conv-only; each returns to its
+    # own pool
+    kv = KVCacheManager(num_blocks=0, block_size=16, num_state_slots=2, slots_per_request=3,
+                        conv_slots=[5, 6, 7])
+    a, b, c = _req("a"), _req("b"), _req("c")
+    assert kv.allocate_slots(a) and a.state_slots[0] in (0, 1)
+    assert set(a.state_slots[1:]) <= {5, 6, 7} and len(a.state_slots) == 3
+    assert not kv.allocate_slots(b)  # a full slot is left, but only one conv-only slot
+    assert b.state_slots == [] and kv.num_free_slots == 1
+    kv.free(a)
+    assert kv.allocate_slots(b) and b.state_slots[0] in (0, 1)
+    assert set(b.state_slots[1:]) <= {5, 6, 7}
+    assert not kv.allocate_slots(c) and kv.num_free_slots == 1
+    kv.free(b)
+    assert kv.num_free_slots == 2 and kv.allocate_slots(c)

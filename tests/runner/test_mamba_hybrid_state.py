@@ -21,7 +21,7 @@ from krait.outputs import CompletionOutput
 from krait.runner.input_batch import build_input_batch
 from krait.runner.model_states.mamba_hybrid import MambaHybridModelState
 from krait.runner.request_states import RequestStates
-from tests.utils import ARCHS, device_options
+from tests.utils import ARCHS, device_options, make_tiny_model
 
 ATTENTION_HYBRIDS = ["bamba", "granitemoehybrid", "nemotronh", "falconh1"]
 PROMPT_LENS = [1, 5, 13, 16, 17, 29, 33, 40]
@@ -139,6 +139,48 @@ def test_invariant_3_speculative_buffers_mark_rows(checkpoints) -> None:
     assert meta.decode_state_slots.tolist() == [[3, 4, 5]]
     assert meta.decode_idx_mapping.tolist() == [states.index["decode"]]
     assert meta.decode_state_slots.dtype == meta.decode_query_start_loc.dtype == torch.int32
+
+
+def test_invariant_5_verify_columns_take_conv_only_slots(checkpoints, tmp_path) -> None:
+    # Mamba2's SSM state is committed once a step from slot column 0, so columns 1..k are
+    # conv windows alone: conv-only slots past the full ones, with no SSM state behind them.
+    # Gated DeltaNet layers keep a full state per position: no conv-only slots for them
+    llm = LLM(checkpoints("mamba2"), **device_options(), max_num_seqs=4)
+    state = speculative_state(llm, k=2)
+    assert state.conv_only_columns == 2
+    assert 0 < state.conv_bytes_per_slot() < state.state_bytes_per_slot()
+    state.allocate_caches(8, 5, 8)  # 4 request slots + 1 snapshot, 4 x 2 conv-only
+    for m in state.mamba_layers:
+        assert m.ssm_state.shape[0] == 5 and m.conv_state.shape[0] == 13
+    # a reset touches a conv-only slot's window and nothing past the SSM state's rows
+    for m in state.mamba_layers:
+        m.conv_state.fill_(1.0)
+        m.ssm_state.fill_(1.0)
+    state.add_requests([(0, [2, 9, 12])])
+    for m in state.mamba_layers:
+        assert m.conv_state[[2, 9, 12]].abs().sum() == 0 and m.conv_state[3].min() == 1
+        assert m.ssm_state[2].abs().sum() == 0 and m.ssm_state[3].min() == 1
+    assert speculative_state(llm, k=0).conv_only_columns == 0
+    gdn = LLM(make_tiny_model(tmp_path / "qwen3next", "qwen3next"), **device_options(),
+              max_num_seqs=2)
+    assert speculative_state(gdn, k=2).conv_only_columns == 0
+
+
+def test_engine_sizes_conv_only_slots(checkpoints) -> None:
+    # with ngram drafts (k = 3) a mamba2 engine holds max_num_seqs full slots and 3 conv-only
+    # slots a request; the state memory a request is 1 full slot + 3 conv windows
+    llm = LLM(checkpoints("mamba2"), **device_options(), max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    kv, state = engine.kv, hybrid_state(llm)
+    assert kv.num_state_slots == 4 and len(kv._free_conv_slots) == 12
+    assert all(m.ssm_state.shape[0] == 4 for m in state.mamba_layers)
+    assert all(m.conv_state.shape[0] == 16 for m in state.mamba_layers)
+    outs = generate(llm, PROMPTS[:6], SamplingParams(temperature=0.0, max_tokens=8,
+                                                     ignore_eos=True))
+    plain = generate(LLM(checkpoints("mamba2"), **device_options(), max_num_seqs=4),
+                     PROMPTS[:6], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
 # -- invariant 4 ---------------------------------------------------------------------------

@@ -38,7 +38,14 @@ class DefaultModelState:
     def state_bytes_per_slot(self) -> int:
         return 0
 
-    def allocate_caches(self, num_blocks: int, num_slots: int) -> None:
+    # per-position slots of speculative decoding that hold conv windows alone (0: none)
+    conv_only_columns = 0
+
+    def conv_bytes_per_slot(self) -> int:
+        """Bytes of a conv-only slot (`conv_only_columns`)."""
+        return 0
+
+    def allocate_caches(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
         for a in self.attn_layers:
             shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
             # [2, num_blocks, block_size, kv_heads, head_dim]; never assumed zero (invariant 6)

@@ -53,6 +53,13 @@ class MambaHybridModelState(DefaultModelState):
             self.replay_ctl = torch.zeros(self.max_reqs, dtype=torch.int32, device=self.device)
         self._state_indices_np = None
         self._step_drafts: torch.Tensor | None = None
+        # with speculation on and every recurrent layer a Mamba2 mixer (its SSM state committed
+        # once a step from slot column 0: the deferred commit), a request's columns 1..k keep
+        # conv windows alone: they come from a pool of conv-only slots (ids past the full
+        # slots'), with no SSM state behind them
+        self.conv_only_columns = self.num_spec_tokens if self._replay_layers() and all(
+            hasattr(m, "replay_shapes") for m in self.mamba_layers) else 0
+        self.num_ssm_slots = 0  # slots with an SSM state: ids [0, num_ssm_slots)
 
     # -- cache sizing and allocation -----------------------------------------------------
     def layer_ssm_dtype(self, m: torch.nn.Module) -> torch.dtype:
@@ -70,7 +77,15 @@ class MambaHybridModelState(DefaultModelState):
             total += int(np.prod(conv)) * c + int(np.prod(ssm)) * s
         # the kept inputs belong to request rows, not slots: their share of each request's slots
         replay = self._replay_bytes()
-        return total + (-(-replay // (self.max_reqs * self.slots_per_request)) if replay else 0)
+        if not replay:
+            return total
+        # a request's full slots: 1 beside conv-only ones, else all of its slots
+        full = 1 if self.conv_only_columns else self.slots_per_request
+        return total + -(-replay // (self.max_reqs * full))
+
+    def conv_bytes_per_slot(self) -> int:
+        c = torch.empty((), dtype=self.conv_dtype).element_size()
+        return sum(int(np.prod(m.state_shapes()[0])) * c for m in self.mamba_layers)
 
     def _replay_layers(self) -> list[torch.nn.Module]:
         """The layers whose state update defers its commit (Mamba2 mixers), with speculation
@@ -84,8 +99,11 @@ class MambaHybridModelState(DefaultModelState):
         return sum(int(np.prod(shape)) * size for m in self._replay_layers()
                    for shape in m.replay_shapes(self.max_reqs, self.slots_per_request))
 
-    def allocate_caches(self, num_blocks: int, num_slots: int) -> None:
+    def allocate_caches(self, num_blocks: int, num_slots: int, num_conv_slots: int = 0) -> None:
+        """`num_slots` full slots (conv window and SSM state: ids [0, num_slots)) and
+        `num_conv_slots` conv-only ones (ids past them)."""
         super().allocate_caches(num_blocks, num_slots)
+        self.num_ssm_slots = num_slots
         for m in self.mamba_layers:
             conv, ssm = m.state_shapes()
             (dim, taps) = conv
@@ -93,7 +111,7 @@ class MambaHybridModelState(DefaultModelState):
             # ops follow strides, and a decode step's conv update then reads and writes each tap
             # of many channels with 16-byte accesses (dim-major rows of 3 taps forced 2-byte ones)
             m.conv_state = torch.zeros(
-                (num_slots, taps, dim), dtype=self.conv_dtype, device=self.device
+                (num_slots + num_conv_slots, taps, dim), dtype=self.conv_dtype, device=self.device
             ).transpose(1, 2)
             m.ssm_state = torch.zeros((num_slots, *ssm), dtype=self.layer_ssm_dtype(m),
                                       device=self.device)
@@ -128,7 +146,8 @@ class MambaHybridModelState(DefaultModelState):
         """Each layer's conv and SSM state rows of these slots, contiguous views (the conv
         state is bound as a transposed view)."""
         conv = [m.conv_state.transpose(1, 2)[s] for m in self.mamba_layers for s in slots]
-        ssm = [m.ssm_state[s] for m in self.mamba_layers for s in slots]
+        ssm = [m.ssm_state[s] for m in self.mamba_layers for s in slots
+               if s < self.num_ssm_slots]  # conv-only slots have none
         return conv + ssm
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
