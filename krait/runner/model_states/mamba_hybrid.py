@@ -19,7 +19,8 @@ class MambaHybridModelState(DefaultModelState):
     """Adds per-request state slots (conv + recurrent state of every Mamba2 or Gated DeltaNet
     layer) to the KV cache.
 
-    A running request owns 1 slot without speculative decoding (1 + k with k draft tokens).
+    A running request owns 1 slot without speculative decoding (1 + k with k draft tokens;
+    for an all-Mamba2 model, columns 1..k are conv-only slots: `conv_only_columns`).
     Slots are reset when (re)assigned. `num_accepted_tokens`, `replay_ctl` and the Mamba2
     layers' kept inputs (`ssm_replay`: their state update's deferred commit) exist only with
     speculation on."""
