@@ -1,6 +1,6 @@
 """Times Mamba2's verify-step kernels at mamba2-1.3b's sizes (64 heads x 64 x 128, one group,
-fp32 state), one JSON line a measurement, microseconds a call (a CUDA graph of LAYERS calls,
-each on its own state tensor, as the model's layers are):
+fp32 state), one JSON line a measurement, microseconds a call (a CUDA graph of calls cycling
+over LAYERS state tensors, as the model's layers do):
 
 - `selective_state_verify` (its deferred commit: every row replays k + 1 kept tokens, then runs
   its own 1 + k) over state tiles and warps;
@@ -15,41 +15,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 
-from krait.ops.gated_rms_norm import gated_rms_norm_triton
-from krait.ops.selective_state_update import selective_state_update_triton
-from krait.ops.selective_state_verify import selective_state_verify_triton
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gemv_rows import graph_us as _graph_us  # noqa: E402
+
+from krait.ops.gated_rms_norm import gated_rms_norm_triton  # noqa: E402
+from krait.ops.selective_state_update import selective_state_update_triton  # noqa: E402
+from krait.ops.selective_state_verify import selective_state_verify_triton  # noqa: E402
 
 H, P, N, G = 64, 64, 128, 1
-LAYERS, REPLAYS = 48, 20
+LAYERS = 48  # state tensors: as many as the model's layers, so a graph's calls miss L2
 
 
-def graph_us(calls) -> float:
-    """Median microseconds a call of `calls` captured in one CUDA graph."""
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
+def graph_us(calls: list) -> float:
+    """Microseconds a call, the calls cycled through one CUDA graph (bench_gemv_rows')."""
+    return _graph_us(lambda i: calls[i], len(calls))
 
 
 def inputs(batch: int, k: int, dev):
@@ -98,7 +85,7 @@ def bench_batch(batch: int, k: int, dev) -> None:
     for w in (0, 4, 8, 16, 32):
         calls = [partial(gated_rms_norm_triton, y, z, weight, 1e-5, H * P, num_warps=w or None)]
         print(json.dumps({**rec, "kernel": "gated_norm", "warps": w,
-                          "us": graph_us(calls * LAYERS)}), flush=True)
+                          "us": graph_us(calls)}), flush=True)
 
 
 def main() -> None:
