@@ -52,7 +52,7 @@ from krait.runner.sampler import (
     greedy_sampling_metadata,
 )
 from krait.runner.spec_decode.draft_model import DEVICE_DRAFT
-from krait.runner.spec_decode.drafter import create_drafter, drafts_allowed
+from krait.runner.spec_decode.drafter import create_drafter, drafts_allowed, ever_drafts
 from krait.runner.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger(__name__)
@@ -139,8 +139,10 @@ class ModelRunner:
         # speculative steps run asynchronously where the drafts can be made on the device: the
         # ngram drafter over the device token table, one rank (the host counters run ahead and
         # are corrected one step late, krait/ops/spec_commit.py)
+        # (or the draft-model drafter's chained graphs: `DraftModelDrafter.device_drafts`)
         self.async_spec = bool(
-            self.num_spec_tokens and self.tables is not None and spec.method == "ngram"
+            self.num_spec_tokens and self.tables is not None
+            and (spec.method == "ngram" or getattr(self.drafter, "device_drafts", False))
             and ps.get_tp_size() == 1 and not self.pp)
         if self.async_spec:
             n = self.states.max_num_reqs
@@ -283,7 +285,7 @@ class ModelRunner:
             self.penalties.add(i, new.params, new.token_ids[:n_prompt], new.token_ids[n_prompt:])
         if added:
             self.model_state.add_requests(added, restores)
-            if self.async_spec:  # a new request row starts with no rejections
+            if self.spec_rejected is not None:  # a new request row starts with no rejections
                 rows = [i for i, _ in added]
                 self.spec_known[rows] = 0
                 self.spec_rejected.index_fill_(
@@ -386,6 +388,16 @@ class ModelRunner:
         run as `chained_graphs.steps` chained greedy steps (krait/runner/chained_graphs.py):
         step s > 0 takes step s - 1's argmax. Launched, not waited for. The host counters are
         not advanced: the caller (the draft-model drafter) sets them from what it keeps."""
+        req_ids, _, tokens = self.launch_chained(sched)
+        return ChainedSample(req_ids, tokens)
+
+    def launch_chained(self, sched: SchedulerOutput, first_tokens=None):
+        """`execute_chained`'s launch -> (row ids, the step-0 InputBatch, int64 [rows, steps]
+        tokens on the device). `first_tokens` (table int32 [R, L], rows int32 [rows] on the
+        device): step 0's input of row j is table[rows[j], its position] instead of the row's
+        own token (the draft model's device drafts: the target's last token, at its true
+        position). With rejections (`spec_rejected`) the rows' counters are corrected on the
+        device first."""
         graphs = self.chained_graphs
         self._update_states(sched)
         req_ids, num_scheduled, _, num_prefills = self._ordered_rows(sched)
@@ -398,9 +410,13 @@ class ModelRunner:
         batch = build_input_batch(
             self.states, req_ids, num_scheduled, self.block_size, self.device,
             num_reqs_padded=size, num_tokens_padded=size, pad_decode=True,
-            full_block_table=True, tables=self.tables, into=into)
+            full_block_table=True, tables=self.tables, into=into, rejections=self._rejections())
+        n = len(req_ids)
+        if first_tokens is not None:
+            table, rows = first_tokens
+            batch.input_ids[:n] = table[rows.long(), batch.positions[:n]]
         tokens = graphs.run(batch)  # int64 [size, steps]
-        return ChainedSample(req_ids, tokens[: len(req_ids)])
+        return req_ids, batch, tokens[:n]
 
     def _execute(self, sched: SchedulerOutput) -> PendingSample:
         self._update_states(sched)
@@ -619,18 +635,23 @@ class ModelRunner:
 
     def _rejections(self) -> tuple[torch.Tensor, np.ndarray] | None:
         """What build_input_batch corrects the rows' counters by (asynchronous speculation)."""
-        return (self.spec_rejected, self.spec_known) if self.async_spec else None
+        return (self.spec_rejected, self.spec_known) if self.spec_rejected is not None else None
 
     def _commit_and_draft(self, rows: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor,
-                          num_sampled: torch.Tensor | None,
-                          num_positions: torch.Tensor) -> torch.Tensor:
+                          num_sampled: torch.Tensor | None, num_positions: torch.Tensor,
+                          host_rows: np.ndarray, host_len: np.ndarray,
+                          prefilled: np.ndarray) -> torch.Tensor:
         """Asynchronous speculation, after sampling: the sampling rows' tokens go to their true
         positions of the device token table, their rejected positions are counted, and the
-        ngram drafts of their next step are written after them — all on the device, from
-        device tensors only: `rows` int32 [S] (req_state_idx), `start` int [S] (the true
-        position of each row's first sampled token), `num_positions` int [S] (1 + drafts).
-        Returns int32 [S]: k where the drafts came from a match, else 0 (the scheduler, one
-        step later, verifies no drafts for a row whose drafter found nothing)."""
+        drafts of their next step are written after them (ngram's, or the draft model's
+        chained graph: `DraftModelDrafter.draft_on_device`) — on the device: `rows` int32 [S]
+        (req_state_idx), `start` int [S] (the true position of each row's first sampled
+        token), `num_positions` int [S] (1 + drafts). The draft model also takes the rows'
+        host view: `host_rows` [S] (req_state_idx), `host_len` [S] (their token counts as the
+        host counts them after this step, every draft accepted) and `prefilled` bool [S] (the
+        row's prompt ended in this step). Returns int32 [S]: k where drafts were written
+        (an ngram match), else 0 (the scheduler, one step later, verifies no drafts for a row
+        whose drafter found nothing)."""
         n = rows.shape[0]
         out = torch.empty(2, n, dtype=torch.int32, device=self.device)  # [2, S]: next_len, found
         next_len, found = out[0], out[1]
@@ -638,6 +659,14 @@ class ModelRunner:
         commit_sampled(table, self.spec_rejected, rows, start, None, tokens, num_sampled,
                        num_positions, next_len)
         spec = self.config.speculative
+        if spec.method != "ngram":  # the draft model
+            st = self.states
+            room = host_len + self.num_spec_tokens <= self.max_model_len
+            may = np.fromiter((ever_drafts(st.params[i]) for i in host_rows.tolist()), bool,
+                              len(host_rows)) & room
+            return self.drafter.draft_on_device(
+                table, self.spec_rejected, self.spec_known, rows, st.token_ids, host_rows,
+                host_len, prefilled, may)
         ngram_propose(table, rows, next_len, found, self.num_spec_tokens,
                       spec.prompt_lookup_min, spec.prompt_lookup_max)
         return found
@@ -667,7 +696,8 @@ class ModelRunner:
         idx = batch.idx_mapping_np[:n]
         rows_i = idx[rows]
         start = st.num_tokens[rows_i].astype(np.int32)
-        if FUSED_GREEDY_COMMIT and self._grammar is None and st.plain_greedy[rows_i].all():
+        if (FUSED_GREEDY_COMMIT and self.config.speculative.method == "ngram"
+                and self._grammar is None and st.plain_greedy[rows_i].all()):
             # acceptance, commit and the next drafts in one launch (ops/spec_commit.py)
             rows_t, first_t, lrow_t, npos_t = self._spec_index([rows, first, cu[:-1], counts])
             target = v.greedy if v.greedy is not None else argmax(v.logits)  # [cu[-1]]
@@ -685,7 +715,8 @@ class ModelRunner:
             # a row's first sampled token goes after its first verified position (true ones)
             found = self._commit_and_draft(batch.idx_mapping[rows_t],
                                            batch.positions[first_t] + 1, out.output_token_ids,
-                                           out.num_sampled, npos_t)
+                                           out.num_sampled, npos_t, rows_i, start + counts,
+                                           batch.is_prefilling[rows])
             # int64 [S, max_n + 2]: each row's tokens, then num_sampled, found
             packed = torch.cat([out.output_token_ids, out.num_sampled[:, None], found[:, None]],
                                dim=1)
@@ -828,7 +859,8 @@ class ModelRunner:
                 # each row's token goes after its last input token's (true) position
                 num_drafts = self._commit_and_draft(req_rows, batch.positions[last] + 1,
                                                     result.sampled_token_ids, None,
-                                                    self._spec_ones[: len(rows)])
+                                                    self._spec_ones[: len(rows)], idx[rows],
+                                                    pos + 1, batch.is_prefilling[rows])
             elif self.tables is not None and not (
                     greedy_written and result.sampled_token_ids is greedy):
                 fits = pos < self.max_model_len

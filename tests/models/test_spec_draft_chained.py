@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import krait.runner.chained_graphs as chained_graphs
+import krait.runner.spec_decode.draft_model as draft_model
 from krait import LLM, SamplingParams
 from tests.models.test_spec_draft_model import (
     CONFIGS,
@@ -60,25 +61,59 @@ def test_chained_and_stepwise_drafts_agree(references, tmp_path, monkeypatch,  #
     _check_greedy_continuations(draft_dir, chained)
 
 
-def test_chained_graphs_over_the_device_token_table(references, tmp_path,  # noqa: F811
-                                                    monkeypatch) -> None:
+def _record_device_drafts(drafter) -> list[tuple[list[int], list[int]]]:
+    """Wraps `drafter.draft_on_device` so that each drafted row's (true tokens, drafts) is
+    read from the target's device token table right after the call (CPU tensors: no wait):
+    its true count is the host's less the rejections the host has not heard of yet."""
+    seen: list[tuple[list[int], list[int]]] = []
+    draft = drafter.draft_on_device
+
+    def recording(table, rejected, known, rows_t, token_table, rows, num_tokens, prefilled,
+                  may_draft):
+        found = draft(table, rejected, known, rows_t, token_table, rows, num_tokens, prefilled,
+                      may_draft)
+        for j, row in enumerate(rows.tolist()):
+            if found[j]:
+                n = int(num_tokens[j]) - (int(rejected[row]) - int(known[row]))
+                seen.append((table[row, :n].tolist(), table[row, n : n + K].tolist()))
+        return found
+
+    drafter.draft_on_device = recording
+    return seen
+
+
+def test_device_drafts_keep_verify_steps_async(references, tmp_path,  # noqa: F811
+                                               monkeypatch) -> None:
     """With the device token table (KRAIT_TRITON_CPU=1: the Triton kernels interpreted, the
-    step's inputs prepared into the chain's captured buffers as on the GPU): the outputs are
-    HF's and every proposal the draft model's greedy continuation."""
+    inputs prepared on the device as on the GPU) a dense draft's chains run right after the
+    target's commit, so the target's verify steps stay asynchronous (runner invariant 7): the
+    host never reads a step's accepted counts before launching the next. The draft's counters
+    are corrected on the device by the target's unreported rejections; every draft it wrote
+    is its greedy continuation of the target's true tokens (HF), the outputs are HF's, and a
+    request that takes a finished one's row gets a fresh draft sequence."""
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.setattr(chained_graphs, "ENABLED", True)
     ref = references("llama")
     draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
-    llm = make_llm(ref, draft_dir, max_num_seqs=1)  # one graph to capture
-    drafter = llm.llm_engine.runner.drafter
-    assert drafter.runner.tables is not None
-    drafter.capture_graphs(record=False)
-    seen = record_proposals(drafter)
-    n = 7  # (the interpreter is slow)
+    llm = make_llm(ref, draft_dir, max_num_seqs=2, max_model_len=256)
+    engine = llm.llm_engine
+    drafter = engine.runner.drafter
+    assert drafter.device_drafts and engine.runner.async_spec and engine.async_scheduling
+    seen = _record_device_drafts(drafter)
+    proposed = record_proposals(drafter)  # (the host drafter: never called)
+    n = 8  # (the interpreter is slow)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == ref.tokens[0][:n]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == ref.tokens[i][:n]
+    stats = engine.get_stats()
+    rate = stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
+    assert 0.3 < rate < 1.0, rate  # accepted and rejected drafts alike
+    assert seen and not proposed
     assert drafter.num_chained_calls > 0
+    engine.step()  # the runner hears of the last finished requests in the next step
+    assert not drafter._seqs
+    assert drafter.kv.num_free_blocks == drafter.kv.num_usable_blocks
     _check_greedy_continuations(draft_dir, seen)
 
 
@@ -89,13 +124,15 @@ def test_chained_drafts_stay_on_the_device(target, references, tmp_path,  # noqa
     writes its drafts into the target's device table and returns placeholders without reading
     them back; the verify step reads them from its inputs and writes its sampled tokens on the
     device. The outputs stay HF's and the drafts (read back a call later) the draft's greedy
-    continuations. mamba2: a hybrid target (its verify rows' states) under a dense draft of
+    continuations. This is the synchronous path (DEVICE_DRAFTS off; several ranks take it):
+    the drafts are made by `propose` after each step was read back. mamba2: a hybrid target (its verify rows' states) under a dense draft of
     the same vocabulary (random: its drafts are mostly rejected)."""
     from krait.runner.cuda_graphs import CudaGraphRunner
     from krait.runner.spec_decode.draft_model import DEVICE_DRAFT
 
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.setattr(chained_graphs, "ENABLED", True)
+    monkeypatch.setattr(draft_model, "DEVICE_DRAFTS", False)  # the synchronous verify path
     ref = references(target)
     draft_dir = (_perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03) if target == "llama"
                  else make_tiny_llama(tmp_path / "draft"))
@@ -140,13 +177,17 @@ def test_chained_graphs_off_for_hybrid_drafts(references, monkeypatch) -> None: 
     assert drafter.runner.chained_graphs is None and not drafter.keep_last_draft
 
 
-def _cuda_run(target: str, draft: str | None, chained: bool, monkeypatch):
-    """Greedy outputs (and the proposals, with a draft) of a CUDA run with graphs on."""
+def _cuda_run(target: str, draft: str | None, chained: bool, monkeypatch,
+              device_drafts: bool = False):
+    """Greedy outputs (and the proposals, with a draft and synchronous verify steps) of a CUDA
+    run with graphs on."""
     monkeypatch.setattr(chained_graphs, "ENABLED", chained)
+    monkeypatch.setattr(draft_model, "DEVICE_DRAFTS", device_drafts)
     spec = {"model": draft, "num_speculative_tokens": K} if draft else None
     llm = LLM(target, device="cuda", dtype="float32", max_num_seqs=4, max_model_len=128,
               gpu_memory_utilization=0.3, speculative_config=spec)
     drafter = llm.llm_engine.runner.drafter
+    assert llm.llm_engine.runner.async_spec == (drafter is not None and device_drafts)
     seen = record_proposals(drafter) if drafter is not None else []
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -162,8 +203,8 @@ def _cuda_run(target: str, draft: str | None, chained: bool, monkeypatch):
 @pytest.mark.gpu
 def test_chained_draft_graphs_on_cuda(tmp_path, monkeypatch) -> None:
     """Recorded graphs on CUDA (float32 tiny models): greedy outputs with the chained draft
-    graphs equal non-speculative decoding's, and the chained and stepwise paths propose the
-    same drafts."""
+    graphs equal non-speculative decoding's, synchronous (the chained and stepwise paths
+    propose the same drafts) and asynchronous (drafts made on the device) alike."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     target = make_tiny_llama(tmp_path / "target", num_hidden_layers=4)
@@ -176,3 +217,6 @@ def test_chained_draft_graphs_on_cuda(tmp_path, monkeypatch) -> None:
     assert stepwise == plain
     assert chained == plain
     assert seen_c == seen_s
+    asynchronous, seen_a, calls_a, _ = _cuda_run(target, draft, True, monkeypatch, True)
+    assert asynchronous == plain
+    assert calls_a > 0 and not seen_a

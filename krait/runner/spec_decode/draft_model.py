@@ -41,6 +41,13 @@ DEVICE_DRAFT placeholders (the scheduler needs the counts only; the target's ver
 the drafts from its device inputs), and the host copy is taken at the next call (`resolve`),
 so a step's one wait is the verify step's.
 
+Asynchronous target steps (`device_drafts`: a dense draft with chained graphs over device token
+tables, one rank) call `draft_on_device` instead of `propose`: right after the target's commit,
+with no read-back, one chain a step for every sampling row (the target's last token at its true
+position, then the k drafts, written into the target's device table); the draft's counters are
+the target's host ones and are corrected on the device by the target's unreported rejections,
+mirrored into the draft runner's `spec_rejected` (see that method).
+
 Hybrid drafts hold 2 state slots per request: A, the state after the last verified token, which
 only catch-ups advance, and B, scratch: before step 2, A's conv and SSM state are copied into B
 for every Mamba layer and the request's slot column points at B; after the last step it points
@@ -83,6 +90,7 @@ import torch
 from krait.config import EngineConfig, SpeculativeConfig, _positional_limit, read_hf_config
 from krait.engine.kv_cache_manager import KVCacheManager, cdiv
 from krait.engine.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from krait.ops.write_tokens import write_tokens
 from krait.runner.input_batch import host_to_device
 from krait.sampling_params import SamplingParams
 
@@ -91,6 +99,10 @@ logger = logging.getLogger(__name__)
 # the share of the target's cache memory the draft's KV blocks and state slots may take
 DRAFT_CACHE_FRACTION = 0.1
 _GREEDY = SamplingParams(temperature=0.0)
+# dense drafts with chained graphs over device token tables draft on the device, after the
+# target's asynchronous commit (`DraftModelDrafter.draft_on_device`); False: the target's verify
+# steps stay synchronous and `propose` drafts (tests of that path)
+DEVICE_DRAFTS = True
 # a draft the host has not seen: the drafter wrote it into the target's device token table
 # (`DraftModelDrafter._drafts_on_device`); the runner's `_write_drafts` skips such rows
 DEVICE_DRAFT = -2
@@ -305,8 +317,13 @@ class DraftModelDrafter:
         # as an input, so its KV is kept with the others: the catch-up after any verify step is
         # then one token, which the chain serves
         self.keep_last_draft = False
-        if self.config.device.type == "cuda" and not self.config.enforce_eager:
-            self.capture_graphs()  # decode graphs only
+        # the target's steps may run asynchronously: `draft_on_device` (set by capture_graphs)
+        self.device_drafts = False
+        if not self.config.enforce_eager:
+            if self.config.device.type == "cuda":
+                self.capture_graphs()
+            elif self.runner.tables is not None:  # the Triton interpreter on CPU (tests)
+                self.capture_graphs(record=False)
         self.max_batched = self.config.scheduler.max_num_batched_tokens
         self._seqs: dict[int, _DraftSeq] = {}  # target req_state index -> its draft sequence
         self._finished: set[str] = set()  # draft ids to drop in the draft runner's next step
@@ -320,6 +337,7 @@ class DraftModelDrafter:
         # the device, not through the host (`_drafts_on_device`)
         self.target_tables = None
         self._unresolved = None  # (plan, ChainedSample, order, drafts, rows): see `resolve`
+        self._all_found: torch.Tensor | None = None  # int32 k's (`draft_on_device`)
 
     # -- requests leaving -----------------------------------------------------------------
     def on_requests_removed(self, rows: list[int]) -> None:
@@ -341,12 +359,25 @@ class DraftModelDrafter:
         krait/runner/chained_graphs.ENABLED is False, chained graphs of a call's 1 + k steps
         (`_draft_chained`; `keep_last_draft` on); `record=False`: their dataflow run eagerly
         (CPU tests)."""
+        from krait.distributed import parallel_state as ps  # noqa: PLC0415
         from krait.runner.chained_graphs import (  # noqa: PLC0415
             ChainedDecodeGraphs,
             chained_graphs_enabled,
         )
         from krait.runner.cuda_graphs import CudaGraphRunner  # noqa: PLC0415
 
+        runner = self.runner
+        # device drafts: a dense draft's chains over device token tables, one rank; its
+        # runner's steps then correct their counters by the target's rejections (`spec_rejected`
+        # mirrored per row), and the graphs' buffers keep room for them
+        self.device_drafts = bool(
+            DEVICE_DRAFTS and not self.hybrid and chained_graphs_enabled()
+            and runner.tables is not None
+            and ps.get_tp_size() == 1 and ps.get_pp_size() == 1)
+        if self.device_drafts and runner.spec_rejected is None:
+            n = runner.states.max_num_reqs
+            runner.spec_rejected = torch.zeros(n, dtype=torch.int32, device=runner.device)
+            runner.spec_known = np.zeros(n, dtype=np.int32)
         self.runner.cuda_graphs = CudaGraphRunner(self.runner, record=record)
         self.runner.cuda_graphs.capture_all()
         # one-token catch-up steps of rows with known tokens after them replay the graphs too
@@ -399,21 +430,11 @@ class DraftModelDrafter:
             c = seq.num_computed_tokens
             # KV for every position a draft step writes: up to n + m - 2 (n + m - 1 with
             # keep_last_draft; below max_model_len - 1 either way: m <= max_model_len - n - 1)
-            new_blocks = self.kv.allocate(seq, n + m - 1 - c + self.keep_last_draft)
+            new_blocks = self._grow(row, seq, fresh, n + m - 1 - c + self.keep_last_draft)
             if new_blocks is None:
-                if fresh:
-                    self.kv.free(seq)
-                else:  # dropped, so that the pool cannot stay stuck with rows that cannot grow
-                    del self._seqs[row]
-                    self._drop(seq)
                 continue
             if fresh:
-                self._seqs[row] = seq
-                new_reqs.append(NewRequestData(
-                    req_id=seq.request_id, token_ids=token_table[row, :n].tolist(),
-                    num_prompt_tokens=n, params=_GREEDY, block_ids=list(seq.block_ids),
-                    state_slots=seq.state_slots[:1], num_computed_tokens=0,
-                    num_output_tokens=0, eos_token_ids=[]))
+                new_reqs.append(self._admit(row, seq, token_table[row, :n].tolist()))
             else:
                 # (the draft runner's computed count is `c` already: only new blocks to send)
                 if new_blocks:
@@ -478,6 +499,28 @@ class DraftModelDrafter:
         read_steps(steps, {seq.request_id: q for q, (_, seq, _, _) in enumerate(plan)}, got)
         got[np.arange(self.k + 1)[None, :] >= m_of[:, None]] = -1  # the extra steps' tokens
         return self._finish(plan, got[:, : self.k], drafts, counts)
+
+    def _grow(self, row: int, seq: _DraftSeq, fresh: bool, num_new: int) -> list[int] | None:
+        """KV blocks for `num_new` tokens past the seq's computed ones (the new ones), or None
+        when the pool is short: a fresh seq is freed, a held one dropped (so that the pool
+        cannot stay stuck with rows that cannot grow)."""
+        new_blocks = self.kv.allocate(seq, num_new)
+        if new_blocks is None:
+            if fresh:
+                self.kv.free(seq)
+            else:
+                del self._seqs[row]
+                self._drop(seq)
+        return new_blocks
+
+    def _admit(self, row: int, seq: _DraftSeq, tokens: list[int]) -> NewRequestData:
+        """Holds a fresh seq for target row `row`: the draft runner's new request of `tokens`
+        (all prompt: its first step is a prefill)."""
+        self._seqs[row] = seq
+        return NewRequestData(
+            req_id=seq.request_id, token_ids=tokens, num_prompt_tokens=len(tokens),
+            params=_GREEDY, block_ids=list(seq.block_ids), state_slots=seq.state_slots[:1],
+            num_computed_tokens=0, num_output_tokens=0, eos_token_ids=[])
 
     def _finish(self, plan: list, got: np.ndarray, drafts: np.ndarray,
                 counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -566,6 +609,111 @@ class DraftModelDrafter:
         self._roll_back(plan)
         self._unresolved = (plan, sample, order, drafts, js)
         return drafts, counts
+
+    @torch.inference_mode()
+    def draft_on_device(self, target_table: torch.Tensor, target_rejected: torch.Tensor,
+                        target_known: np.ndarray, rows_t: torch.Tensor, token_table: np.ndarray,
+                        rows: np.ndarray, num_tokens: np.ndarray, prefilled: np.ndarray,
+                        may_draft: np.ndarray) -> torch.Tensor:
+        """The drafts of an asynchronous target step (`device_drafts`), launched right after
+        its commit, nothing read back: each sampling row's k drafts go into the target's device
+        token table after its true last token, and int32 [S] comes back (k for a row drafted,
+        else 0: what the scheduler learns one step later).
+
+        The host does not know the rows' true token counts (the target's counters run ahead
+        by the rejections the device has not reported): the draft's counters are set to the
+        target's host ones (computed n - 1, n tokens) and its runner's `spec_rejected` and
+        `spec_known` mirror the target's rows, so its step corrects them on the device by the
+        same amount. A row's draft holds the KV of every true token but the last (its previous
+        chain wrote the catch-up token and the drafts the target accepted), so each call is one
+        chain (`launch_chained`): the target's last token at its true position (read from the
+        target's table), then the k drafts. A row whose prompt ended in this step gets its
+        draft sequence here: its first n - 1 tokens run as a prefill first (the host knows
+        them). A row that may not draft (`may_draft` False: sampling parameters that rule
+        drafts out, or no room for k more tokens) leaves the draft, and so does one whose
+        blocks run short; it drafts no more (a row can join only when its prompt ends, the one
+        step where its true count is the host's).
+
+        target_table int32 [R, L], target_rejected int32 [R] (device), target_known int32 [R]
+        (host); rows_t int32 [S] (device) and rows [S] (host): the target's req_state indices;
+        token_table: the target's host token table; num_tokens [S]: the host counts after the
+        step; prefilled, may_draft bool [S]."""
+        k, runner = self.k, self.runner
+        found = np.zeros(len(rows), dtype=np.int32)
+        new_reqs: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        plan: list[tuple[int, _DraftSeq, int]] = []  # (target step row, seq, n)
+        prompts: dict[str, int] = {}  # new draft id -> prompt tokens to run
+        for j in range(len(rows)):
+            row, n = int(rows[j]), int(num_tokens[j])
+            seq = self._seqs.get(row)
+            if seq is not None and (prefilled[j] or not may_draft[j]):
+                del self._seqs[row]  # (a prompt ending: a new request on the row)
+                self._drop(seq)
+                seq = None
+            if not may_draft[j] or (seq is None and not prefilled[j]) or n < 2:
+                continue
+            fresh = seq is None
+            if fresh:
+                seq = _DraftSeq(f"draft-{self._next_id}")
+                self._next_id += 1
+            new_blocks = self._grow(row, seq, fresh, n + k)  # (computed stays 0)
+            if new_blocks is None:
+                continue
+            if fresh:
+                new_reqs.append(self._admit(row, seq, token_table[row, :n].tolist()))
+                prompts[seq.request_id] = n - 1
+            elif new_blocks:
+                cached.append(CachedRequestData(seq.request_id, new_blocks, n - 1))
+            plan.append((j, seq, n))
+        finished, self._finished = self._finished, set()
+        while prompts:  # the new rows' prompts but their last token, max_batched a step
+            sched_tokens, budget = {}, self.max_batched
+            for rid in list(prompts):
+                t = min(prompts[rid], budget)
+                if t == 0:
+                    break
+                sched_tokens[rid], budget = t, budget - t
+                prompts[rid] -= t
+                if prompts[rid] == 0:
+                    del prompts[rid]
+            runner.execute_model(sched_output(sched_tokens, new_reqs, [], finished))
+            new_reqs, finished = [], set()
+            self.num_catch_up_steps += 1
+        if not plan:
+            if finished:  # the removed rows leave the draft runner
+                runner.execute_model(sched_output({}, [], [], finished))
+            return host_to_device(found, runner.device)
+        st = runner.states
+        js = np.array([j for j, _, _ in plan], dtype=np.int64)
+        n_of = np.array([n for _, _, n in plan], dtype=np.int64)
+        d_rows = np.fromiter((st.index[seq.request_id] for _, seq, _ in plan), np.int64,
+                             len(plan))
+        st.num_computed_tokens[d_rows] = n_of - 1
+        st.num_prompt_tokens[d_rows] = n_of - 1  # a decode row
+        st.num_tokens[d_rows] = n_of
+        runner.spec_known[d_rows] = target_known[rows[js]]
+        index = host_to_device(np.stack([d_rows, js]), runner.device)  # int64 [2, P]
+        t_rows = rows_t[index[1]]  # int32 [P]: the target's rows, in plan order
+        runner.spec_rejected[index[0]] = target_rejected[t_rows.long()]
+        _, batch, chain = runner.launch_chained(
+            sched_output({seq.request_id: 1 for _, seq, _ in plan}, [], cached, finished),
+            first_tokens=(target_table, t_rows))
+        num = len(plan)
+        self.num_catch_up_steps += 1
+        self.num_chained_calls += 1
+        # draft q of row p after the target's last token: true position positions[p] + 1 + q
+        pos = batch.positions[:num, None] + torch.arange(1, k + 1, device=runner.device)
+        # (contiguous: a one-row expand's reshape is a stride-0 view, which kernels misread)
+        write_tokens(target_table, t_rows[:, None].expand(num, k).contiguous().view(-1),
+                     pos.view(-1), chain[:, :k].contiguous().view(-1))
+        if num == len(rows):  # every row drafted (the steady state): no copy
+            if self._all_found is None or self._all_found.numel() < num:
+                self._all_found = torch.full((max(num, st.max_num_reqs),), k, dtype=torch.int32,
+                                             device=runner.device)
+            return self._all_found[:num]
+        found[js] = k
+        return host_to_device(found, runner.device)
 
     def resolve(self) -> None:
         """Takes the host copy of the last call's device drafts (`_drafts_on_device`): checks

@@ -73,5 +73,11 @@ def drafts_allowed(params: SamplingParams | None, num_outputs: int) -> bool:
     tokens still banned by min_tokens decode one token a step instead (exact either way), and
     so do structured rows: their grammar's mask is known for one position only, and their
     matcher must never see a token that verification could reject."""
+    return ever_drafts(params) and num_outputs >= params.min_tokens
+
+
+def ever_drafts(params: SamplingParams | None) -> bool:
+    """Whether any step of a request may verify drafts (`drafts_allowed` but for min_tokens,
+    which allows them later)."""
     return (params is not None and not uses_penalties(params) and not params.logit_bias
-            and num_outputs >= params.min_tokens and params.structured_outputs is None)
+            and params.structured_outputs is None)
