@@ -25,8 +25,9 @@ might have produced, 1 + its drafts; `next_len`: the row's true token count afte
 `commit_greedy`: a verify step of plain greedy rows, after the forward, in one launch: each
 sampling row's greedy acceptance (krait/ops/greedy_accept.py, its drafts read from the step's
 input ids after its first verified token), its commit as above (its true start: the prepared
-position of that token + 1) and its next ngram drafts (krait/ops/ngram_propose.py), into one
-int64 [S, max_n + 2] result: the row's tokens (-1 past its outputs), num_sampled, found.
+position of that token + 1) and its next ngram drafts (krait/ops/ngram_propose.py; none with
+k = 0, found 0: the draft model drafts after it), into one int64 [S, max_n + 2] result: the
+row's tokens (-1 past its outputs), num_sampled, found.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def commit_sampled(table: Tensor, rejected: Tensor, rows: Tensor, start: Tensor,
 def _commit_greedy_kernel(table_ptr, rejected_ptr, idx_ptr, brow_ptr, first_ptr, lrow_ptr,
                           npos_ptr, ids_ptr, pos_ptr, target_ptr, out_ptr, width, stride_row,
                           max_n, k, min_n, MAX_N: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, NGRAM: tl.constexpr):
     s = tl.program_id(0)
     i = tl.load(idx_ptr + tl.load(brow_ptr + s))
     first = tl.load(first_ptr + s)  # the row's first verified token in the batch
@@ -186,8 +187,10 @@ def _commit_greedy_kernel(table_ptr, rejected_ptr, idx_ptr, brow_ptr, first_ptr,
         p = tl.load(pos_ptr + first) + 1
         tl.store(base + p + j, t.to(tl.int32), mask=(j < m) & (p + j < width))
         tl.store(rejected_ptr + i, tl.load(rejected_ptr + i) + npos - m)
-        tl.debug_barrier()  # the committed tokens, visible to the drafter's loads below
-        found = ngram_row(base, (p + m).to(tl.int32), width, k, min_n, MAX_N, BLOCK, BLOCK_K)
+        if NGRAM:  # (k = 0: another drafter drafts after this launch)
+            tl.debug_barrier()  # the committed tokens, visible to the drafter's loads below
+            found = ngram_row(base, (p + m).to(tl.int32), width, k, min_n, MAX_N, BLOCK,
+                              BLOCK_K)
     tl.store(out + max_n + 1, found)  # (stored as int64)
 
 
@@ -202,7 +205,7 @@ def commit_greedy_triton(table: Tensor, rejected: Tensor, idx_mapping: Tensor, b
             table, rejected, idx_mapping, batch_rows, firsts, logits_rows, num_positions,
             input_ids, positions, target, out, table.shape[1], table.stride(0), max_n, k,
             min_n, MAX_N=max_ngram, BLOCK_N=next_pow2(max_n), BLOCK=256,
-            BLOCK_K=next_pow2(max(k, 1)),
+            BLOCK_K=next_pow2(max(k, 1)), NGRAM=k > 0,
         )
     return out
 

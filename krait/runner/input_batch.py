@@ -178,14 +178,22 @@ def _row_indices(n: int, device: torch.device) -> torch.Tensor:
 
 
 class _Staging:
-    """A pinned host buffer whose last host-to-device copy is tracked by an event, so it is
-    never rewritten while a copy out of it may still be running."""
+    """A ring of STAGING_RING pinned host buffers, each one's last host-to-device copy tracked
+    by an event, so that none is rewritten while a copy out of it may still be running. The
+    copies queue behind the step before them: with one buffer, a second copy of the same tag
+    in a step (a draft model's chain after the target's verify step) made the host wait for
+    the first, i.e. for the device's previous work; the ring lets the host run that far ahead
+    before it waits."""
 
     def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-        self.event: torch.cuda.Event | None = None
+        self.bufs: list[torch.Tensor | None] = [None] * STAGING_RING
+        self.events: list[torch.cuda.Event | None] = [None] * STAGING_RING
+        self.next = 0  # the ring's buffer the next copy takes
         # (the `out` tensor, weakly, and the host values last copied into it): for skip_unchanged
         self.last: tuple[weakref.ref, np.ndarray] | None = None
+
+
+STAGING_RING = 4
 
 
 _STAGING: dict[tuple[str, str], _Staging] = {}
@@ -264,20 +272,24 @@ def to_device(
         ):
             return _views(out[:total], arrays, sizes, flat)
         st.last = (weakref.ref(out), host.copy()) if skip_unchanged and out is not None else None
-        if st.event is not None:
-            st.event.synchronize()
-        if st.buf is None or st.buf.numel() < total:
-            st.buf = torch.empty(max(total, 1 << 16), dtype=torch.from_numpy(host[:0]).dtype,
-                                 pin_memory=True)
-        st.buf[:total].numpy()[:] = host
+        i = st.next
+        st.next = (i + 1) % STAGING_RING
+        event, buf = st.events[i], st.bufs[i]
+        if event is not None:
+            event.synchronize()
+        if buf is None or buf.numel() < total:
+            buf = st.bufs[i] = torch.empty(max(total, 1 << 16),
+                                           dtype=torch.from_numpy(host[:0]).dtype,
+                                           pin_memory=True)
+        buf[:total].numpy()[:] = host
         if out is not None:
             dev = out[:total]
-            dev.copy_(st.buf[:total], non_blocking=True)
+            dev.copy_(buf[:total], non_blocking=True)
         else:
-            dev = st.buf[:total].to(device, non_blocking=True)
-        if st.event is None:
-            st.event = torch.cuda.Event()
-        st.event.record()
+            dev = buf[:total].to(device, non_blocking=True)
+        if event is None:
+            event = st.events[i] = torch.cuda.Event()
+        event.record()
     elif out is not None:
         dev = out[:total]
         dev.copy_(torch.from_numpy(host))

@@ -659,17 +659,24 @@ class ModelRunner:
         commit_sampled(table, self.spec_rejected, rows, start, None, tokens, num_sampled,
                        num_positions, next_len)
         spec = self.config.speculative
-        if spec.method != "ngram":  # the draft model
-            st = self.states
-            room = host_len + self.num_spec_tokens <= self.max_model_len
-            may = np.fromiter((ever_drafts(st.params[i]) for i in host_rows.tolist()), bool,
-                              len(host_rows)) & room
-            return self.drafter.draft_on_device(
-                table, self.spec_rejected, self.spec_known, rows, st.token_ids, host_rows,
-                host_len, prefilled, may)
+        if spec.method != "ngram":
+            return self._model_drafts(host_rows, host_len, prefilled)
         ngram_propose(table, rows, next_len, found, self.num_spec_tokens,
                       spec.prompt_lookup_min, spec.prompt_lookup_max)
         return found
+
+    def _model_drafts(self, host_rows: np.ndarray, host_len: np.ndarray,
+                      prefilled: np.ndarray) -> torch.Tensor:
+        """The draft model's next drafts of an asynchronous step's sampling rows, launched
+        after their commit (`DraftModelDrafter.draft_on_device`; arguments as
+        `_commit_and_draft`'s): int32 [S], k for a row drafted, else 0."""
+        st = self.states
+        room = host_len + self.num_spec_tokens <= self.max_model_len
+        may = np.fromiter((ever_drafts(st.params[i]) for i in host_rows.tolist()), bool,
+                          len(host_rows)) & room
+        return self.drafter.draft_on_device(self.tables.token_ids, self.spec_rejected,
+                                            self.spec_known, st.token_ids, host_rows, host_len,
+                                            prefilled, may)
 
     def _spec_index(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """int64 device copies of a verify step's small index arrays, sent in one copy; the
@@ -696,16 +703,21 @@ class ModelRunner:
         idx = batch.idx_mapping_np[:n]
         rows_i = idx[rows]
         start = st.num_tokens[rows_i].astype(np.int32)
-        if (FUSED_GREEDY_COMMIT and self.config.speculative.method == "ngram"
-                and self._grammar is None and st.plain_greedy[rows_i].all()):
-            # acceptance, commit and the next drafts in one launch (ops/spec_commit.py)
+        if FUSED_GREEDY_COMMIT and self._grammar is None and st.plain_greedy[rows_i].all():
+            # acceptance, commit and the next ngram drafts in one launch (ops/spec_commit.py;
+            # the draft model's drafts come after it)
             rows_t, first_t, lrow_t, npos_t = self._spec_index([rows, first, cu[:-1], counts])
             target = v.greedy if v.greedy is not None else argmax(v.logits)  # [cu[-1]]
             spec = self.config.speculative
+            ngram = spec.method == "ngram"
             packed = commit_greedy(
                 self.tables.token_ids, self.spec_rejected, batch.idx_mapping, rows_t, first_t,
                 lrow_t, npos_t, batch.input_ids, batch.positions, target, int(counts.max()),
-                self.num_spec_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                self.num_spec_tokens if ngram else 0, spec.prompt_lookup_min,
+                spec.prompt_lookup_max)
+            if not ngram:
+                packed[:, -1] = self._model_drafts(rows_i, start + counts,
+                                                   batch.is_prefilling[rows])
             num_sampled, logprobs = packed[:, -2], None
         else:
             rows_t, first_t, draft_at_t, npos_t = self._spec_index(

@@ -68,9 +68,8 @@ def _record_device_drafts(drafter) -> list[tuple[list[int], list[int]]]:
     seen: list[tuple[list[int], list[int]]] = []
     draft = drafter.draft_on_device
 
-    def recording(table, rejected, known, rows_t, token_table, rows, num_tokens, prefilled,
-                  may_draft):
-        found = draft(table, rejected, known, rows_t, token_table, rows, num_tokens, prefilled,
+    def recording(table, rejected, known, token_table, rows, num_tokens, prefilled, may_draft):
+        found = draft(table, rejected, known, token_table, rows, num_tokens, prefilled,
                       may_draft)
         for j, row in enumerate(rows.tolist()):
             if found[j]:

@@ -136,6 +136,14 @@ def test_write_tokens_compiles(tok):
     assert r["local"] == 0, r
 
 
+def test_write_drafts_compiles():
+    # runs after every draft-model chain (asynchronous verify steps)
+    types = dict(table_ptr=I32, rows_ptr=I32, last_ptr="*i64", drafts_ptr="*i64", k="i32",
+                 width="i32", stride_row="i32", stride_d="i32")
+    r = compile_sm90("krait.ops.write_tokens", "_write_drafts_kernel", types, dict(BLOCK_K=4))
+    assert r["local"] == 0, r
+
+
 def test_prefill_attention_compiles_without_spills():
     """The varlen kernel shares `_attend_tile` with the decode split kernel."""
     types = dict(q_ptr=BF, k_cache_ptr=BF, v_cache_ptr=BF, out_ptr=BF, qsl_ptr=I32,
@@ -464,9 +472,10 @@ def test_speculative_commit_kernels_compile():
     types = dict(table_ptr=I32, rejected_ptr=I32, idx_ptr=I32, brow_ptr=I64, first_ptr=I64,
                  lrow_ptr=I64, npos_ptr=I64, ids_ptr=I64, pos_ptr=I64, target_ptr=I64,
                  out_ptr=I64)
-    r = compile_sm90("krait.ops.spec_commit", "_commit_greedy_kernel", types, dict(
-        MAX_N=4, BLOCK_N=4, BLOCK=256, BLOCK_K=4))
-    assert r["local"] == 0, r
+    for ngram in (True, False):  # (False: the draft model drafts after it)
+        r = compile_sm90("krait.ops.spec_commit", "_commit_greedy_kernel", types, dict(
+            MAX_N=4, BLOCK_N=4, BLOCK=256, BLOCK_K=4, NGRAM=ngram))
+        assert r["local"] == 0, r
     r = compile_sm90("krait.ops.greedy_accept", "_greedy_accept_kernel", dict(
         target_ptr=I64, drafts_ptr=I64, firsts_ptr=I64, ndraft_ptr=I64, tok_ptr=I64,
         nsamp_ptr=I32), dict(BLOCK=4))

@@ -120,6 +120,24 @@ def test_device_ngram_skips_padding_and_clips_at_the_table_end():
     assert counts.tolist() == [3, 0]
 
 
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_write_drafts_after_each_rows_last_token(impl, monkeypatch):
+    """A draft model's k drafts a row after the row's last (true) position: padding rows and
+    positions past the table's end write nothing; the drafts tensor may be wider than k."""
+    from krait.ops.write_tokens import write_drafts
+
+    # "triton": the kernel through the interpreter on CPU tensors
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1" if impl == "triton" else "0")
+    table = torch.zeros(3, 10, dtype=I32)
+    rows = torch.tensor([2, -1, 0], dtype=I32)
+    last = torch.tensor([3, 5, 7], dtype=torch.int64)
+    drafts = torch.arange(1, 13, dtype=torch.int64).view(3, 4)  # [P, k + 1]
+    write_drafts(table, rows, last, drafts, 3)
+    assert table[2].tolist() == [0, 0, 0, 0, 1, 2, 3, 0, 0, 0]
+    assert table[0].tolist() == [0] * 8 + [9, 10]  # q = 2 falls past the end
+    assert table[1].tolist() == [0] * 10
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_commit_greedy_equals_its_ops_in_sequence(seed):
     """The fused kernel (greedy acceptance, commit at the true positions, the next ngram
@@ -154,8 +172,18 @@ def test_commit_greedy_equals_its_ops_in_sequence(seed):
             batch_rows, firsts, logits_rows, counts)), input_ids, torch.from_numpy(positions),
             target, int(counts.max()), k, 1, 3)
         results.append((t.tolist(), rejected.tolist(), out.tolist()))
-    assert results[0] == results[1]
-    out = results[0][2]
+        # k = 0 (the draft model drafts after the launch): the same commit, no drafts
+        t0 = torch.from_numpy(table.copy())
+        rejected0 = torch.tensor([0, 1, 0, 2, 0], dtype=I32)
+        out0 = impl(t0, rejected0, idx, *(torch.from_numpy(a).long() for a in (
+            batch_rows, firsts, logits_rows, counts)), input_ids, torch.from_numpy(positions),
+            target, int(counts.max()), 0, 1, 3)
+        results.append((t0.tolist(), rejected0.tolist(), out0.tolist()))
+    assert results[0] == results[2] and results[1] == results[3]
+    out, out0 = results[0][2], results[1][2]
+    assert results[0][1] == results[1][1]  # the rejections: the drafter's k plays no part
+    assert [row[:-1] for row in out0] == [row[:-1] for row in out]
+    assert all(row[-1] == 0 for row in out0)  # nothing found
     assert out[0][:k + 2] == target[: k + 1].tolist() + [k + 1]  # all accepted, then num_sampled
     assert [row[-2] for row in out][2] == 1  # the prefill row samples one token
 

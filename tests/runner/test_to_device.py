@@ -46,3 +46,25 @@ def test_skip_unchanged_copies_only_new_values() -> None:
     # a copy without skip_unchanged forgets the memo: the next one copies again
     to_device([a, b2], np.int32, dev, tag="test_skip", out=out)
     assert _copies(lambda: put(a, b2, out)) == 1
+
+
+def test_copies_of_one_tag_queue_without_waiting() -> None:
+    """A ring of staging buffers: STAGING_RING copies of one tag queued behind busy device
+    work leave the host free (the work is still running after them), and the copies past the
+    ring, which reuse its buffers, still deliver their own values."""
+    from krait.runner.input_batch import STAGING_RING
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    outs = [torch.full((4,), -1, dtype=torch.int32, device=dev) for _ in range(3 * STAGING_RING)]
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device work ahead of the copies
+    busy = torch.cuda.Event()
+    busy.record()
+    for j in range(STAGING_RING):
+        to_device([np.full(4, j, dtype=np.int32)], np.int32, dev, tag="test_ring", out=outs[j])
+    assert not busy.query()  # the host did not wait for the device
+    for j in range(STAGING_RING, len(outs)):
+        to_device([np.full(4, j, dtype=np.int32)], np.int32, dev, tag="test_ring", out=outs[j])
+    torch.cuda.synchronize()
+    assert [o.tolist() for o in outs] == [[j] * 4 for j in range(len(outs))]

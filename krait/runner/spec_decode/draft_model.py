@@ -90,7 +90,7 @@ import torch
 from krait.config import EngineConfig, SpeculativeConfig, _positional_limit, read_hf_config
 from krait.engine.kv_cache_manager import KVCacheManager, cdiv
 from krait.engine.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
-from krait.ops.write_tokens import write_tokens
+from krait.ops.write_tokens import write_drafts
 from krait.runner.input_batch import host_to_device
 from krait.sampling_params import SamplingParams
 
@@ -338,6 +338,8 @@ class DraftModelDrafter:
         self.target_tables = None
         self._unresolved = None  # (plan, ChainedSample, order, drafts, rows): see `resolve`
         self._all_found: torch.Tensor | None = None  # int32 k's (`draft_on_device`)
+        self._index_key: bytes | None = None  # `draft_on_device`'s last rows and their copy
+        self._index: torch.Tensor | None = None
 
     # -- requests leaving -----------------------------------------------------------------
     def on_requests_removed(self, rows: list[int]) -> None:
@@ -612,8 +614,8 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def draft_on_device(self, target_table: torch.Tensor, target_rejected: torch.Tensor,
-                        target_known: np.ndarray, rows_t: torch.Tensor, token_table: np.ndarray,
-                        rows: np.ndarray, num_tokens: np.ndarray, prefilled: np.ndarray,
+                        target_known: np.ndarray, token_table: np.ndarray, rows: np.ndarray,
+                        num_tokens: np.ndarray, prefilled: np.ndarray,
                         may_draft: np.ndarray) -> torch.Tensor:
         """The drafts of an asynchronous target step (`device_drafts`), launched right after
         its commit, nothing read back: each sampling row's k drafts go into the target's device
@@ -635,9 +637,9 @@ class DraftModelDrafter:
         step where its true count is the host's).
 
         target_table int32 [R, L], target_rejected int32 [R] (device), target_known int32 [R]
-        (host); rows_t int32 [S] (device) and rows [S] (host): the target's req_state indices;
-        token_table: the target's host token table; num_tokens [S]: the host counts after the
-        step; prefilled, may_draft bool [S]."""
+        (host); token_table: the target's host token table; rows [S]: the target's req_state
+        indices of the step's sampling rows; num_tokens [S]: their host counts after the step;
+        prefilled, may_draft bool [S]."""
         k, runner = self.k, self.runner
         found = np.zeros(len(rows), dtype=np.int32)
         new_reqs: list[NewRequestData] = []
@@ -692,21 +694,24 @@ class DraftModelDrafter:
         st.num_computed_tokens[d_rows] = n_of - 1
         st.num_prompt_tokens[d_rows] = n_of - 1  # a decode row
         st.num_tokens[d_rows] = n_of
-        runner.spec_known[d_rows] = target_known[rows[js]]
-        index = host_to_device(np.stack([d_rows, js]), runner.device)  # int64 [2, P]
-        t_rows = rows_t[index[1]]  # int32 [P]: the target's rows, in plan order
-        runner.spec_rejected[index[0]] = target_rejected[t_rows.long()]
+        t_rows_np = np.asarray(rows, dtype=np.int64)[js]
+        runner.spec_known[d_rows] = target_known[t_rows_np]
+        # int64 [2, P]: the draft's rows and the target's, in plan order (sent again only when
+        # they change: not in the steady state of a batch)
+        key = d_rows.tobytes() + t_rows_np.tobytes()
+        if key != self._index_key:
+            self._index = host_to_device(np.stack([d_rows, t_rows_np]), runner.device)
+            self._index_key = key
+        d_rows_t, t_rows = self._index[0], self._index[1]
+        runner.spec_rejected[d_rows_t] = target_rejected[t_rows]
         _, batch, chain = runner.launch_chained(
             sched_output({seq.request_id: 1 for _, seq, _ in plan}, [], cached, finished),
             first_tokens=(target_table, t_rows))
         num = len(plan)
         self.num_catch_up_steps += 1
         self.num_chained_calls += 1
-        # draft q of row p after the target's last token: true position positions[p] + 1 + q
-        pos = batch.positions[:num, None] + torch.arange(1, k + 1, device=runner.device)
-        # (contiguous: a one-row expand's reshape is a stride-0 view, which kernels misread)
-        write_tokens(target_table, t_rows[:, None].expand(num, k).contiguous().view(-1),
-                     pos.view(-1), chain[:, :k].contiguous().view(-1))
+        # row p's drafts after the target's last token, at its true position positions[p]
+        write_drafts(target_table, t_rows, batch.positions, chain, k)
         if num == len(rows):  # every row drafted (the steady state): no copy
             if self._all_found is None or self._all_found.numel() < num:
                 self._all_found = torch.full((max(num, st.max_num_reqs),), k, dtype=torch.int32,
