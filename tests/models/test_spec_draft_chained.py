@@ -18,6 +18,7 @@ from tests.models.test_spec_draft_model import (
     PROMPTS,
     K,
     _check_greedy_continuations,
+    _params,
     _perturbed_copy,
     make_llm,
     references,  # noqa: F401 (the fixture)
@@ -114,6 +115,36 @@ def test_device_drafts_keep_verify_steps_async(references, tmp_path,  # noqa: F8
     assert not drafter._seqs
     assert drafter.kv.num_free_blocks == drafter.kv.num_usable_blocks
     _check_greedy_continuations(draft_dir, seen)
+
+
+def test_device_drafts_with_logprobs_and_sampled_rows(references, tmp_path,  # noqa: F811
+                                                      monkeypatch) -> None:
+    """Rows that are not plain greedy (logprobs asked, temperature > 0) take the rejection
+    sampler and `commit_sampled` before the draft model drafts on the device
+    (`ModelRunner._commit_and_draft`): greedy rows with logprobs still get HF's tokens and
+    logprobs, and a seeded sampled request gives the same tokens on a second run."""
+    from tests.models.test_spec_decode_parity import assert_matches
+
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setattr(chained_graphs, "ENABLED", True)
+    ref = references("llama")
+    draft_dir = _perturbed_copy(ref.model_dir, tmp_path / "draft", 0.03)
+    llm = make_llm(ref, draft_dir, max_num_seqs=2, max_model_len=256)
+    runner = llm.llm_engine.runner
+    assert runner.async_spec
+    unfused = []
+    commit = runner._commit_and_draft
+    monkeypatch.setattr(runner, "_commit_and_draft",
+                        lambda *a: unfused.append(a[3] is not None) or commit(*a))
+    n = 6  # (the interpreter is slow)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    outs = llm.generate(prompts, _params(max_tokens=n), use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert_matches(ref, i, out.outputs[0], n)
+    assert any(unfused)  # verify steps' rows went through the rejection sampler
+    sampled = SamplingParams(temperature=0.8, seed=123, max_tokens=n, ignore_eos=True)
+    first, again = (llm.generate(prompts, sampled, use_tqdm=False) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
 
 
 @pytest.mark.parametrize("target", ["llama", "mamba2"])
