@@ -65,6 +65,13 @@ case $what in
       bench_latency $m "_spec" --workload repetitive \
         --speculative-config '{"method":"ngram","num_speculative_tokens":3}'
     done
+    # a same-seed 2-layer draft (its drafts mostly accepted): where ngram finds nothing on
+    # random weights (granite-micro), this is what runs the verify graph on real rows
+    for m in ${SAME_SEED_DRAFT_MODELS:-granite-4.0-h-micro}; do
+      d=/tmp/krait_same_seed_draft_$m
+      python3 scripts/draft_config.py "$m" "$d" 2
+      bench_latency $m "_same_seed_draft" --speculative-config "{\"model\":\"$d\",\"num_speculative_tokens\":3}"
+    done
     # a foreign random draft model (the target's config cut to 2 layers at half the width,
     # its lm_head untied: drafts always rejected, see scripts/draft_config.py), beside the
     # draft's own decode step (its cost) and the plain target

@@ -96,6 +96,24 @@ def test_latency_graph_ms_on_cuda(tmp_path):
         assert 0 < row["graph_ms"] < 10 * row["step_ms"]
 
 
+@pytest.mark.gpu
+def test_verify_graph_time_only_after_it_served_real_rows(tmp_path):
+    """`replay_ms` (the bench's verify_graph_ms) times a verify graph only once a step replayed
+    it on real rows: before, its inputs are the capture's dummy rows (a MoE routes them unlike
+    real ones), and the time would say nothing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from krait import LLM, SamplingParams
+
+    d = make_tiny_llama(tmp_path / "m")
+    llm = LLM(d, speculative_config={"model": d, "num_speculative_tokens": 2})
+    verify = llm.llm_engine.runner.verify_graphs
+    assert verify.replay_ms(1) is None
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert 0 < verify.replay_ms(1) < 10
+
+
 def test_workload_roofline_adds_prefills_and_decode_steps():
     """An offline workload's roofline: per wave of rows, each prompt's prefill (the larger of
     its bytes and FLOPs terms), then one decode step per further token at its context."""

@@ -208,7 +208,7 @@ def _decode_step_ms(
     graph_ms = graphs.replay_ms(batch) if graphs is not None and dev.type == "cuda" else None
     verify = getattr(engine.runner, "verify_graphs", None)  # speculative decoding: the 1 + k token step's graph
     if verify is not None and dev.type == "cuda":
-        spec["verify_graph_ms"] = verify.replay_ms(batch)
+        spec["verify_graph_ms"] = verify.replay_ms(batch)  # None: no full verify step ran
     engine.abort_request(ids)
     if running != batch:
         raise RuntimeError(f"decode batch {batch}: only {running} rows ran (preempted or finished)")

@@ -145,6 +145,7 @@ class _Graph:
         self.greedy = greedy  # int64 [N]: argmax of each row's logits
         self.hidden = hidden  # [N, H]: the model's output (an EAGLE or MTP drafter reads it)
         self.aux = aux  # [N, 3H] or None: the EAGLE-3 layers' inputs the target keeps
+        self.served = False  # run() has replayed it on a real batch (not only the capture's)
 
 
 class CudaGraphRunner:
@@ -176,9 +177,11 @@ class CudaGraphRunner:
         back with its last inputs: the step's GPU time with no host in the way (benchmarks
         only: each replay repeats that step's writes to the KV cache, the state slots and the
         token table, so the rows it served must be dropped after). None without recorded
-        graphs."""
+        graphs, or when that graph never served a real batch (its inputs would still be the
+        capture's dummy rows, which a MoE routes unlike real ones)."""
         size = self.size_for(num_reqs)
-        if size is None or not self.record or size not in self.graphs:
+        if (size is None or not self.record or size not in self.graphs
+                or not self.graphs[size].served):
             return None
         graph = self.graphs[size].graph
         torch.cuda.synchronize()
@@ -257,6 +260,7 @@ class CudaGraphRunner:
             g.logits, g.greedy, g.hidden, g.aux = self._body(g.batch, g.meta, g.hidden_in)
         else:
             g.graph.replay()
+        g.served = True
         self.last_hidden = g.hidden
         if g.hidden_in is not None:  # the head's output, as after an eager forward
             model.output_hidden = g.hidden
