@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.utils import make_tiny_llama
+from tests.utils import load_script, make_tiny_llama
 
 
 def _bench(*args: str) -> dict:
@@ -168,3 +168,26 @@ def test_latency_structured_json(tmp_path):
     r, _ = offline.bench_latency(args)
     assert r["structured_json"]["minItems"] == 1 << 24 and r["structured_tokenizer"] == str(d)
     assert [row["batch"] for row in r["decode"]] == [2] and r["decode"][0]["step_ms"] > 0
+
+
+def test_ab_plan_variants_and_runs(tmp_path):
+    """scripts/ab_plan.py: a variant names int constants of krait/ops/linear.py's plan (a
+    misspelt one is refused: it would measure the plan as it is), and each run is one
+    `krait bench latency` in its own process with them set."""
+    ab = load_script("ab_plan")
+    assert ab.parse_variant("rows:MULTI_ROW_MAX_N=16384,MULTI_ROW_MAX_ROWS=4") == (
+        "rows", {"MULTI_ROW_MAX_N": 16384, "MULTI_ROW_MAX_ROWS": 4})
+    assert ab.parse_variant("base:") == ("base", {})
+    for bad in ("rows:MULTI_ROW_MAX_NN=1", ":MULTI_ROW_MAX_N=1"):
+        with pytest.raises(ValueError):
+            ab.parse_variant(bad)
+    d = make_tiny_llama(tmp_path / "m")
+    out = subprocess.run(
+        [sys.executable, "scripts/ab_plan.py", "--variant", "base:", "--variant",
+         "rows:MULTI_ROW_MAX_N=16384", "--repeat", "1", "--", "--model", str(d), "--device", "cpu",
+         "--dtype", "float32", "--batch-sizes", "1", "--prompt-lens", "", "--context-len", "8",
+         "--num-steps", "4"],
+        capture_output=True, text=True, timeout=600, check=True, cwd=ab.ROOT)
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [x["variant"] for x in lines] == ["base", "rows", "base", "rows"]
+    assert all(x["median"]["step_ms"] > 0 for x in lines[2:])
