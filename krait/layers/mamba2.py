@@ -15,19 +15,21 @@ from krait.layers.linear import (
     Linear,
     RowParallelLinear,
     conv_linear,
+    folds_gated_norm,
     gated_norm_linear,
 )
 from krait.ops import linear as plan
 from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
+from krait.ops.gemv_rows import gemv_rows
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import (
     gated_part_size,
     selective_state_update,
     selective_state_update_triton,
 )
-from krait.runner.piecewise_graphs import mixer_call
+from krait.runner.piecewise_graphs import mixer_call, piecewise_forward
 
 
 @dataclass
@@ -205,7 +207,8 @@ class Mamba2Mixer(torch.nn.Module):
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. A lone decode row on the Triton path takes the fusions
         krait/ops/linear.py plans: the conv in in_proj's GEMV epilogue, the gated norm in
-        out_proj's GEMV prologue (from the state update's sums of squares)."""
+        out_proj's GEMV prologue (from the state update's sums of squares); 2-8 verify rows
+        the gated norm in out_proj's multi-row GEMV where the plan folds it."""
         d = self.d
         group = self._norm_group()
         conv = None
@@ -225,6 +228,12 @@ class Mamba2Mixer(torch.nn.Module):
                     d.eps, part))
         gate, xbc, dt = self._project(x, conv)
         y = mixer_call(self._ssm, (xbc, dt), meta, "mamba", conv is not None)
+        w = self.out_proj.weight
+        if (meta.num_accepted_tokens is not None and meta.num_prefills == 0
+                and not piecewise_forward() and folds_gated_norm(y, w, self.out_proj.bias, group)):
+            # verify rows: the gated norm inside out_proj's multi-row GEMV
+            return self.out_proj.finish(gemv_rows(y, w, norm=(gate, self.norm_weight, d.eps,
+                                                              group)))
         return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
 
     def _cross_rank_gated_norm(self, y: torch.Tensor, gate: torch.Tensor | None

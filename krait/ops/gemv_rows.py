@@ -23,6 +23,13 @@ counter (krait/ops/arrival.py); the last slice to arrive sums the partials in sl
 per K step into two accumulators; y = silu(gate) * up with each half rounded to y's dtype
 first (`gemv.finish_tile`), split or not (the up partials beside the gate's).
 
+NORM (`norm=`; a Mamba mixer's out_proj over verify rows): x is first the gated RMSNorm of
+x * silu(z). Each K step loads x and z, feeds the dot (x * silu(z)) * weight unnormalised and
+adds the rows' sums of squares; as each slice lies in one norm group (`norm_split`), the
+group's 1 / rms scales the slice's partials where they meet: in the store (one slice), else in
+the last program's sum, from the sums each slice wrote. One launch for the norm, the GEMM and
+its split-K reduce.
+
 PDL as gemv_tma.py: the wait before the loop (the pipeliner's prologue also copies x, which
 the previous kernel writes), the trigger after it; EARLY_BOX loads the first box through plain
 loads before the wait. TMA needs 16-byte aligned rows: K * itemsize % 16 == 0 (`tma_readable`);
@@ -60,6 +67,20 @@ def _x_rows(x_ptr, stride_xm, offs_m, M, k0, K, offs_k):
 
 
 @triton.jit
+def _normed_rows(x_ptr, z_ptr, wn_ptr, stride_xm, stride_zm, offs_m, M, k0, K, offs_k, ss):
+    """NORM: the gated norm's input for x[:, k0:k0 + BLOCK_K] but its 1 / rms: h = x * silu(z)
+    in float32, times the norm's weight, in x's dtype; and ss [BLOCK_M] plus the rows' sums of
+    h^2 over these columns."""
+    k = k0 + offs_k[None, :]
+    ok = (offs_m[:, None] < M) & (k < K)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k, mask=ok, other=0.0)
+    z = tl.load(z_ptr + offs_m[:, None] * stride_zm + k, mask=ok, other=0.0).to(tl.float32)
+    h = x.to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+    wn = tl.load(wn_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    return (h * wn).to(x.dtype), ss + tl.sum(h * h, axis=1)
+
+
+@triton.jit
 def _box_dot(w, x, acc, IEEE: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] float32 + w [BLOCK_N, BLOCK_K] @ x [BLOCK_M, BLOCK_K]^T: the
     weight box is the wgmma's A operand, x transposed its B. IEEE: exact float32 products (for
@@ -77,11 +98,17 @@ def _gemv_rows_kernel(
     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
     SILU_MUL: tl.constexpr = False, IEEE: tl.constexpr = False,
     EARLY_BOX: tl.constexpr = False, TL: tl.constexpr = False, tl_ptr=None,
+    z_ptr=None, wn_ptr=None, sums_ptr=None, stride_zm=0, group_size=1, eps=0.0,
+    NORM: tl.constexpr = False, SLICES_PER_GROUP: tl.constexpr = 1,
 ):
     """y [M, N] = x [M, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
     (w_ptr: the same weight, for the EARLY_BOX loads only). SILU_MUL: W is [2N, K] = [gate; up]
     and y = silu(x @ gate^T) * (x @ up^T). Partials (SPLIT_K > 1): [SPLIT_K, M, rows] float32,
-    rows = N (2N with SILU_MUL: the up half beside the gate's)."""
+    rows = N (2N with SILU_MUL: the up half beside the gate's). NORM: x is first the gated
+    RMSNorm of x * silu(z) over groups of `group_size` columns with weight wn: the dot takes
+    the weighted, unnormalised rows (`_normed_rows`), and each K slice (inside one group:
+    SLICES_PER_GROUP slices a group) is scaled by its rows' 1 / rms where the slices meet, from
+    the sums of squares each program wrote to sums [tiles, SPLIT_K, BLOCK_M]."""
     stamp(TL, tl_ptr, ENTRY)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -92,6 +119,7 @@ def _gemv_rows_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # [N, M]: y transposed
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: the slice's sums of squares a row
     rows = 2 * N if SILU_MUL else N
     if EARLY_BOX:  # the first box in flight while the previous kernel drains
         w0 = _first_box(w_ptr, n0, k_lo, rows, K, tl.arange(0, BLOCK_N), offs_k)
@@ -101,7 +129,11 @@ def _gemv_rows_kernel(
     stamp(TL, tl_ptr, WAITED)
     k_start = k_lo
     if EARLY_BOX:
-        x = _x_rows(x_ptr, stride_xm, offs_m, M, k_lo, K, offs_k)
+        if NORM:
+            x, ss = _normed_rows(x_ptr, z_ptr, wn_ptr, stride_xm, stride_zm, offs_m, M, k_lo,
+                                 K, offs_k, ss)
+        else:
+            x = _x_rows(x_ptr, stride_xm, offs_m, M, k_lo, K, offs_k)
         acc = _box_dot(w0, x, acc, IEEE)
         if SILU_MUL:
             acc_up = _box_dot(u0, x, acc_up, IEEE)
@@ -111,6 +143,11 @@ def _gemv_rows_kernel(
             x = _x_rows(x_ptr, stride_xm, offs_m, M, k0, K, offs_k)
             acc = _box_dot(w_desc.load([n0, k0]), x, acc, IEEE)
             acc_up = _box_dot(w_desc.load([N + n0, k0]), x, acc_up, IEEE)
+    elif NORM:
+        for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
+            x, ss = _normed_rows(x_ptr, z_ptr, wn_ptr, stride_xm, stride_zm, offs_m, M, k0, K,
+                                 offs_k, ss)
+            acc = _box_dot(w_desc.load([n0, k0]), x, acc, IEEE)
     else:
         for k0 in tl.range(k_start, k_hi, BLOCK_K, num_stages=STAGES):
             x = _x_rows(x_ptr, stride_xm, offs_m, M, k0, K, offs_k)
@@ -124,6 +161,8 @@ def _gemv_rows_kernel(
     dt = y_ptr.dtype.element_ty
     # finish_tile's EPILOGUE: SILU_MUL (True == 1) or the plain output
     if SPLIT_K == 1:
+        if NORM:  # the one slice is the one group
+            acc = acc * tl.rsqrt(ss / group_size + eps)[None, :]
         tl.store(out, finish_tile(acc, acc_up, y_ptr, offs_n, n_ok, N, dt, False, SILU_MUL),
                  mask=mn_ok)
     else:
@@ -131,16 +170,29 @@ def _gemv_rows_kernel(
         tl.store(part + pid_k * M * rows, acc, mask=mn_ok)
         if SILU_MUL:
             tl.store(part + pid_k * M * rows + N, acc_up, mask=mn_ok)
+        if NORM:
+            sums = sums_ptr + pid_n * SPLIT_K * BLOCK_M + offs_m  # this tile's [S, BLOCK_M]
+            tl.store(sums + pid_k * BLOCK_M, ss)
         arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: orders the stores above
         if arrived == SPLIT_K - 1:  # the last slice of this tile to finish sums them all
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             total_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part + s * M * rows, mask=mn_ok, other=0.0,
-                                 cache_modifier=".cg")
-                if SILU_MUL:
-                    total_up += tl.load(part + s * M * rows + N, mask=mn_ok, other=0.0,
-                                        cache_modifier=".cg")
+            for g in tl.static_range(SPLIT_K // SLICES_PER_GROUP):
+                if NORM:  # 1 / rms of each row over the group's slices
+                    gs = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    for j in tl.static_range(SLICES_PER_GROUP):
+                        gs += tl.load(sums + (g * SLICES_PER_GROUP + j) * BLOCK_M,
+                                      cache_modifier=".cg")
+                    scale = tl.rsqrt(gs / group_size + eps)[None, :]
+                for j in tl.static_range(SLICES_PER_GROUP):
+                    s = g * SLICES_PER_GROUP + j
+                    p = tl.load(part + s * M * rows, mask=mn_ok, other=0.0, cache_modifier=".cg")
+                    if NORM:
+                        p = p * scale
+                    total += p
+                    if SILU_MUL:
+                        total_up += tl.load(part + s * M * rows + N, mask=mn_ok, other=0.0,
+                                            cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
             tl.store(out, finish_tile(total, total_up, y_ptr, offs_n, n_ok, N, dt, False,
                                       SILU_MUL), mask=mn_ok)
@@ -182,14 +234,45 @@ def rows_config(m: int, n: int, k: int, silu_mul_out: bool = False, num_sms: int
                 num_warps=4 if block_n == 64 else 8)
 
 
+def norm_split(k: int, group_size: int, block_k: int, split: int) -> int | None:
+    """A SPLIT_K whose K slices (`slice_width`) each lie inside one norm group of
+    `group_size` columns, every group in whole slices (the `norm` fold scales a slice's
+    partials by its group's 1 / rms): the largest <= split (one slice only when one group spans
+    K), else the smallest up to 16 by doublings. None: no such split."""
+    if group_size <= 0 or k % group_size:
+        return None
+
+    def fits(s: int) -> bool:
+        if s == 1:
+            return group_size == k
+        width = slice_width(k, s, block_k)
+        return group_size % width == 0 and s % (group_size // width) == 0
+
+    down = [split >> i for i in range(split.bit_length()) if split >> i]
+    up = [split << i for i in range(1, 5) if split << i <= 16]
+    return next((s for s in down + up if fits(s)), None)
+
+
+def norm_fits(m: int, n: int, k: int, group_size: int, num_sms: int = 132,
+              itemsize: int = 2) -> bool:
+    """`gemv_rows(norm=...)` takes x [m, K] against a weight [n, k] with norm groups of
+    `group_size` columns under its default config (`rows_config`, `norm_split`)."""
+    cfg = rows_config(m, n, k, False, num_sms, itemsize)
+    return norm_split(k, group_size, cfg["BLOCK_K"], cfg["SPLIT_K"]) is not None
+
+
 def gemv_rows(x: Tensor, weight: Tensor, config: dict | None = None,
-              silu_mul_out: bool = False) -> Tensor:
+              silu_mul_out: bool = False,
+              norm: tuple[Tensor, Tensor, float, int] | None = None) -> Tensor:
     """x [M, K] (M <= 8; bf16, fp16 or float32) @ weight [N, K]^T (x's dtype, contiguous,
     K * itemsize a multiple of 16 bytes) -> y [M, N] in x's dtype, float32 accumulation. With
     `silu_mul_out`, weight is [2N, K] = [gate; up] (a merged gate_up) and y [M, N] =
-    silu_and_mul of the [M, 2N] projection. config: BLOCK_N, BLOCK_K (powers of two, 16 to
-    256: one TMA box; BLOCK_N 64 or 128 maps the dot to wgmma), STAGES, SPLIT_K, num_warps,
-    EARLY_BOX; missing entries from `rows_config`."""
+    silu_and_mul of the [M, 2N] projection. `norm` = (z [M, K], norm weight [K], eps, group
+    size): x is first a Mamba mixer's gated RMSNorm, rmsnorm(x * silu(z)) per group of
+    columns times the weight (`gated_rms_norm`, gate first), folded into this launch; SPLIT_K
+    then drops to the largest whose slices lie in single groups (`norm_split`). config:
+    BLOCK_N, BLOCK_K (powers of two, 16 to 256: one TMA box; BLOCK_N 64 or 128 maps the dot to
+    wgmma), STAGES, SPLIT_K, num_warps, EARLY_BOX; missing entries from `rows_config`."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"gemv_rows: x must be [M, K] and weight [N, K], got {list(x.shape)} "
                          f"and {list(weight.shape)}")
@@ -219,15 +302,36 @@ def gemv_rows(x: Tensor, weight: Tensor, config: dict | None = None,
     if m == 0 or n == 0:
         return y
     split = cfg.pop("SPLIT_K")
+    norm_args: dict = {}
+    if norm is not None:
+        z, wn, eps, group = norm
+        if silu_mul_out or z.shape != x.shape or wn.shape != (k,):
+            raise ValueError(f"gemv_rows: norm takes z like x {list(x.shape)} and a weight of "
+                             f"[{k}], no silu_mul_out; got z {list(z.shape)}, weight "
+                             f"{list(wn.shape)}")
+        fitted = norm_split(k, group, cfg["BLOCK_K"], split)
+        if fitted is None:
+            raise ValueError(f"gemv_rows: no K split puts each slice in one norm group of {group}"
+                             f" columns (K={k}, BLOCK_K={cfg['BLOCK_K']})")
+        split = fitted
+        width = slice_width(k, split, cfg["BLOCK_K"])
+        z = z if z.stride(-1) == 1 else z.contiguous()
+        norm_args = dict(z_ptr=z, wn_ptr=wn.contiguous(), stride_zm=z.stride(0),
+                         group_size=group, eps=float(eps), NORM=True,
+                         SLICES_PER_GROUP=group // width if split > 1 else 1)
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     tiles = cdiv(n, cfg["BLOCK_N"])
     k_slice = slice_width(k, split, cfg["BLOCK_K"])
     desc = _descriptor(weight, cfg["BLOCK_N"], cfg["BLOCK_K"])
     part, counters = split_k_scratch(_COUNTERS, split, (m, rows), tiles, y)  # [S, M, W]
+    if norm is not None and split > 1:
+        # the slices' sums of squares a row: [tiles, S, BLOCK_M]
+        norm_args["sums_ptr"] = torch.empty(tiles * split * BLOCK_M, dtype=torch.float32,
+                                            device=x.device)
     _gemv_rows_kernel[(tiles, split)](
         x, desc, weight, y, part, counters, m, n, k, k_slice, x.stride(0), y.stride(0),
         SPLIT_K=split, BLOCK_M=BLOCK_M, SILU_MUL=silu_mul_out,
         IEEE=x.dtype == torch.float32 or interpreting(), **pdl_args(use_pdl(x)), **cfg,
-        **timeline_args("gemv_rows", (tiles, split), x.device))
+        **timeline_args("gemv_rows", (tiles, split), x.device), **norm_args)
     return y

@@ -119,6 +119,39 @@ def test_async_verify_steps_are_lossless_and_overlapped(arch, models, monkeypatc
     assert torch.equal(torch.from_numpy(runner.spec_known), runner.spec_rejected.cpu())
 
 
+def test_verify_rows_fold_the_gated_norm_into_out_proj(models, monkeypatch):
+    """Mamba2 verify rows with the plan folding the gated RMSNorm into out_proj's multi-row
+    GEMV (`gemv_rows(norm=...)`; CPU tensors let through as the GPU's, the kernels
+    interpreted; the tiny model's two norm groups): HF's tokens, drafts accepted and
+    rejected, and every verify step's out_proj (one a layer) took the fold."""
+    from krait.layers import linear as layer
+    from krait.ops import linear as plan
+
+    model_dir, want = models("mamba2")
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    monkeypatch.setattr(layer, "_few_rows", lambda x: x.dim() == 2 and 2 <= x.shape[0] <= 8)
+    monkeypatch.setattr(plan, "MULTI_ROW_GATED_NORM_MAX_ELEMENTS", 1 << 30)
+    folds = []
+    real = layer.gemv_rows
+
+    def spy(x, w, *a, norm=None, **kw):
+        folds.append(norm is not None)
+        return real(x, w, *a, norm=norm, **kw)
+
+    import krait.layers.mamba2 as mamba2_mod
+
+    monkeypatch.setattr(mamba2_mod, "gemv_rows", spy)
+    log: list[int] = []
+    monkeypatch.setattr(model_runner_mod, "ngram_propose", _scripted_drafter(want, log))
+    monkeypatch.setattr(model_runner_mod, "FUSED_GREEDY_COMMIT", False)
+    llm = _llm(model_dir, max_num_seqs=1)  # one row at a time: 4-token verify steps
+    assert _generate(llm) == want
+    stats = llm.llm_engine.get_stats()
+    accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert len(folds) == 2 * stats["spec_decode_num_drafts"] and all(folds)  # 2 layers a step
+
+
 def test_async_device_ngram_with_preemption_and_stops(models, monkeypatch):
     """The device ngram drafter end to end, with preemption (the resumed requests recompute
     from host tokens that arrived one step late) and max_tokens cutting inside accepted runs."""
