@@ -179,8 +179,10 @@ class SpeculativeConfig:
             # mtp: the target's own checkpoint unless `model` names another copy of it
             raise ValueError("speculative_config.model is only for draft_model, eagle, eagle3 "
                              f"and mtp, not {method!r}")
-        if self.draft_tensor_parallel_size not in (None, 1):
-            raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 is supported")
+        dtp = self.draft_tensor_parallel_size
+        if dtp is not None and (not isinstance(dtp, int) or isinstance(dtp, bool) or dtp < 1):
+            raise ValueError("speculative_config.draft_tensor_parallel_size must be an integer "
+                             f">= 1; got {dtp!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if method != "ngram" and (lo is not None or hi is not None):
             raise ValueError("speculative_config.prompt_lookup_min/max are only for ngram")
@@ -295,10 +297,13 @@ class EngineConfig:
             raise ValueError("speculative decoding with pipeline_parallel_size > 1 is not "
                              "supported yet (tensor parallelism is)")
         method = speculative_config.method if speculative_config is not None else None
-        if (method in ("draft_model", "eagle", "eagle3", "mtp", "qwen3_next_mtp")
-                and tensor_parallel_size > 1):
-            raise ValueError(f"speculative_config.method={method!r} with tensor_parallel_size"
-                             " > 1 is not supported yet (ngram is)")
+        dtp = speculative_config.draft_tensor_parallel_size if method else None
+        if dtp is not None and dtp != tensor_parallel_size:
+            # a drafter runs on every tensor-parallel rank, sharded like the target
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={dtp}: the draft "
+                             f"runs sharded over the target's {tensor_parallel_size} "
+                             f"tensor-parallel rank(s); leave it out or set "
+                             f"{tensor_parallel_size}")
         if method in ("eagle", "eagle3", "mtp", "qwen3_next_mtp") and enable_prefix_caching:
             # the head's KV at a prefix hit would need the target hidden states of the cached
             # positions, which no step computed

@@ -29,7 +29,7 @@ def test_draft_model_is_implied_by_model() -> None:
     ({"num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min"),
     ({"num_speculative_tokens": 3, "prompt_lookup_min": 0}, "prompt_lookup_min"),
-    ({"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+    ({"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 0},
      "draft_tensor_parallel_size"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "eagle"),
     ({"method": "eagle3", "num_speculative_tokens": 3}, "eagle3"),

@@ -328,10 +328,22 @@ class MultiprocExecutor(Executor):
                 raise self._fail(WorkerError(f"step {msg[1]}'s result came for step {step}"))
 
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
-        return self._call("propose_drafts", req_ids, ranks=[self.output_rank])[0]
+        """The output rank's drafts; a draft model runs sharded like the target, so then every
+        rank runs its drafter (the same drafts: their collectives agree)."""
+        if not drafts_on_every_rank(self.config):
+            return self._call("propose_drafts", req_ids, ranks=[self.output_rank])[0]
+        return self._call("propose_drafts", req_ids)[self.output_rank]
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def drafts_on_every_rank(config: EngineConfig) -> bool:
+    """Whether every rank runs the drafter: a draft model under tensor parallelism (its layers
+    sharded like the target's, its steps collective); ngram drafts on the output rank alone."""
+    spec = config.speculative
+    return spec is not None and spec.method != "ngram" and \
+        config.parallel.tensor_parallel_size > 1
 
 
 def create_executor(config: EngineConfig) -> Executor:

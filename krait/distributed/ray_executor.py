@@ -11,7 +11,12 @@ import socket
 import time
 
 from krait.config import EngineConfig
-from krait.distributed.executor import COLLECTIVE_TIMEOUT_S, Executor, WorkerError
+from krait.distributed.executor import (
+    COLLECTIVE_TIMEOUT_S,
+    Executor,
+    WorkerError,
+    drafts_on_every_rank,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +118,9 @@ class RayExecutor(Executor):
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
         import ray
 
-        return ray.get(self.actors[self.output_rank].propose_drafts.remote(req_ids))
+        if not drafts_on_every_rank(self.config):
+            return ray.get(self.actors[self.output_rank].propose_drafts.remote(req_ids))
+        return ray.get([a.propose_drafts.remote(req_ids) for a in self.actors])[self.output_rank]
 
     def shutdown(self) -> None:
         import ray

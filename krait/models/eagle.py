@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from krait.distributed.sharding import materialize
 from krait.layers.embedding import MissingModule, ParallelLMHead, VocabParallelEmbedding
 from krait.layers.linear import Linear
 from krait.layers.norm import RMSNorm
@@ -237,7 +238,7 @@ class Eagle3LlamaForCausalLM(_EagleHead):
         d2t = [t for n, t in pairs if n == "d2t"]
         pairs[:] = [(n, t) for n, t in pairs if n != "d2t"]
         if d2t:
-            t = d2t[0]
+            t = materialize(d2t[0])  # (a checkpoint slice not read yet under TP)
             if tuple(t.shape) != (self.draft_vocab_size,):
                 raise ValueError(f"checkpoint tensor 'd2t' has shape {tuple(t.shape)}, the head "
                                  f"expects ({self.draft_vocab_size},)")

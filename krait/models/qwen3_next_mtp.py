@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from krait.distributed.sharding import materialize
 from krait.layers.embedding import MissingModule
 from krait.layers.linear import Linear
 from krait.layers.moe import load_expert_weights
@@ -99,7 +100,7 @@ class Qwen3NextMTP(_EagleHead):
             seen = True
             name = name[len("mtp."):]
             if name in _HEAD_NORMS or _CENTRED.search(name):
-                tensor = tensor.float() + 1.0
+                tensor = materialize(tensor).float() + 1.0
             yield name, tensor
         if not seen:
             raise ValueError("speculative_config.method='mtp': the checkpoint has no mtp.* "

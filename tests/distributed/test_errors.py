@@ -73,6 +73,15 @@ def test_layout_refusals_through_the_engine_options(models) -> None:  # noqa: F8
     with pytest.raises(ValueError, match="speculative decoding with pipeline_parallel_size"):
         EngineConfig.from_kwargs(m, device="cpu", pipeline_parallel_size=2, speculative_config={
             "method": "ngram", "num_speculative_tokens": 2})
+    draft = {"model": m, "num_speculative_tokens": 2}  # drafters run sharded like the target
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=1: .* target's 2"):
+        EngineConfig.from_kwargs(m, device="cpu", tensor_parallel_size=2, speculative_config={
+            **draft, "draft_tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
+        EngineConfig.from_kwargs(m, device="cpu", speculative_config={
+            **draft, "draft_tensor_parallel_size": 2})
+    assert EngineConfig.from_kwargs(m, device="cpu", tensor_parallel_size=2, speculative_config={
+        **draft, "draft_tensor_parallel_size": 2}).speculative.draft_tensor_parallel_size == 2
     assert EngineConfig.from_kwargs(m, device="cpu").parallel.distributed_executor_backend == "uni"
     assert EngineConfig.from_kwargs(
         m, device="cpu", tensor_parallel_size=2).parallel.distributed_executor_backend == "mp"

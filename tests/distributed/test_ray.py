@@ -1,5 +1,5 @@
 """The Ray backend on CPU: a local Ray, TP=2 in a placement group, equals the single-process
-engine (skipped where Ray is not installed). The workload is small: Ray's start-up and its
+engine (skipped where Ray is not installed), with a draft model too. The workload is small: Ray's start-up and its
 per-step calls are what this checks (chunked prefill and preemption across ranks are the mp
 tests' part, tests/distributed/test_tp.py)."""
 
@@ -33,6 +33,10 @@ def test_ray_tp2_matches_single_process(models, monkeypatch) -> None:  # noqa: F
     ref = _run(model)
     try:
         got = _run(model, tensor_parallel_size=2, distributed_executor_backend="ray")
+        # a draft model (the target itself) drafts on both actors, sharded like the target
+        drafted = _run(model, tensor_parallel_size=2, distributed_executor_backend="ray",
+                       speculative_config={"model": model, "num_speculative_tokens": 2})
     finally:
         ray.shutdown()
     assert_same(ref, got)
+    assert_same(ref, drafted)

@@ -301,8 +301,8 @@ def test_refusals_name_the_field(target, heads, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"speculative_config\.model.*eagle"):
         LLM(target.model_dir, **device_options(),
             speculative_config={"method": "eagle", "num_speculative_tokens": K})
+    # (tensor parallelism is served: tests/distributed/test_tp_spec.py)
     for key, opts in (("pipeline_parallel_size", dict(pipeline_parallel_size=2)),
-                      ("tensor_parallel_size", dict(tensor_parallel_size=2)),
                       ("enable_prefix_caching", dict(enable_prefix_caching=True))):
         with pytest.raises(ValueError, match=key):
             EngineConfig.from_kwargs(target.model_dir, **device_options(),
