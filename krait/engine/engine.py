@@ -420,18 +420,26 @@ class LLMEngine:
         return [r for r in rows if r is not None and r.grammar is not None and r.num_inflight]
 
     def _fill_grammar_bitmask(self, sched) -> None:
-        """The masks of the structured rows that sample in the step just scheduled."""
+        """The masks of the structured rows that sample in the step just scheduled: one per
+        sampled position, so a row verifying n drafts has 1 + n, its id repeated as often."""
         rows = self._structured_rows(sched)
         if rows:
-            sched.structured_req_ids = [r.request_id for r in rows]
-            sched.grammar_bitmask = self._structured.fill_bitmask(rows)
+            spec = sched.scheduled_spec_decode_tokens
+            drafts = [spec.get(r.request_id, []) for r in rows]
+            sched.structured_req_ids = [r.request_id for r, d in zip(rows, drafts)
+                                        for _ in range(1 + len(d))]
+            sched.grammar_bitmask = self._structured.fill_bitmask(rows, drafts)
 
     def _propose_drafts(self) -> None:
-        """Drafts for the next step of every running request (speculative decoding)."""
+        """Drafts for the next step of every running request (speculative decoding); a
+        structured request's are cut to what its grammar allows."""
         running = self.scheduler.running
         drafts = self.executor.propose_drafts([r.request_id for r in running])
         for req in running:
-            req.spec_token_ids = drafts.get(req.request_id, [])
+            d = drafts.get(req.request_id, [])
+            if d and req.grammar is not None:
+                d = d[: req.grammar.valid_drafts(d)]
+            req.spec_token_ids = d
 
     def _read_back(self, pending):
         sampled = pending.result()

@@ -105,7 +105,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # structured outputs: the requests whose token this step samples under a grammar, and their
-    # masks (int32 [len(structured_req_ids), words], CPU; filled by the engine after scheduling).
+    # masks (int32 [len(structured_req_ids), words], CPU; filled by the engine after scheduling);
+    # a request verifying n drafts comes 1 + n times, a mask for each position.
     # None in a step without structured rows: the runner then does no mask work at all.
     structured_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None

@@ -610,8 +610,8 @@ class ModelRunner:
                            cu, greedy)
 
     def _reject(self, v: _VerifyStep, req_ids: list[str], draft_ids: torch.Tensor):
-        """The rejection sampler over a verify step's logits (structured rows masked first:
-        they draft nothing, one position each), given the drafts in row order."""
+        """The rejection sampler over a verify step's logits (structured rows masked first,
+        each position by its own mask), given the drafts in row order."""
         st = self.states
         rows_i = v.batch.idx_mapping_np[v.rows]
         if self._grammar is not None:
@@ -757,7 +757,8 @@ class ModelRunner:
         decoding = (computed + 1 == st.num_tokens[idx]) & (computed >= st.num_prompt_tokens[idx])
         room = np.minimum(self.max_model_len - st.num_tokens[idx] - 1, self.num_spec_tokens)
         ok = np.array([drafts_allowed(st.params[i], st.num_tokens[i] - st.num_prompt_tokens[i]
-                                      + st.num_output_offset[i]) for i in idx], dtype=bool)
+                                      + st.num_output_offset[i], structured=True)
+                       for i in idx], dtype=bool)
         max_drafts = np.where(decoding & ok, np.maximum(room, 0), 0).astype(np.int32)
         if not max_drafts.any() and not getattr(self.drafter, "catches_up_every_call", False):
             return {}
@@ -902,7 +903,9 @@ class ModelRunner:
     def _apply_grammar(self, logits: torch.Tensor, row_req_ids: list[str],
                        logits_rows: np.ndarray | None = None) -> None:
         """Masks the structured rows' logits in place (one launch): `row_req_ids[j]` is the
-        request of sampling row j, whose logits are row `logits_rows[j]` (default j). The
+        request of sampling row j, whose logits are row `logits_rows[j]` (default j); a verify
+        row's id comes 1 + n times in the step's ids, its masks for logits rows
+        logits_rows[j] .. + n. The
         sampler then sees the masked logits, so greedy, sampling, penalties and logprobs all
         follow the grammar; the logprobs are those of the masked distribution (as vLLM v1's:
         its bitmask is applied before the sampler too)."""
@@ -910,7 +913,12 @@ class ModelRunner:
         where = {rid: j for j, rid in enumerate(row_req_ids)}
         rows = [where.get(rid, -1) for rid in req_ids]
         if logits_rows is not None:
-            rows = [int(logits_rows[j]) if j >= 0 else -1 for j in rows]
+            # a verify row's id repeats once a position: its masks go to its logits in order
+            seen: dict[str, int] = {}
+            for m, (rid, j) in enumerate(zip(req_ids, rows)):
+                if j >= 0:
+                    rows[m] = int(logits_rows[j]) + seen.get(rid, 0)
+                    seen[rid] = seen.get(rid, 0) + 1
         dev = logits.device
         apply_token_bitmask(logits, bitmask.to(dev, non_blocking=True),
                             host_to_device(np.array(rows, dtype=np.int32), dev))

@@ -121,6 +121,31 @@ class RequestGrammar:
         """Writes the allowed next tokens into `bitmask[row]` (int32 CPU tensor [S, W])."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def valid_drafts(self, drafts: list[int]) -> int:
+        """How many leading drafts the grammar allows in a row, stopping before one that would
+        end the output (no mask follows an end); the matcher is left as it was."""
+        accepted = 0
+        for tok in drafts:
+            if not self.accept(tok):
+                break
+            accepted += 1
+            if self.is_terminated():
+                break
+        ended = accepted > 0 and self.is_terminated()  # (by the last one accepted)
+        if accepted:
+            self.matcher.rollback(accepted)
+        return accepted - ended
+
+    def fill_along(self, bitmask: Any, row: int, drafts: list[int]) -> None:
+        """The masks of a verify row: bitmask[row + j] after drafts[:j], j = 0 .. len(drafts)
+        (drafts `valid_drafts` allowed); the matcher is left as it was."""
+        for j, tok in enumerate(drafts):
+            self.fill(bitmask, row + j)
+            self.accept(tok)
+        self.fill(bitmask, row + len(drafts))
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words of one row's mask."""

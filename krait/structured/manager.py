@@ -129,9 +129,19 @@ class StructuredOutputManager:
         self._pending.pop(request_id, None)
 
     # -- masks ------------------------------------------------------------------------
-    def fill_bitmask(self, reqs: list[Request]) -> torch.Tensor:
-        """int32 [len(reqs), words] (CPU): row s allows the tokens reqs[s]'s grammar allows
-        next."""
+    def fill_bitmask(self, reqs: list[Request], drafts: list[list[int]] | None = None
+                     ) -> torch.Tensor:
+        """int32 [rows, words] (CPU): the tokens each request's grammar allows next; with
+        `drafts` (the drafts each verifies, cut to what its grammar allows), 1 + len(drafts[s])
+        consecutive rows for reqs[s], the mask after each run of its drafts."""
+        if drafts is not None and any(drafts):
+            bitmask = torch.empty(len(reqs) + sum(map(len, drafts)), self.words,
+                                  dtype=torch.int32)
+            row = 0
+            for req, d in zip(reqs, drafts):
+                req.grammar.fill_along(bitmask, row, d)
+                row += 1 + len(d)
+            return bitmask
         bitmask = torch.empty(len(reqs), self.words, dtype=torch.int32)
         if len(reqs) < _BATCH_FILL_ROWS:
             for s, req in enumerate(reqs):
