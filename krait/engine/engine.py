@@ -426,6 +426,11 @@ class LLMEngine:
         if rows:
             spec = sched.scheduled_spec_decode_tokens
             drafts = [spec.get(r.request_id, []) for r in rows]
+            if any(d and d[0] < 0 for d in drafts):  # placeholders: the device made them
+                drafts = self.runner.device_drafts(
+                    [r.request_id for r in rows],
+                    [len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows],
+                    [len(d) for d in drafts])
             sched.structured_req_ids = [r.request_id for r, d in zip(rows, drafts)
                                         for _ in range(1 + len(d))]
             sched.grammar_bitmask = self._structured.fill_bitmask(rows, drafts)
@@ -438,7 +443,10 @@ class LLMEngine:
         for req in running:
             d = drafts.get(req.request_id, [])
             if d and req.grammar is not None:
-                d = d[: req.grammar.valid_drafts(d)]
+                if d[0] >= 0:
+                    d = d[: req.grammar.valid_drafts(d)]
+                elif self.runner is None:
+                    d = []  # left on workers' devices: their masks could not be filled
             req.spec_token_ids = d
 
     def _read_back(self, pending):

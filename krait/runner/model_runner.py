@@ -672,8 +672,8 @@ class ModelRunner:
         `_commit_and_draft`'s): int32 [S], k for a row drafted, else 0."""
         st = self.states
         room = host_len + self.num_spec_tokens <= self.max_model_len
-        may = np.fromiter((ever_drafts(st.params[i]) for i in host_rows.tolist()), bool,
-                          len(host_rows)) & room
+        may = np.fromiter((ever_drafts(st.params[i])
+                           for i in host_rows.tolist()), bool, len(host_rows)) & room
         return self.drafter.draft_on_device(self.tables.token_ids, self.spec_rejected,
                                             self.spec_known, st.token_ids, host_rows, host_len,
                                             prefilled, may)
@@ -744,6 +744,23 @@ class ModelRunner:
         pending.prompt_logprobs = v.prompt_logprobs
         return pending
 
+    def device_drafts(self, req_ids: list[str], starts: list[int],
+                      counts: list[int]) -> list[list[int]]:
+        """Asynchronous speculation: the drafts the device wrote for these requests, `counts`
+        of them from each one's true token count `starts` (the host knows it: the request's
+        last step was read back), in one copy; what a structured row's masks are filled
+        from."""
+        st = self.states
+        k = max(counts)
+        if k == 0:
+            return [[] for _ in req_ids]
+        rows = np.fromiter((st.index[r] for r in req_ids), np.int64, len(req_ids))
+        pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(k)  # [R, k]
+        pos = np.minimum(pos, self.tables.token_ids.shape[1] - 1)
+        rows_t, pos_t = to_device([np.repeat(rows, k), pos.reshape(-1)], np.int64, self.device)
+        got = self.tables.token_ids[rows_t, pos_t].view(len(req_ids), k).tolist()
+        return [g[:c] for g, c in zip(got, counts)]
+
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
         """Drafts for the next step of each running request that decodes next (up to k each,
         none where the sampling parameters rule speculation out or no room is left)."""
@@ -757,8 +774,7 @@ class ModelRunner:
         decoding = (computed + 1 == st.num_tokens[idx]) & (computed >= st.num_prompt_tokens[idx])
         room = np.minimum(self.max_model_len - st.num_tokens[idx] - 1, self.num_spec_tokens)
         ok = np.array([drafts_allowed(st.params[i], st.num_tokens[i] - st.num_prompt_tokens[i]
-                                      + st.num_output_offset[i], structured=True)
-                       for i in idx], dtype=bool)
+                                      + st.num_output_offset[i]) for i in idx], dtype=bool)
         max_drafts = np.where(decoding & ok, np.maximum(room, 0), 0).astype(np.int32)
         if not max_drafts.any() and not getattr(self.drafter, "catches_up_every_call", False):
             return {}

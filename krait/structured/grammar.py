@@ -137,14 +137,28 @@ class RequestGrammar:
         return accepted - ended
 
     def fill_along(self, bitmask: Any, row: int, drafts: list[int]) -> None:
-        """The masks of a verify row: bitmask[row + j] after drafts[:j], j = 0 .. len(drafts)
-        (drafts `valid_drafts` allowed); the matcher is left as it was."""
-        for j, tok in enumerate(drafts):
-            self.fill(bitmask, row + j)
-            self.accept(tok)
-        self.fill(bitmask, row + len(drafts))
-        if drafts:
-            self.matcher.rollback(len(drafts))
+        """The masks of a verify row: bitmask[row + j] after drafts[:j], j = 0 .. len(drafts);
+        the matcher is left as it was. Past a draft the grammar forbids (its own mask rules it
+        out, so verification rejects it there) or one that ends the output, the rows allow
+        every token: nothing sampled there is kept."""
+        filled = accepted = 0
+        ended = False
+        for tok in drafts:
+            self.fill(bitmask, row + filled)
+            filled += 1
+            ended = not self.accept(tok)
+            if ended:
+                break
+            accepted += 1
+            ended = self.is_terminated()
+            if ended:
+                break
+        if not ended:
+            self.fill(bitmask, row + filled)
+            filled += 1
+        bitmask[row + filled : row + len(drafts) + 1] = -1  # all bits set
+        if accepted:
+            self.matcher.rollback(accepted)
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -45,16 +45,17 @@ def models(tmp_path_factory):
     return get
 
 
-def _scripted_drafter(want: list[list[int]], log: list):
-    """ngram_propose's interface: drafts HF's continuation, the first j of them right."""
+def _scripted_drafter(want: list[list[int]], log: list, prompts: list[list[int]] = PROMPTS):
+    """ngram_propose's interface: drafts the known continuation (`want` of `prompts`), the
+    first j of them right."""
     calls = {}
 
     def propose(table, rows, num_tokens, counts, k, min_n, max_n):
         counts.fill_(k)
         for i, n in zip(rows.tolist(), num_tokens.tolist()):
-            p = next(p for p, prompt in enumerate(PROMPTS)
+            p = next(p for p, prompt in enumerate(prompts)
                      if table[i, : len(prompt)].tolist() == prompt)
-            out = n - len(PROMPTS[p])
+            out = n - len(prompts[p])
             cont = (want[p] + [0] * (k + 1))[out : out + k]
             right = calls.get(p, 0) % (k + 1)
             calls[p] = calls.get(p, 0) + 1
@@ -65,6 +66,41 @@ def _scripted_drafter(want: list[list[int]], log: list):
             log.append(right)
 
     return propose
+
+
+def test_async_structured_rows_verify_device_drafts(tmp_path, monkeypatch):
+    """Asynchronous steps with structured rows: the device's drafts for them are read back
+    with the step (which a structured row reads back anyway) and each verified position is
+    masked by the grammar after the drafts before it (past a forbidden draft every token is
+    allowed: it is rejected there). Greedy output equals the output without speculation;
+    drafts accepted and rejected."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from krait import StructuredOutputsParams
+
+    model_dir = make_tiny_llama(tmp_path / "m")
+    schema = {"type": "object", "properties": {"k": {"enum": ["ab", "cd"]}, "n": {
+        "type": "integer", "minimum": 0, "maximum": 999}}, "required": ["k", "n"]}
+    so = SamplingParams(temperature=0.0, max_tokens=120,
+                        structured_outputs=StructuredOutputsParams(json=schema))
+    texts = ["a b a b a b a b", "x y x y x y x y", "c d e"]
+    ref = LLM(model_dir, device="cpu", dtype="float32", max_model_len=256).generate(
+        texts, so, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in ref]
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
+    log: list[int] = []
+    monkeypatch.setattr(model_runner_mod, "ngram_propose",
+                        _scripted_drafter(want, log, [o.prompt_token_ids for o in ref]))
+    llm = _llm(model_dir, max_model_len=256)
+    outs = llm.generate(texts, so, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    drafted = sum(o.metrics["spec_num_draft_tokens"] for o in outs)
+    accepted = sum(o.metrics["spec_num_accepted_tokens"] for o in outs)
+    assert 0 < accepted < drafted, (accepted, drafted)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop"
+        assert set(json.loads(o.outputs[0].text)) == {"k", "n"}
 
 
 def _llm(model_dir: str, **kw) -> LLM:

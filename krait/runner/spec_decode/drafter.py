@@ -67,19 +67,16 @@ def create_drafter(spec: SpeculativeConfig, config: EngineConfig,
     raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
 
 
-def drafts_allowed(params: SamplingParams | None, num_outputs: int,
-                   structured: bool = False) -> bool:
+def drafts_allowed(params: SamplingParams | None, num_outputs: int) -> bool:
     """Whether a request's next step may verify drafts: the rejection sampler serves
-    temperature, top-k/p, min-p, seeds and logprobs; rows with penalties, logit biases or
-    tokens still banned by min_tokens decode one token a step instead (exact either way).
-    Structured rows draft only with `structured`: drafts proposed on the host, which the engine
-    cuts to what the grammar allows and masks position by position (`RequestGrammar.
-    valid_drafts`, `fill_along`); drafts made on the device (asynchronous steps) skip them."""
-    return ever_drafts(params, structured) and num_outputs >= params.min_tokens
+    temperature, top-k/p, min-p, seeds and logprobs, and structured rows (the engine masks each
+    verified position by the grammar: `RequestGrammar.fill_along`); rows with penalties, logit
+    biases or tokens still banned by min_tokens decode one token a step instead (exact either
+    way)."""
+    return ever_drafts(params) and num_outputs >= params.min_tokens
 
 
-def ever_drafts(params: SamplingParams | None, structured: bool = False) -> bool:
+def ever_drafts(params: SamplingParams | None) -> bool:
     """Whether any step of a request may verify drafts (`drafts_allowed` but for min_tokens,
     which allows them later)."""
-    return (params is not None and not uses_penalties(params) and not params.logit_bias
-            and (structured or params.structured_outputs is None))
+    return params is not None and not uses_penalties(params) and not params.logit_bias
