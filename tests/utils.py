@@ -275,3 +275,22 @@ def record_proposals(drafter, replace=None) -> list[tuple[list[int], list[int]]]
 
     drafter.propose = recording
     return seen
+
+
+# a JSON schema the tiny llama's constrained greedy output completes within 120 tokens
+SPEC_SCHEMA = {"type": "object", "properties": {"k": {"enum": ["ab", "cd"]}, "n": {
+    "type": "integer", "minimum": 0, "maximum": 999}}, "required": ["k", "n"]}
+
+
+def structured_reference(path: str | Path):
+    """(a tiny llama's directory, greedy SamplingParams under SPEC_SCHEMA, three prompts, their
+    outputs without speculation): the references of the structured speculative tests."""
+    from krait import LLM, SamplingParams, StructuredOutputsParams
+
+    model_dir = make_tiny_llama(path)
+    so = SamplingParams(temperature=0.0, max_tokens=120,
+                        structured_outputs=StructuredOutputsParams(json=SPEC_SCHEMA))
+    prompts = ["a b a b a b a b", "x y x y x y x y", "c d e"]
+    ref = LLM(model_dir, device="cpu", dtype="float32", max_model_len=256).generate(
+        prompts, so, use_tqdm=False)
+    return model_dir, so, prompts, ref

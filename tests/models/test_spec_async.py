@@ -14,7 +14,7 @@ import torch
 
 import krait.runner.model_runner as model_runner_mod
 from krait import LLM, SamplingParams
-from tests.utils import hf_greedy, make_tiny_hybrid, make_tiny_llama
+from tests.utils import hf_greedy, make_tiny_hybrid, make_tiny_llama, structured_reference
 
 K = 3
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
@@ -77,16 +77,7 @@ def test_async_structured_rows_verify_device_drafts(tmp_path, monkeypatch):
     pytest.importorskip("xgrammar")
     import json
 
-    from krait import StructuredOutputsParams
-
-    model_dir = make_tiny_llama(tmp_path / "m")
-    schema = {"type": "object", "properties": {"k": {"enum": ["ab", "cd"]}, "n": {
-        "type": "integer", "minimum": 0, "maximum": 999}}, "required": ["k", "n"]}
-    so = SamplingParams(temperature=0.0, max_tokens=120,
-                        structured_outputs=StructuredOutputsParams(json=schema))
-    texts = ["a b a b a b a b", "x y x y x y x y", "c d e"]
-    ref = LLM(model_dir, device="cpu", dtype="float32", max_model_len=256).generate(
-        texts, so, use_tqdm=False)
+    model_dir, so, texts, ref = structured_reference(tmp_path / "m")
     want = [o.outputs[0].token_ids for o in ref]
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     log: list[int] = []

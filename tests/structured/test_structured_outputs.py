@@ -18,7 +18,12 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from krait import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from krait.structured.grammar import validate_structured  # noqa: E402
-from tests.utils import TINY_VOCAB, make_tiny_llama  # noqa: E402
+from tests.utils import (  # noqa: E402
+    SPEC_SCHEMA,
+    TINY_VOCAB,
+    make_tiny_llama,
+    structured_reference,
+)
 
 VOCAB = TINY_VOCAB + 32  # logits wider than the tokenizer: the padding must be masked
 
@@ -255,13 +260,8 @@ def test_structured_rows_verify_drafts(tmp_path):
     position masked by the grammar after the drafts before it. Greedy output equals the
     output without speculation token for token, drafts were accepted and rejected; sampled
     structured rows with drafts still validate."""
-    model_dir = make_tiny_llama(tmp_path / "m")
-    schema = {"type": "object", "properties": {"k": {"enum": ["ab", "cd"]}, "n": {
-        "type": "integer", "minimum": 0, "maximum": 999}}, "required": ["k", "n"]}
-    so = SamplingParams(temperature=0.0, max_tokens=120,
-                        structured_outputs=StructuredOutputsParams(json=schema))
-    prompts = ["a b a b a b a b", "x y x y x y x y", "c d e"]
-    ref = LLM(model_dir, max_model_len=256).generate(prompts, so, use_tqdm=False)
+    model_dir, so, prompts, ref = structured_reference(tmp_path / "m")
+    schema = SPEC_SCHEMA
     want = [o.outputs[0].token_ids for o in ref]
     k = 3
     llm = LLM(model_dir, max_model_len=256,
