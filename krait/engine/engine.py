@@ -426,11 +426,15 @@ class LLMEngine:
         if rows:
             spec = sched.scheduled_spec_decode_tokens
             drafts = [spec.get(r.request_id, []) for r in rows]
-            if any(d and d[0] < 0 for d in drafts):  # placeholders: the device made them
-                drafts = self.runner.device_drafts(
-                    [r.request_id for r in rows],
-                    [len(r.prompt_token_ids) + len(r.output_token_ids) for r in rows],
-                    [len(d) for d in drafts])
+            on_device = [i for i, d in enumerate(drafts) if d and d[0] < 0]  # placeholders
+            if on_device:  # (rows new to the runner this step have none)
+                got = self.runner.device_drafts(
+                    [rows[i].request_id for i in on_device],
+                    [len(rows[i].prompt_token_ids) + len(rows[i].output_token_ids)
+                     for i in on_device],
+                    [len(drafts[i]) for i in on_device])
+                for i, d in zip(on_device, got):
+                    drafts[i] = d
             sched.structured_req_ids = [r.request_id for r, d in zip(rows, drafts)
                                         for _ in range(1 + len(d))]
             sched.grammar_bitmask = self._structured.fill_bitmask(rows, drafts)

@@ -83,7 +83,9 @@ def test_async_structured_rows_verify_device_drafts(tmp_path, monkeypatch):
     log: list[int] = []
     monkeypatch.setattr(model_runner_mod, "ngram_propose",
                         _scripted_drafter(want, log, [o.prompt_token_ids for o in ref]))
-    llm = _llm(model_dir, max_model_len=256)
+    # two rows at a time: the third request starts (a row new to the runner, sampling at its
+    # prompt's end) while a structured row verifies device drafts
+    llm = _llm(model_dir, max_model_len=256, max_num_seqs=2)
     outs = llm.generate(texts, so, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     drafted = sum(o.metrics["spec_num_draft_tokens"] for o in outs)
