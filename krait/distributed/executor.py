@@ -328,8 +328,8 @@ class MultiprocExecutor(Executor):
                 raise self._fail(WorkerError(f"step {msg[1]}'s result came for step {step}"))
 
     def propose_drafts(self, req_ids: list[str]) -> dict[str, list[int]]:
-        """The output rank's drafts; a draft model runs sharded like the target, so then every
-        rank runs its drafter (the same drafts: their collectives agree)."""
+        """The output rank's drafts; a model drafter runs sharded like the target, so then every
+        rank runs it (the same drafts: their collectives agree)."""
         if not drafts_on_every_rank(self.config):
             return self._call("propose_drafts", req_ids, ranks=[self.output_rank])[0]
         return self._call("propose_drafts", req_ids)[self.output_rank]
@@ -339,8 +339,9 @@ class MultiprocExecutor(Executor):
 
 
 def drafts_on_every_rank(config: EngineConfig) -> bool:
-    """Whether every rank runs the drafter: a draft model under tensor parallelism (its layers
-    sharded like the target's, its steps collective); ngram drafts on the output rank alone."""
+    """Whether every rank runs the drafter: a model drafter (draft model, EAGLE, MTP) under
+    tensor parallelism (its layers sharded like the target's, its steps collective); ngram
+    drafts on the output rank alone."""
     spec = config.speculative
     return spec is not None and spec.method != "ngram" and \
         config.parallel.tensor_parallel_size > 1

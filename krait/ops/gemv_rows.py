@@ -71,12 +71,11 @@ def _normed_rows(x_ptr, z_ptr, wn_ptr, stride_xm, stride_zm, offs_m, M, k0, K, o
     """NORM: the gated norm's input for x[:, k0:k0 + BLOCK_K] but its 1 / rms: h = x * silu(z)
     in float32, times the norm's weight, in x's dtype; and ss [BLOCK_M] plus the rows' sums of
     h^2 over these columns."""
-    k = k0 + offs_k[None, :]
-    ok = (offs_m[:, None] < M) & (k < K)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k, mask=ok, other=0.0)
-    z = tl.load(z_ptr + offs_m[:, None] * stride_zm + k, mask=ok, other=0.0).to(tl.float32)
+    x = _x_rows(x_ptr, stride_xm, offs_m, M, k0, K, offs_k)
+    z = _x_rows(z_ptr, stride_zm, offs_m, M, k0, K, offs_k).to(tl.float32)
     h = x.to(tl.float32) * (z / (1.0 + tl.exp(-z)))
-    wn = tl.load(wn_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    k = k0 + offs_k
+    wn = tl.load(wn_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
     return (h * wn).to(x.dtype), ss + tl.sum(h * h, axis=1)
 
 
@@ -270,7 +269,7 @@ def gemv_rows(x: Tensor, weight: Tensor, config: dict | None = None,
     silu_and_mul of the [M, 2N] projection. `norm` = (z [M, K], norm weight [K], eps, group
     size): x is first a Mamba mixer's gated RMSNorm, rmsnorm(x * silu(z)) per group of
     columns times the weight (`gated_rms_norm`, gate first), folded into this launch; SPLIT_K
-    then drops to the largest whose slices lie in single groups (`norm_split`). config:
+    then becomes one whose slices lie in single groups (`norm_split`). config:
     BLOCK_N, BLOCK_K (powers of two, 16 to 256: one TMA box; BLOCK_N 64 or 128 maps the dot to
     wgmma), STAGES, SPLIT_K, num_warps, EARLY_BOX; missing entries from `rows_config`."""
     if x.dim() != 2 or weight.dim() != 2:

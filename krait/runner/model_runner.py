@@ -672,8 +672,8 @@ class ModelRunner:
         `_commit_and_draft`'s): int32 [S], k for a row drafted, else 0."""
         st = self.states
         room = host_len + self.num_spec_tokens <= self.max_model_len
-        may = np.fromiter((ever_drafts(st.params[i])
-                           for i in host_rows.tolist()), bool, len(host_rows)) & room
+        may = np.fromiter((ever_drafts(st.params[i]) for i in host_rows.tolist()), bool,
+                          len(host_rows)) & room
         return self.drafter.draft_on_device(self.tables.token_ids, self.spec_rejected,
                                             self.spec_known, st.token_ids, host_rows, host_len,
                                             prefilled, may)

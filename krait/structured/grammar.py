@@ -121,16 +121,25 @@ class RequestGrammar:
         """Writes the allowed next tokens into `bitmask[row]` (int32 CPU tensor [S, W])."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def _walk(self, drafts: list[int], fill=None) -> tuple[int, int, bool]:
+        """Accepts drafts in order while the grammar allows them and the output has not ended,
+        `fill(j)` before looking at draft j: (drafts accepted, drafts looked at, stopped early:
+        one refused or the output ended). The caller rolls the accepted ones back."""
+        accepted = 0
+        for j, tok in enumerate(drafts):
+            if fill is not None:
+                fill(j)
+            if not self.accept(tok):
+                return accepted, j + 1, True
+            accepted += 1
+            if self.is_terminated():
+                return accepted, j + 1, True
+        return accepted, len(drafts), False
+
     def valid_drafts(self, drafts: list[int]) -> int:
         """How many leading drafts the grammar allows in a row, stopping before one that would
         end the output (no mask follows an end); the matcher is left as it was."""
-        accepted = 0
-        for tok in drafts:
-            if not self.accept(tok):
-                break
-            accepted += 1
-            if self.is_terminated():
-                break
+        accepted, _, _ = self._walk(drafts)
         ended = accepted > 0 and self.is_terminated()  # (by the last one accepted)
         if accepted:
             self.matcher.rollback(accepted)
@@ -141,19 +150,8 @@ class RequestGrammar:
         the matcher is left as it was. Past a draft the grammar forbids (its own mask rules it
         out, so verification rejects it there) or one that ends the output, the rows allow
         every token: nothing sampled there is kept."""
-        filled = accepted = 0
-        ended = False
-        for tok in drafts:
-            self.fill(bitmask, row + filled)
-            filled += 1
-            ended = not self.accept(tok)
-            if ended:
-                break
-            accepted += 1
-            ended = self.is_terminated()
-            if ended:
-                break
-        if not ended:
+        accepted, filled, stopped = self._walk(drafts, lambda j: self.fill(bitmask, row + j))
+        if not stopped:
             self.fill(bitmask, row + filled)
             filled += 1
         bitmask[row + filled : row + len(drafts) + 1] = -1  # all bits set
