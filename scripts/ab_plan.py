@@ -1,4 +1,5 @@
-"""In-model A/B of krait/ops/linear.py's plan constants (which kernel serves a projection):
+"""In-model A/B of krait/ops/linear.py's plan constants (which kernel serves a projection), or
+of another krait.ops module's switches (MODULE.CONST):
 `krait bench latency` once per variant and run, each run in its own process with the variant's
 constants set before the engine is built (the plan is read when the graphs are captured), the
 variants interleaved so that drift hits them alike. A standalone kernel bench
@@ -9,7 +10,8 @@ PYTHONPATH=. python3 scripts/ab_plan.py --variant base: --variant rows:MULTI_ROW
     [--repeat 2] -- --config mamba2-1.3b --batch-sizes 1 --prompt-lens "" \
     --workload repetitive --speculative-config '{"method":"ngram","num_speculative_tokens":3}'
 
-A variant is NAME:CONST=INT[,CONST=INT...] (NAME: alone runs the plan as it is). Prints one JSON
+A variant is NAME:CONST=INT[,CONST=INT...] (NAME: alone runs the plan as it is; CONST may be
+MODULE.CONST of krait/ops/MODULE.py). Prints one JSON
 line per (variant, run, batch): step_ms, graph_ms, verify_graph_ms, tokens_per_row_step; then one
 line per (variant, batch) with the medians over the runs."""
 
@@ -26,30 +28,42 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("step_ms", "graph_ms", "verify_graph_ms", "tokens_per_row_step")
 
 
+def _owner(key: str):
+    """The module a constant lives in: krait.ops.linear, or krait.ops.MODULE for MODULE.CONST."""
+    import importlib
+
+    module, _, _ = key.rpartition(".")
+    return importlib.import_module(f"krait.ops.{module or 'linear'}"), key.rpartition(".")[2]
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
     """'rows:MULTI_ROW_MAX_N=16384' -> ('rows', {'MULTI_ROW_MAX_N': 16384}); every constant
-    must be an int one of krait.ops.linear's (a misspelt one would measure the plan as it is)."""
-    from krait.ops import linear as plan
-
+    must be an int (or bool) one of krait.ops.linear's, or of another krait.ops module written
+    MODULE.CONST (selective_state_verify.REPLAY_FOLD=1): a misspelt one would measure the
+    tree as it is."""
     name, _, body = text.partition(":")
     if not name:
         raise ValueError(f"variant {text!r}: NAME:CONST=INT[,...]")
     consts: dict[str, int] = {}
     for item in filter(None, body.split(",")):
         key, _, value = item.partition("=")
-        if not isinstance(getattr(plan, key, None), int):
-            raise ValueError(f"variant {text!r}: krait.ops.linear has no int constant {key!r}")
+        try:
+            module, attr = _owner(key)
+        except ImportError:
+            module, attr = None, key
+        if not isinstance(getattr(module, attr, None), int):
+            raise ValueError(f"variant {text!r}: no int constant {key!r} in krait.ops")
         consts[key] = int(value)
     return name, consts
 
 
 def child(consts: dict[str, int], bench_args: list[str]) -> None:
-    """Sets the plan's constants, then runs `krait bench latency` in this process."""
+    """Sets the constants, then runs `krait bench latency` in this process."""
     from krait.cli import main
-    from krait.ops import linear as plan
 
     for key, value in consts.items():
-        setattr(plan, key, value)
+        module, attr = _owner(key)
+        setattr(module, attr, type(getattr(module, attr))(value))
     main(["bench", "latency", *bench_args])
 
 

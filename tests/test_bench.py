@@ -178,7 +178,10 @@ def test_ab_plan_variants_and_runs(tmp_path):
     assert ab.parse_variant("rows:MULTI_ROW_MAX_N=16384,MULTI_ROW_MAX_ROWS=4") == (
         "rows", {"MULTI_ROW_MAX_N": 16384, "MULTI_ROW_MAX_ROWS": 4})
     assert ab.parse_variant("base:") == ("base", {})
-    for bad in ("rows:MULTI_ROW_MAX_NN=1", ":MULTI_ROW_MAX_N=1"):
+    assert ab.parse_variant("fold:selective_state_verify.REPLAY_FOLD=1") == (
+        "fold", {"selective_state_verify.REPLAY_FOLD": 1})
+    for bad in ("rows:MULTI_ROW_MAX_NN=1", ":MULTI_ROW_MAX_N=1", "x:nomodule.CONST=1",
+                "x:selective_state_verify.NO_SUCH=1"):
         with pytest.raises(ValueError):
             ab.parse_variant(bad)
     d = make_tiny_llama(tmp_path / "m")

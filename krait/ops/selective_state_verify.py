@@ -41,6 +41,9 @@ from krait.ops.selective_state_update import (
     ssu_warps,
 )
 
+# replay the kept tokens with their decays folded into one multiply (the kernel's REPLAY_FOLD):
+# fewer instructions an element; not timed yet (scripts/bench_ssm_verify.py)
+REPLAY_FOLD = False
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
@@ -72,7 +75,8 @@ def _ssv_kernel(
     stride_rdt_par, stride_rdt_q, stride_rdt_j,
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, REPLAY_FOLD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -105,14 +109,35 @@ def _ssv_kernel(
         kept_x = rx_ptr + q64 * stride_rx_q + h * stride_rx_h + offs_p
         kept_dt = rdt_ptr + q64 * stride_rdt_q + h
         kept_b = rb_ptr + q64 * stride_rb_q + g * stride_rb_g + offs_n
-        for j in range(0, count):  # the previous step's accepted tokens
-            x = tl.load(kept_x + par * stride_rx_par + j * stride_rx_j, mask=p_ok,
-                        other=0.0).to(tl.float32)
-            dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
-            bv = tl.load(kept_b + par * stride_rb_par + j * stride_rb_j, mask=n_ok,
-                         other=0.0).to(tl.float32)
-            dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-            state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
+        if REPLAY_FOLD:
+            # the kept tokens' decays folded into one: state * exp(a * sum dt) plus each token's
+            # outer product weighted by the decay of the tokens after it (one FMA an element a
+            # token, against a multiply and an FMA token by token)
+            total = a_h * 0.0
+            for j in range(0, count):
+                dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
+                total += softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+            state = state * tl.exp(total * a_h)
+            done = a_h * 0.0
+            for j in range(0, count):
+                x = tl.load(kept_x + par * stride_rx_par + j * stride_rx_j, mask=p_ok,
+                            other=0.0).to(tl.float32)
+                dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
+                bv = tl.load(kept_b + par * stride_rb_par + j * stride_rb_j, mask=n_ok,
+                             other=0.0).to(tl.float32)
+                dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+                done += dt
+                w = dt * tl.exp(a_h * (total - done))
+                state += (w * x)[:, None] * bv[None, :]
+        else:
+            for j in range(0, count):  # the previous step's accepted tokens
+                x = tl.load(kept_x + par * stride_rx_par + j * stride_rx_j, mask=p_ok,
+                            other=0.0).to(tl.float32)
+                dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
+                bv = tl.load(kept_b + par * stride_rb_par + j * stride_rb_j, mask=n_ok,
+                             other=0.0).to(tl.float32)
+                dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
         if (count > 0) & (n > 1):
             tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
         keep = n > 1
@@ -147,10 +172,11 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int | None = None, replay_fold: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
-    `num_warps` override `verify_tile`'s choice (scripts/bench_ssm_verify.py sweeps them)."""
+    `num_warps` override `verify_tile`'s choice, `replay_fold` REPLAY_FOLD's
+    (scripts/bench_ssm_verify.py sweeps them)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     rows = state_slots.shape[0]
@@ -175,7 +201,8 @@ def selective_state_verify_triton(
         *y.stride()[:2], slots.stride(0),
         *kept_x.stride()[:4], *kept_dt.stride()[:3], *kept_b.stride()[:4],
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
-        BLOCK_N=next_pow2(d_state), **pdl_args(use_pdl(x)),
+        BLOCK_N=next_pow2(d_state), REPLAY_FOLD=REPLAY_FOLD if replay_fold is None else replay_fold,
+        **pdl_args(use_pdl(x)),
         num_warps=num_warps or warps,
     )
     return y

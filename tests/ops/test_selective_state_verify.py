@@ -6,6 +6,8 @@ without, a padding row, a row with a dead slot), the accepted counts recorded by
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -13,7 +15,9 @@ from krait.ops import selective_state_verify as ssv
 from krait.ops.num_accepted import fill_replay_ctl_ref, fill_replay_ctl_triton
 from krait.ops.selective_state_update import selective_state_update_ref
 
-VERIFY = {"ref": ssv.selective_state_verify_ref, "triton": ssv.selective_state_verify_triton}
+# "triton_fold": the kernel replaying kept tokens with their decays folded (REPLAY_FOLD)
+VERIFY = {"ref": ssv.selective_state_verify_ref, "triton": ssv.selective_state_verify_triton,
+          "triton_fold": partial(ssv.selective_state_verify_triton, replay_fold=True)}
 HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 16, 2, 16
 S = 4  # 1 + 3 drafts
 MAX_REQS = 8
@@ -134,11 +138,13 @@ def test_invariant_2_deferred_commit_matches_token_by_token(impl, dtype, state_d
 def test_invariant_2_triton_equals_reference():
     """The interpreter's Triton kernel and the reference agree on every step and state."""
     got = {impl: _run_steps(impl, torch.float32, torch.float32) for impl in VERIFY}
-    (o_ref, s_ref, want, _, _, live, _, _), (o_tri, s_tri, *_) = got["ref"], got["triton"]
-    for a, b, (_, qsl) in zip(o_ref, o_tri, want, strict=True):
-        toks = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in live])
-        torch.testing.assert_close(a[toks], b[toks], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(s_ref, s_tri, atol=1e-5, rtol=1e-5)
+    o_ref, s_ref, want, _, _, live, _, _ = got["ref"]
+    for impl in ("triton", "triton_fold"):
+        o_tri, s_tri = got[impl][:2]
+        for a, b, (_, qsl) in zip(o_ref, o_tri, want, strict=True):
+            toks = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in live])
+            torch.testing.assert_close(a[toks], b[toks], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s_ref, s_tri, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", list(VERIFY))
@@ -224,7 +230,8 @@ def test_triton_matches_ref_real_size(rows, state_dtype):
             fill_replay_ctl_ref(replay[impl][3], idx, accepted, (lens - 1).to(torch.int32))
         live = (idx >= 0) & (slots[:, 0] >= 0)
         tok = live[torch.repeat_interleave(torch.arange(rows, device="cuda"), lens)]
-        torch.testing.assert_close(ys["triton"][tok].float(), ys["ref"][tok].float(),
-                                   atol=5e-2, rtol=2e-2)
-        torch.testing.assert_close(got["triton"].float(), got["ref"].float(), atol=1e-2,
-                                   rtol=1e-2)
+        for impl in ("triton", "triton_fold"):
+            torch.testing.assert_close(ys[impl][tok].float(), ys["ref"][tok].float(),
+                                       atol=5e-2, rtol=2e-2)
+            torch.testing.assert_close(got[impl].float(), got["ref"].float(), atol=1e-2,
+                                       rtol=1e-2)
