@@ -63,6 +63,16 @@ def verify_tile(rows: int, heads: int, head_dim: int, d_state: int, state_bytes:
 
 
 @triton.jit
+def _kept_token(x_ptrs, dt_ptr, b_ptrs, p_ok, n_ok, dt_bias_h, dt_min, dt_max,
+                DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """A kept token's x [P], dt (softplus and clamp applied) and B [N], in float32."""
+    x = tl.load(x_ptrs, mask=p_ok, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr).to(tl.float32)
+    bv = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+    return x, softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max), bv
+
+
+@triton.jit
 def _ssv_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr,
     qsl_ptr, slots_ptr, ctl_ptr, idx_ptr, rx_ptr, rdt_ptr, rb_ptr,
@@ -120,23 +130,19 @@ def _ssv_kernel(
             state = state * tl.exp(total * a_h)
             done = a_h * 0.0
             for j in range(0, count):
-                x = tl.load(kept_x + par * stride_rx_par + j * stride_rx_j, mask=p_ok,
-                            other=0.0).to(tl.float32)
-                dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
-                bv = tl.load(kept_b + par * stride_rb_par + j * stride_rb_j, mask=n_ok,
-                             other=0.0).to(tl.float32)
-                dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+                x, dt, bv = _kept_token(kept_x + par * stride_rx_par + j * stride_rx_j,
+                                        kept_dt + par * stride_rdt_par + j * stride_rdt_j,
+                                        kept_b + par * stride_rb_par + j * stride_rb_j, p_ok,
+                                        n_ok, dt_bias_h, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
                 done += dt
                 w = dt * tl.exp(a_h * (total - done))
                 state += (w * x)[:, None] * bv[None, :]
         else:
             for j in range(0, count):  # the previous step's accepted tokens
-                x = tl.load(kept_x + par * stride_rx_par + j * stride_rx_j, mask=p_ok,
-                            other=0.0).to(tl.float32)
-                dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
-                bv = tl.load(kept_b + par * stride_rb_par + j * stride_rb_j, mask=n_ok,
-                             other=0.0).to(tl.float32)
-                dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+                x, dt, bv = _kept_token(kept_x + par * stride_rx_par + j * stride_rx_j,
+                                        kept_dt + par * stride_rdt_par + j * stride_rdt_j,
+                                        kept_b + par * stride_rb_par + j * stride_rb_j, p_ok,
+                                        n_ok, dt_bias_h, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
                 state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
         if (count > 0) & (n > 1):
             tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
