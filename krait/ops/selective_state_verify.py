@@ -37,13 +37,16 @@ from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.selective_state_update import (
     _block_p,
     selective_state_update_ref,
-    ssu_advance,
     ssu_warps,
 )
 
 # replay the kept tokens with their decays folded into one multiply (the kernel's REPLAY_FOLD):
 # fewer instructions an element; not timed yet (scripts/bench_ssm_verify.py)
 REPLAY_FOLD = False
+# grids of fewer (row, head) pairs than this run both token loops unrolled over the kept
+# buffers' columns, masked (UNROLL): each token's loads need not wait for the token before,
+# which matters where few programs hide no latency (batch 1); not timed yet
+UNROLL_MAX_PAIRS = 0
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
@@ -73,6 +76,52 @@ def _kept_token(x_ptrs, dt_ptr, b_ptrs, p_ok, n_ok, dt_bias_h, dt_min, dt_max,
 
 
 @triton.jit
+def _replay_one(state, x, dt, bv, a_h, total, done, FOLD: tl.constexpr):
+    """One kept token onto the state tile: token by token (a decay multiply and an FMA an
+    element), or FOLD (the state was scaled by the decay of all `total` kept dt already: the
+    token's outer product weighted by the decay of the tokens after it, one FMA an element).
+    dt 0 leaves the state as it is. Returns (state, done: the dt summed so far)."""
+    done += dt
+    if FOLD:
+        state += (dt * tl.exp(a_h * (total - done)) * x)[:, None] * bv[None, :]
+    else:
+        state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
+    return state, done
+
+
+@triton.jit
+def _own_token(state, t, ok, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt, kb, h, g,
+               offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h, dt_bias_h, dt_min,
+               dt_max,
+               stride_x_t, stride_x_h, stride_x_p, stride_dt_t, stride_dt_h,
+               stride_B_t, stride_B_g, stride_B_n, stride_C_t, stride_C_g, stride_C_n,
+               stride_y_t, stride_y_h, stride_rx_j, stride_rdt_j, stride_rb_j,
+               DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """Token t (the row's j-th) through the state tile: its y written, its inputs kept where
+    `keep` (kx, kdt, kb: the kept buffers at the parity written this step; dt by one program a
+    head where keep_dt, B by one a group where keep_b). `ok` False (past
+    the row's tokens, unrolled loops): nothing loaded or written, the state as it was."""
+    x_raw = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
+                    mask=p_ok & ok, other=0.0)
+    dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=ok, other=0.0)
+    b_raw = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
+                    mask=n_ok & ok, other=0.0)
+    cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
+                 mask=n_ok & ok, other=0.0).to(tl.float32)
+    x = x_raw.to(tl.float32)
+    dt = softplus_clamp(dt_raw.to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+    dt = tl.where(ok, dt, 0.0)
+    state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * b_raw.to(tl.float32)[None, :]
+    y = tl.sum(state * cv[None, :], axis=1) + d_h * x
+    tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p, y.to(y_ptr.dtype.element_ty),
+             mask=p_ok & ok)
+    tl.store(kx + j * stride_rx_j, x_raw.to(kx.dtype.element_ty), mask=p_ok & keep & ok)
+    tl.store(kdt + j * stride_rdt_j, dt_raw.to(kdt.dtype.element_ty), mask=keep_dt & ok)
+    tl.store(kb + j * stride_rb_j, b_raw.to(kb.dtype.element_ty), mask=n_ok & keep_b & ok)
+    return state
+
+
+@triton.jit
 def _ssv_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, y_ptr,
     qsl_ptr, slots_ptr, ctl_ptr, idx_ptr, rx_ptr, rdt_ptr, rb_ptr,
@@ -86,12 +135,14 @@ def _ssv_kernel(
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, REPLAY_FOLD: tl.constexpr,
-    PDL: tl.constexpr,
+    UNROLL: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
     # One program: batch row r, head h, BLOCK_P rows of the [P, N] state (all of N), over the
-    # kept tokens, then the row's own, with the state tile in registers.
+    # kept tokens, then the row's own, with the state tile in registers. UNROLL: both loops
+    # run all COLS (= num_cols) positions, masked past the row's count, as straight-line code
+    # whose independent loads need not wait for the token before.
     r = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
@@ -119,56 +170,64 @@ def _ssv_kernel(
         kept_x = rx_ptr + q64 * stride_rx_q + h * stride_rx_h + offs_p
         kept_dt = rdt_ptr + q64 * stride_rdt_q + h
         kept_b = rb_ptr + q64 * stride_rb_q + g * stride_rb_g + offs_n
-        if REPLAY_FOLD:
-            # the kept tokens' decays folded into one: state * exp(a * sum dt) plus each token's
-            # outer product weighted by the decay of the tokens after it (one FMA an element a
-            # token, against a multiply and an FMA token by token)
-            total = a_h * 0.0
-            for j in range(0, count):
-                dt = tl.load(kept_dt + par * stride_rdt_par + j * stride_rdt_j).to(tl.float32)
-                total += softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+        # 1. the previous step's accepted tokens (kept at parity `par`)
+        rx = kept_x + par * stride_rx_par
+        rdt = kept_dt + par * stride_rdt_par
+        rb = kept_b + par * stride_rb_par
+        total = a_h * 0.0
+        if REPLAY_FOLD:  # their dt summed first: the state takes their decays in one multiply
+            if UNROLL:
+                for j in tl.static_range(COLS):
+                    dt = softplus_clamp(tl.load(rdt + j * stride_rdt_j).to(tl.float32)
+                                        + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+                    total += tl.where(j < count, dt, 0.0)
+            else:
+                for j in range(0, count):
+                    total += softplus_clamp(tl.load(rdt + j * stride_rdt_j).to(tl.float32)
+                                            + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
             state = state * tl.exp(total * a_h)
-            done = a_h * 0.0
-            for j in range(0, count):
-                x, dt, bv = _kept_token(kept_x + par * stride_rx_par + j * stride_rx_j,
-                                        kept_dt + par * stride_rdt_par + j * stride_rdt_j,
-                                        kept_b + par * stride_rb_par + j * stride_rb_j, p_ok,
-                                        n_ok, dt_bias_h, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
-                done += dt
-                w = dt * tl.exp(a_h * (total - done))
-                state += (w * x)[:, None] * bv[None, :]
+        done = a_h * 0.0
+        if UNROLL:
+            for j in tl.static_range(COLS):
+                x, dt, bv = _kept_token(rx + j * stride_rx_j, rdt + j * stride_rdt_j,
+                                        rb + j * stride_rb_j, p_ok, n_ok, dt_bias_h, dt_min,
+                                        dt_max, DT_SOFTPLUS, DT_CLAMP)
+                state, done = _replay_one(state, x, tl.where(j < count, dt, 0.0), bv, a_h,
+                                          total, done, REPLAY_FOLD)
         else:
-            for j in range(0, count):  # the previous step's accepted tokens
-                x, dt, bv = _kept_token(kept_x + par * stride_rx_par + j * stride_rx_j,
-                                        kept_dt + par * stride_rdt_par + j * stride_rdt_j,
-                                        kept_b + par * stride_rb_par + j * stride_rb_j, p_ok,
-                                        n_ok, dt_bias_h, dt_min, dt_max, DT_SOFTPLUS, DT_CLAMP)
-                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
+            for j in range(0, count):
+                x, dt, bv = _kept_token(rx + j * stride_rx_j, rdt + j * stride_rdt_j,
+                                        rb + j * stride_rb_j, p_ok, n_ok, dt_bias_h, dt_min,
+                                        dt_max, DT_SOFTPLUS, DT_CLAMP)
+                state, done = _replay_one(state, x, dt, bv, a_h, total, done, REPLAY_FOLD)
         if (count > 0) & (n > 1):
             tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
+        # 2. the row's own tokens, kept at the other parity when it has drafts
         keep = n > 1
         out = 1 - par
-        keep_b = keep & (pb == 0) & (h % heads_per_group == 0)  # one program a (row, group)
-        for j in range(0, n):
-            t = start + j
-            x_raw = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                            mask=p_ok, other=0.0)
-            dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h)
-            b_raw = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
-                            mask=n_ok, other=0.0)
-            cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
-                         mask=n_ok, other=0.0).to(tl.float32)
-            state, y = ssu_advance(state, x_raw.to(tl.float32), dt_raw.to(tl.float32) + dt_bias_h,
-                                   b_raw.to(tl.float32), cv, a_h, d_h, dt_min, dt_max,
-                                   DT_SOFTPLUS, DT_CLAMP)
-            tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
-                     y.to(y_ptr.dtype.element_ty), mask=p_ok)
-            tl.store(kept_x + out * stride_rx_par + j * stride_rx_j,
-                     x_raw.to(rx_ptr.dtype.element_ty), mask=p_ok & keep)
-            tl.store(kept_dt + out * stride_rdt_par + j * stride_rdt_j,
-                     dt_raw.to(rdt_ptr.dtype.element_ty), mask=keep & (pb == 0))
-            tl.store(kept_b + out * stride_rb_par + j * stride_rb_j,
-                     b_raw.to(rb_ptr.dtype.element_ty), mask=n_ok & keep_b)
+        keep_dt = keep & (pb == 0)  # one program a (row, head)
+        keep_b = keep_dt & (h % heads_per_group == 0)  # one program a (row, group)
+        kx = kept_x + out * stride_rx_par
+        kdt = kept_dt + out * stride_rdt_par
+        kb = kept_b + out * stride_rb_par
+        if UNROLL:
+            for j in tl.static_range(COLS):
+                state = _own_token(
+                    state, start + j, j < n, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt,
+                    kb, h, g, offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h,
+                    dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p,
+                    stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n,
+                    stride_C_t, stride_C_g, stride_C_n, stride_y_t, stride_y_h,
+                    stride_rx_j, stride_rdt_j, stride_rb_j, DT_SOFTPLUS, DT_CLAMP)
+        else:
+            for j in range(0, n):
+                state = _own_token(
+                    state, start + j, True, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt,
+                    kb, h, g, offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h,
+                    dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p,
+                    stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n,
+                    stride_C_t, stride_C_g, stride_C_n, stride_y_t, stride_y_h,
+                    stride_rx_j, stride_rdt_j, stride_rb_j, DT_SOFTPLUS, DT_CLAMP)
         if n == 1:
             tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
 
@@ -178,11 +237,11 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None, replay_fold: bool | None = None,
+    num_warps: int | None = None, replay_fold: bool | None = None, unroll: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
-    `num_warps` override `verify_tile`'s choice, `replay_fold` REPLAY_FOLD's
-    (scripts/bench_ssm_verify.py sweeps them)."""
+    `num_warps` override `verify_tile`'s choice, `replay_fold` REPLAY_FOLD's, `unroll`
+    UNROLL_MAX_PAIRS' (scripts/bench_ssm_verify.py sweeps them)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     rows = state_slots.shape[0]
@@ -208,6 +267,7 @@ def selective_state_verify_triton(
         *kept_x.stride()[:4], *kept_dt.stride()[:3], *kept_b.stride()[:4],
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state), REPLAY_FOLD=REPLAY_FOLD if replay_fold is None else replay_fold,
+        UNROLL=rows * heads < UNROLL_MAX_PAIRS if unroll is None else unroll, COLS=num_cols,
         **pdl_args(use_pdl(x)),
         num_warps=num_warps or warps,
     )

@@ -15,9 +15,12 @@ from krait.ops import selective_state_verify as ssv
 from krait.ops.num_accepted import fill_replay_ctl_ref, fill_replay_ctl_triton
 from krait.ops.selective_state_update import selective_state_update_ref
 
-# "triton_fold": the kernel replaying kept tokens with their decays folded (REPLAY_FOLD)
-VERIFY = {"ref": ssv.selective_state_verify_ref, "triton": ssv.selective_state_verify_triton,
-          "triton_fold": partial(ssv.selective_state_verify_triton, replay_fold=True)}
+# the kernel's forms: token loops as loops or unrolled (UNROLL), kept tokens replayed token by
+# token or with their decays folded (REPLAY_FOLD)
+KERNELS = {f"triton{'_fold' * fold}{'_unroll' * unroll}": partial(
+    ssv.selective_state_verify_triton, replay_fold=fold, unroll=unroll)
+    for fold in (False, True) for unroll in (False, True)}
+VERIFY = {"ref": ssv.selective_state_verify_ref, **KERNELS}
 HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 16, 2, 16
 S = 4  # 1 + 3 drafts
 MAX_REQS = 8
@@ -139,7 +142,7 @@ def test_invariant_2_triton_equals_reference():
     """The interpreter's Triton kernel and the reference agree on every step and state."""
     got = {impl: _run_steps(impl, torch.float32, torch.float32) for impl in VERIFY}
     o_ref, s_ref, want, _, _, live, _, _ = got["ref"]
-    for impl in ("triton", "triton_fold"):
+    for impl in KERNELS:
         o_tri, s_tri = got[impl][:2]
         for a, b, (_, qsl) in zip(o_ref, o_tri, want, strict=True):
             toks = torch.cat([torch.arange(int(qsl[r]), int(qsl[r + 1])) for r in live])
@@ -230,7 +233,7 @@ def test_triton_matches_ref_real_size(rows, state_dtype):
             fill_replay_ctl_ref(replay[impl][3], idx, accepted, (lens - 1).to(torch.int32))
         live = (idx >= 0) & (slots[:, 0] >= 0)
         tok = live[torch.repeat_interleave(torch.arange(rows, device="cuda"), lens)]
-        for impl in ("triton", "triton_fold"):
+        for impl in KERNELS:
             torch.testing.assert_close(ys[impl][tok].float(), ys["ref"][tok].float(),
                                        atol=5e-2, rtol=2e-2)
             torch.testing.assert_close(got[impl].float(), got["ref"].float(), atol=1e-2,
