@@ -37,6 +37,7 @@ from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.selective_state_update import (
     _block_p,
     selective_state_update_ref,
+    ssu_advance,
     ssu_warps,
 )
 
@@ -90,34 +91,30 @@ def _replay_one(state, x, dt, bv, a_h, total, done, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _own_token(state, t, ok, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt, kb, h, g,
+def _own_token(state, t, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt, kb, h, g,
                offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h, dt_bias_h, dt_min,
-               dt_max,
-               stride_x_t, stride_x_h, stride_x_p, stride_dt_t, stride_dt_h,
+               dt_max, stride_x_t, stride_x_h, stride_x_p, stride_dt_t, stride_dt_h,
                stride_B_t, stride_B_g, stride_B_n, stride_C_t, stride_C_g, stride_C_n,
                stride_y_t, stride_y_h, stride_rx_j, stride_rdt_j, stride_rb_j,
                DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
     """Token t (the row's j-th) through the state tile: its y written, its inputs kept where
     `keep` (kx, kdt, kb: the kept buffers at the parity written this step; dt by one program a
-    head where keep_dt, B by one a group where keep_b). `ok` False (past
-    the row's tokens, unrolled loops): nothing loaded or written, the state as it was."""
+    head where keep_dt, B by one a group where keep_b). Returns the state after it."""
     x_raw = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                    mask=p_ok & ok, other=0.0)
-    dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=ok, other=0.0)
+                    mask=p_ok, other=0.0)
+    dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h)
     b_raw = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
-                    mask=n_ok & ok, other=0.0)
+                    mask=n_ok, other=0.0)
     cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
-                 mask=n_ok & ok, other=0.0).to(tl.float32)
-    x = x_raw.to(tl.float32)
-    dt = softplus_clamp(dt_raw.to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-    dt = tl.where(ok, dt, 0.0)
-    state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * b_raw.to(tl.float32)[None, :]
-    y = tl.sum(state * cv[None, :], axis=1) + d_h * x
+                 mask=n_ok, other=0.0).to(tl.float32)
+    state, y = ssu_advance(state, x_raw.to(tl.float32), dt_raw.to(tl.float32) + dt_bias_h,
+                           b_raw.to(tl.float32), cv, a_h, d_h, dt_min, dt_max, DT_SOFTPLUS,
+                           DT_CLAMP)
     tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p, y.to(y_ptr.dtype.element_ty),
-             mask=p_ok & ok)
-    tl.store(kx + j * stride_rx_j, x_raw.to(kx.dtype.element_ty), mask=p_ok & keep & ok)
-    tl.store(kdt + j * stride_rdt_j, dt_raw.to(kdt.dtype.element_ty), mask=keep_dt & ok)
-    tl.store(kb + j * stride_rb_j, b_raw.to(kb.dtype.element_ty), mask=n_ok & keep_b & ok)
+             mask=p_ok)
+    tl.store(kx + j * stride_rx_j, x_raw.to(kx.dtype.element_ty), mask=p_ok & keep)
+    tl.store(kdt + j * stride_rdt_j, dt_raw.to(kdt.dtype.element_ty), mask=keep_dt)
+    tl.store(kb + j * stride_rb_j, b_raw.to(kb.dtype.element_ty), mask=n_ok & keep_b)
     return state
 
 
@@ -135,14 +132,14 @@ def _ssv_kernel(
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, REPLAY_FOLD: tl.constexpr,
-    UNROLL: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr,
+    UNROLL: tl.constexpr, COLS: tl.constexpr, COLS_P2: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
     # One program: batch row r, head h, BLOCK_P rows of the [P, N] state (all of N), over the
     # kept tokens, then the row's own, with the state tile in registers. UNROLL: both loops
     # run all COLS (= num_cols) positions, masked past the row's count, as straight-line code
-    # whose independent loads need not wait for the token before.
+    # whose loads need not wait for the token before (COLS_P2: COLS to a power of two).
     r = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
@@ -200,8 +197,6 @@ def _ssv_kernel(
                                         rb + j * stride_rb_j, p_ok, n_ok, dt_bias_h, dt_min,
                                         dt_max, DT_SOFTPLUS, DT_CLAMP)
                 state, done = _replay_one(state, x, dt, bv, a_h, total, done, REPLAY_FOLD)
-        if (count > 0) & (n > 1):
-            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
         # 2. the row's own tokens, kept at the other parity when it has drafts
         keep = n > 1
         out = 1 - par
@@ -211,25 +206,61 @@ def _ssv_kernel(
         kdt = kept_dt + out * stride_rdt_par
         kb = kept_b + out * stride_rb_par
         if UNROLL:
+            # nothing stored before the last token's loads (a store may alias them, so no load
+            # would be issued ahead of it): outputs and kept inputs gather in [COLS_P2, .] tiles
+            # and the state, as replayed and after the tokens, stays in registers
+            committed = state
+            cols = tl.arange(0, COLS_P2)
+            ys = tl.zeros([COLS_P2, BLOCK_P], tl.float32)
+            xs = tl.zeros([COLS_P2, BLOCK_P], tl.float32)
+            bs = tl.zeros([COLS_P2, BLOCK_N], tl.float32)
+            dts = tl.zeros([COLS_P2], tl.float32)
             for j in tl.static_range(COLS):
-                state = _own_token(
-                    state, start + j, j < n, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt,
-                    kb, h, g, offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h,
-                    dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p,
-                    stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n,
-                    stride_C_t, stride_C_g, stride_C_n, stride_y_t, stride_y_h,
-                    stride_rx_j, stride_rdt_j, stride_rb_j, DT_SOFTPLUS, DT_CLAMP)
+                ok = j < n
+                t = start + j
+                x = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
+                            mask=p_ok & ok, other=0.0).to(tl.float32)
+                dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=ok,
+                                 other=0.0).to(tl.float32)
+                bv = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
+                             mask=n_ok & ok, other=0.0).to(tl.float32)
+                cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
+                             mask=n_ok & ok, other=0.0).to(tl.float32)
+                dt = softplus_clamp(dt_raw + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+                dt = tl.where(ok, dt, 0.0)
+                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
+                y = tl.sum(state * cv[None, :], axis=1) + d_h * x
+                here = cols == j
+                ys = tl.where(here[:, None], y[None, :], ys)
+                xs = tl.where(here[:, None], x[None, :], xs)
+                bs = tl.where(here[:, None], bv[None, :], bs)
+                dts = tl.where(here, dt_raw, dts)
+            mine = cols < n
+            tl.store(y_ptr + (start + cols)[:, None] * stride_y_t + h * stride_y_h
+                     + offs_p[None, :], ys.to(y_ptr.dtype.element_ty),
+                     mask=mine[:, None] & p_ok[None, :])
+            tl.store(kx[None, :] + cols[:, None] * stride_rx_j, xs.to(rx_ptr.dtype.element_ty),
+                     mask=mine[:, None] & p_ok[None, :] & keep)
+            tl.store(kdt + cols * stride_rdt_j, dts.to(rdt_ptr.dtype.element_ty),
+                     mask=mine & keep_dt)
+            tl.store(kb[None, :] + cols[:, None] * stride_rb_j, bs.to(rb_ptr.dtype.element_ty),
+                     mask=mine[:, None] & n_ok[None, :] & keep_b)
+            # a row without drafts: the state after its token; with drafts: the replayed one
+            tl.store(s_ptrs, tl.where(n == 1, state, committed).to(state_ptr.dtype.element_ty),
+                     mask=tile_ok & ((n == 1) | ((count > 0) & (n > 1))))
         else:
+            if (count > 0) & (n > 1):
+                tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
             for j in range(0, n):
                 state = _own_token(
-                    state, start + j, True, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt,
-                    kb, h, g, offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h,
-                    dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p,
-                    stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n,
-                    stride_C_t, stride_C_g, stride_C_n, stride_y_t, stride_y_h,
-                    stride_rx_j, stride_rdt_j, stride_rb_j, DT_SOFTPLUS, DT_CLAMP)
-        if n == 1:
-            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
+                    state, start + j, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt, kb, h, g,
+                    offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h, dt_bias_h,
+                    dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p, stride_dt_t,
+                    stride_dt_h, stride_B_t, stride_B_g, stride_B_n, stride_C_t, stride_C_g,
+                    stride_C_n, stride_y_t, stride_y_h, stride_rx_j, stride_rdt_j, stride_rb_j,
+                    DT_SOFTPLUS, DT_CLAMP)
+            if n == 1:
+                tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
 
 
 def selective_state_verify_triton(
@@ -268,6 +299,7 @@ def selective_state_verify_triton(
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state), REPLAY_FOLD=REPLAY_FOLD if replay_fold is None else replay_fold,
         UNROLL=rows * heads < UNROLL_MAX_PAIRS if unroll is None else unroll, COLS=num_cols,
+        COLS_P2=next_pow2(num_cols),
         **pdl_args(use_pdl(x)),
         num_warps=num_warps or warps,
     )

@@ -310,7 +310,8 @@ def test_mamba_verify_ssm_kernel_compiles(state, block_p, fold, unroll):
                  idx_ptr=I32, rx_ptr=BF, rdt_ptr=BF, rb_ptr=BF, dt_min="fp32", dt_max="fp32")
     r = compile_sm90("krait.ops.selective_state_verify", "_ssv_kernel", types, dict(
         DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=block_p, BLOCK_N=128, PDL=True, stride_s_n=1,
-        stride_x_p=1, stride_B_n=1, stride_C_n=1, REPLAY_FOLD=fold, UNROLL=unroll, COLS=4))
+        stride_x_p=1, stride_B_n=1, stride_C_n=1, REPLAY_FOLD=fold, UNROLL=unroll, COLS=4,
+        COLS_P2=4))
     assert r["pdl"] and r["local"] == 0 and r["loop_barriers"] == 0 and r["regs"] <= 128, r
 
 
