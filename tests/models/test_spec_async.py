@@ -125,8 +125,19 @@ def _count_overlapped_steps(llm: LLM) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "mamba2"])
+@pytest.mark.parametrize("arch", ["llama", "mamba2", "mamba2_unrolled_folded"])
 def test_async_verify_steps_are_lossless_and_overlapped(arch, models, monkeypatch):
+    """mamba2_unrolled_folded: the verify SSM kernel's other forms (UNROLL, REPLAY_FOLD)."""
+    kernel_calls, forms = [], arch == "mamba2_unrolled_folded"
+    if forms:
+        from krait.ops import selective_state_verify as ssv
+
+        monkeypatch.setattr(ssv, "UNROLL_MAX_PAIRS", 1 << 30)
+        monkeypatch.setattr(ssv, "REPLAY_FOLD", True)
+        real = ssv.selective_state_verify_triton
+        monkeypatch.setattr(ssv, "selective_state_verify_triton",
+                            lambda *a, **kw: (kernel_calls.append(1), real(*a, **kw))[1])
+        arch = "mamba2"
     model_dir, want = models(arch)
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     log: list[int] = []
@@ -146,6 +157,7 @@ def test_async_verify_steps_are_lossless_and_overlapped(arch, models, monkeypatc
     runner = llm.llm_engine.runner
     assert runner.spec_rejected.sum() > 0
     assert torch.equal(torch.from_numpy(runner.spec_known), runner.spec_rejected.cpu())
+    assert kernel_calls or not forms  # (the Triton kernel, interpreted, in those forms)
 
 
 def test_verify_rows_fold_the_gated_norm_into_out_proj(models, monkeypatch):
