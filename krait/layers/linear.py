@@ -65,6 +65,14 @@ def folds_gated_norm(x: Tensor, weight: Tensor, bias: Tensor | None, group_size:
                           weight.element_size()))
 
 
+def folds_verify_conv(x: Tensor, weight: Tensor, bias: Tensor | None, conv_width: int) -> bool:
+    """x, 2-8 tokens of verify rows, go through a Mamba in_proj (weight [N, K]) with their
+    verify conv in the multi-row GEMV's epilogue (`gemv_rows(conv=...)`) where the plan takes
+    it."""
+    return (_few_rows(x) and plan.multi_row_conv(x.shape[0], *weight.shape, conv_width)
+            and _rows_take(x, weight, bias))
+
+
 def conv_linear(x: Tensor, weight: Tensor, bias: Tensor | None, conv: tuple) -> Tensor:
     """A one-row Mamba in_proj with its conv in the GEMV's epilogue (`gemv_triton(conv=...)`;
     the caller checked `plan.conv_epilogue`), through the TMA GEMV where the plan takes it."""

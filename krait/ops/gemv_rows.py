@@ -46,6 +46,7 @@ from torch import Tensor
 
 from krait.ops._dispatch import cdiv, interpreting, next_pow2, num_sms
 from krait.ops.arrival import slice_width, split_k_scratch
+from krait.ops.causal_conv1d_verify import conv_verify_row
 from krait.ops.gemv import finish_tile
 from krait.ops.gemv_tma import _descriptor, _first_box, tma_readable
 from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
@@ -89,6 +90,29 @@ def _box_dot(w, x, acc, IEEE: tl.constexpr):
     return tl.dot(w, tl.trans(x), acc)
 
 
+@triton.jit
+def _conv_epilogue(y_ptr, stride_ym, n0, offs_n, conv_lo, conv_dim, conv_rows, conv_cols,
+                   cw_ptr, cb_ptr, cs_ptr, cqsl_ptr, cslots_ptr, cacc_ptr, cidx_ptr,
+                   stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d, stride_cs_k,
+                   stride_csl_r, stride_csl_c, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
+    """CONV: the tile's columns that are xBC channels (offs_n - conv_lo in [0, conv_dim)),
+    just stored to y, go through each verify row's causal conv in place
+    (`causal_conv1d_verify`'s `conv_verify_row`: the window from the row's slot of its last
+    accepted position, the state after each token to the row's slot of that position)."""
+    if (n0 + BLOCK_N > conv_lo) & (n0 < conv_lo + conv_dim):
+        chans = offs_n - conv_lo
+        ch_ok = (chans >= 0) & (chans < conv_dim)
+        tl.debug_barrier()  # the tile's stores above land before its threads read them back
+        for r in range(0, conv_rows):
+            conv_verify_row(y_ptr + conv_lo, cw_ptr, cb_ptr, cs_ptr, y_ptr + conv_lo, cqsl_ptr,
+                            cslots_ptr, cacc_ptr, cidx_ptr, r, chans, ch_ok, conv_cols,
+                            stride_ym, 1, stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d,
+                            stride_cs_k, stride_ym, stride_csl_r, stride_csl_c, WIDTH,
+                            HAS_BIAS, SILU, BLOCK_T, BLOCK_W, True)
+
+
 @triton.jit(do_not_specialize=["M"])  # one kernel for every row count (1 too)
 def _gemv_rows_kernel(
     x_ptr, w_desc, w_ptr, y_ptr, part_ptr, count_ptr,
@@ -99,6 +123,12 @@ def _gemv_rows_kernel(
     EARLY_BOX: tl.constexpr = False, TL: tl.constexpr = False, tl_ptr=None,
     z_ptr=None, wn_ptr=None, sums_ptr=None, stride_zm=0, group_size=1, eps=0.0,
     NORM: tl.constexpr = False, SLICES_PER_GROUP: tl.constexpr = 1,
+    CONV: tl.constexpr = False, conv_lo=0, conv_dim=0, conv_rows=0, conv_cols=1, cw_ptr=None,
+    cb_ptr=None, cs_ptr=None, cqsl_ptr=None, cslots_ptr=None, cacc_ptr=None, cidx_ptr=None,
+    stride_cw_d=0, stride_cw_k=0, stride_cs_slot=0, stride_cs_d=0, stride_cs_k=0,
+    stride_csl_r=0, stride_csl_c=1, CONV_WIDTH: tl.constexpr = 4,
+    CONV_BIAS: tl.constexpr = False, CONV_SILU: tl.constexpr = False,
+    CONV_BLOCK_T: tl.constexpr = 4, CONV_BLOCK_W: tl.constexpr = 4,
 ):
     """y [M, N] = x [M, K] @ W^T, W [N, K] read through w_desc in [BLOCK_N, BLOCK_K] boxes
     (w_ptr: the same weight, for the EARLY_BOX loads only). SILU_MUL: W is [2N, K] = [gate; up]
@@ -107,7 +137,9 @@ def _gemv_rows_kernel(
     RMSNorm of x * silu(z) over groups of `group_size` columns with weight wn: the dot takes
     the weighted, unnormalised rows (`_normed_rows`), and each K slice (inside one group:
     SLICES_PER_GROUP slices a group) is scaled by its rows' 1 / rms where the slices meet, from
-    the sums of squares each program wrote to sums [tiles, SPLIT_K, BLOCK_M]."""
+    the sums of squares each program wrote to sums [tiles, SPLIT_K, BLOCK_M]. CONV: the output
+    columns [conv_lo, conv_lo + conv_dim) are a Mamba in_proj's xBC over verify rows, and go
+    through their causal conv where the tile is finished (`_conv_epilogue`)."""
     stamp(TL, tl_ptr, ENTRY)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -160,6 +192,7 @@ def _gemv_rows_kernel(
     dt = y_ptr.dtype.element_ty
     # finish_tile's EPILOGUE: SILU_MUL (True == 1) or the plain output
     if SPLIT_K == 1:
+        finished = True  # this program wrote the tile's y
         if NORM:  # the one slice is the one group
             acc = acc * tl.rsqrt(ss / group_size + eps)[None, :]
         tl.store(out, finish_tile(acc, acc_up, y_ptr, offs_n, n_ok, N, dt, False, SILU_MUL),
@@ -173,7 +206,8 @@ def _gemv_rows_kernel(
             sums = sums_ptr + pid_n * SPLIT_K * BLOCK_M + offs_m  # this tile's [S, BLOCK_M]
             tl.store(sums + pid_k * BLOCK_M, ss)
         arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: orders the stores above
-        if arrived == SPLIT_K - 1:  # the last slice of this tile to finish sums them all
+        finished = arrived == SPLIT_K - 1
+        if finished:  # the last slice of this tile to finish sums them all
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             total_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for g in tl.static_range(SPLIT_K // SLICES_PER_GROUP):
@@ -195,6 +229,13 @@ def _gemv_rows_kernel(
             tl.atomic_xchg(count_ptr + pid_n, 0)
             tl.store(out, finish_tile(total, total_up, y_ptr, offs_n, n_ok, N, dt, False,
                                       SILU_MUL), mask=mn_ok)
+    if CONV:
+        if finished:  # (uniform: a scalar atomic's result reaches every thread)
+            _conv_epilogue(y_ptr, stride_ym, n0, offs_n, conv_lo, conv_dim, conv_rows,
+                           conv_cols, cw_ptr, cb_ptr, cs_ptr, cqsl_ptr, cslots_ptr, cacc_ptr,
+                           cidx_ptr, stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d,
+                           stride_cs_k, stride_csl_r, stride_csl_c, BLOCK_N, CONV_WIDTH,
+                           CONV_BIAS, CONV_SILU, CONV_BLOCK_T, CONV_BLOCK_W)
     stamp(TL, tl_ptr, EXIT)
 
 
@@ -262,14 +303,20 @@ def norm_fits(m: int, n: int, k: int, group_size: int, num_sms: int = 132,
 
 def gemv_rows(x: Tensor, weight: Tensor, config: dict | None = None,
               silu_mul_out: bool = False,
-              norm: tuple[Tensor, Tensor, float, int] | None = None) -> Tensor:
+              norm: tuple[Tensor, Tensor, float, int] | None = None,
+              conv: tuple | None = None) -> Tensor:
     """x [M, K] (M <= 8; bf16, fp16 or float32) @ weight [N, K]^T (x's dtype, contiguous,
     K * itemsize a multiple of 16 bytes) -> y [M, N] in x's dtype, float32 accumulation. With
     `silu_mul_out`, weight is [2N, K] = [gate; up] (a merged gate_up) and y [M, N] =
     silu_and_mul of the [M, 2N] projection. `norm` = (z [M, K], norm weight [K], eps, group
     size): x is first a Mamba mixer's gated RMSNorm, rmsnorm(x * silu(z)) per group of
     columns times the weight (`gated_rms_norm`, gate first), folded into this launch; SPLIT_K
-    then becomes one whose slices lie in single groups (`norm_split`). config:
+    then becomes one whose slices lie in single groups (`norm_split`). `conv` = (conv_lo,
+    conv weight [dim, width], bias [dim] or None, conv_state [slots, dim, width - 1],
+    query_start_loc [R + 1], state_slots [R, S], num_accepted [max_reqs], idx_mapping [R],
+    silu): the output columns [conv_lo, conv_lo + dim) are a Mamba in_proj's xBC over the
+    verify rows of `causal_conv1d_verify` (every one of x's rows a verify row's token) and come
+    out convolved, the conv states written as that op writes them. config:
     BLOCK_N, BLOCK_K (powers of two, 16 to 256: one TMA box; BLOCK_N 64 or 128 maps the dot to
     wgmma), STAGES, SPLIT_K, num_warps, EARLY_BOX; missing entries from `rows_config`."""
     if x.dim() != 2 or weight.dim() != 2:
@@ -318,6 +365,7 @@ def gemv_rows(x: Tensor, weight: Tensor, config: dict | None = None,
         norm_args = dict(z_ptr=z, wn_ptr=wn.contiguous(), stride_zm=z.stride(0),
                          group_size=group, eps=float(eps), NORM=True,
                          SLICES_PER_GROUP=group // width if split > 1 else 1)
+    conv_args = {} if conv is None else _conv_args(conv, n, silu_mul_out)
     if x.device.type == "cpu":
         cfg.pop("num_warps", None)
     tiles = cdiv(n, cfg["BLOCK_N"])
@@ -332,5 +380,28 @@ def gemv_rows(x: Tensor, weight: Tensor, config: dict | None = None,
         x, desc, weight, y, part, counters, m, n, k, k_slice, x.stride(0), y.stride(0),
         SPLIT_K=split, BLOCK_M=BLOCK_M, SILU_MUL=silu_mul_out,
         IEEE=x.dtype == torch.float32 or interpreting(), **pdl_args(use_pdl(x)), **cfg,
-        **timeline_args("gemv_rows", (tiles, split), x.device), **norm_args)
+        **timeline_args("gemv_rows", (tiles, split), x.device), **norm_args, **conv_args)
     return y
+
+
+def _conv_args(conv: tuple, n: int, silu_mul_out: bool) -> dict:
+    """The kernel's CONV arguments from `gemv_rows`' `conv` tuple, checked."""
+    conv_lo, cw, cb, state, qsl, slots, num_acc, idx, silu = conv
+    dim, width = cw.shape
+    if silu_mul_out or conv_lo < 0 or conv_lo + dim > n:
+        raise ValueError(f"gemv_rows: the conv's channels [{conv_lo}, {conv_lo + dim}) must lie "
+                         f"in the {n} output columns, no silu_mul_out")
+    if state.shape[1:] != (dim, width - 1) or width & (width - 1):
+        raise ValueError(f"gemv_rows: conv state [slots, {dim}, {width - 1}] and a power-of-two "
+                         f"width expected, got {list(state.shape)}")
+    slots = slots.to(torch.int32)
+    return dict(CONV=True, conv_lo=conv_lo, conv_dim=dim, conv_rows=slots.shape[0],
+                conv_cols=slots.shape[1], cw_ptr=cw, cb_ptr=cb if cb is not None else cw,
+                cs_ptr=state, cqsl_ptr=qsl.to(torch.int32), cslots_ptr=slots,
+                cacc_ptr=num_acc.to(torch.int32), cidx_ptr=idx.to(torch.int32),
+                stride_cw_d=cw.stride(0), stride_cw_k=cw.stride(1),
+                stride_cs_slot=state.stride(0), stride_cs_d=state.stride(1),
+                stride_cs_k=state.stride(2), stride_csl_r=slots.stride(0),
+                stride_csl_c=slots.stride(1), CONV_WIDTH=width, CONV_BIAS=cb is not None,
+                CONV_SILU=bool(silu), CONV_BLOCK_T=next_pow2(slots.shape[1]),
+                CONV_BLOCK_W=width)

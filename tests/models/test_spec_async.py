@@ -160,11 +160,13 @@ def test_async_verify_steps_are_lossless_and_overlapped(arch, models, monkeypatc
     assert kernel_calls or not forms  # (the Triton kernel, interpreted, in those forms)
 
 
-def test_verify_rows_fold_the_gated_norm_into_out_proj(models, monkeypatch):
+@pytest.mark.parametrize("with_conv", [False, True])
+def test_verify_rows_fold_the_gated_norm_into_out_proj(with_conv, models, monkeypatch):
     """Mamba2 verify rows with the plan folding the gated RMSNorm into out_proj's multi-row
     GEMV (`gemv_rows(norm=...)`; CPU tensors let through as the GPU's, the kernels
-    interpreted; the tiny model's two norm groups): HF's tokens, drafts accepted and
-    rejected, and every verify step's out_proj (one a layer) took the fold."""
+    interpreted; the tiny model's two norm groups), and `with_conv` the verify conv into
+    in_proj's (`gemv_rows(conv=...)`): HF's tokens, drafts accepted and rejected, and every
+    verify step's out_proj (and in_proj: one each a layer) took the fold."""
     from krait.layers import linear as layer
     from krait.ops import linear as plan
 
@@ -172,12 +174,17 @@ def test_verify_rows_fold_the_gated_norm_into_out_proj(models, monkeypatch):
     monkeypatch.setenv("KRAIT_TRITON_CPU", "1")
     monkeypatch.setattr(layer, "_few_rows", lambda x: x.dim() == 2 and 2 <= x.shape[0] <= 8)
     monkeypatch.setattr(plan, "MULTI_ROW_GATED_NORM_MAX_ELEMENTS", 1 << 30)
-    folds = []
+    if with_conv:
+        monkeypatch.setattr(plan, "MULTI_ROW_CONV_MAX_ELEMENTS", 1 << 30)
+    folds, convs = [], []
     real = layer.gemv_rows
 
-    def spy(x, w, *a, norm=None, **kw):
-        folds.append(norm is not None)
-        return real(x, w, *a, norm=norm, **kw)
+    def spy(x, w, *a, norm=None, conv=None, **kw):
+        if conv is not None:
+            convs.append(1)
+        else:
+            folds.append(norm is not None)
+        return real(x, w, *a, norm=norm, conv=conv, **kw)
 
     import krait.layers.mamba2 as mamba2_mod
 
@@ -191,6 +198,7 @@ def test_verify_rows_fold_the_gated_norm_into_out_proj(models, monkeypatch):
     accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
     assert 0 < accepted < drafted, (accepted, drafted)
     assert len(folds) == 2 * stats["spec_decode_num_drafts"] and all(folds)  # 2 layers a step
+    assert len(convs) == (2 * stats["spec_decode_num_drafts"] if with_conv else 0)
 
 
 def test_async_device_ngram_with_preemption_and_stops(models, monkeypatch):

@@ -135,6 +135,48 @@ def test_gemv_rows_with_the_gated_norm_folded_in(m, case):
     assert _counters_zero()
 
 
+# verify batches of at most 8 tokens (tests/ops/verify_cases.py rows: n_r, accepted, request):
+# one row of 4; rows of 4 and 2 and a padding row; four rows, one of one token
+CONV_BATCHES = [[(4, 2, 1)], [(4, 1, 5), (2, 3, 0), (2, 2, -1)],
+                [(3, 4, 5), (1, 3, 0), (2, 2, -1), (2, 1, 3)]]
+CONV_LO, CONV_DIM, CONV_WIDTH = 12, 40, 4
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=1),
+                                 dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=3),
+                                 dict(BLOCK_N=32, BLOCK_K=32, STAGES=2, SPLIT_K=2,
+                                      EARLY_BOX=True)])
+@pytest.mark.parametrize("batch_rows", CONV_BATCHES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gemv_rows_with_the_verify_conv_in_its_epilogue(cfg, batch_rows, bias):
+    """conv=(...): a Mamba in_proj over verify rows with `causal_conv1d_verify` folded in: the
+    xBC columns come out convolved (column tiles straddling xBC's ends, split K), the other
+    columns as F.linear's, and the conv states (channel-last, as the engine's) as that op
+    writes them; padding rows write nothing."""
+    from krait.ops.causal_conv1d_verify import causal_conv1d_verify_ref
+    from tests.ops.verify_cases import verify_batch
+
+    batch = verify_batch(seed=3, rows=batch_rows)
+    m, n, k = batch.num_tokens, CONV_LO + CONV_DIM + 9, 96
+    x, w = _inputs(m, n, k, seed=m)
+    g = torch.Generator().manual_seed(7)
+    cw = torch.randn(CONV_DIM, CONV_WIDTH, generator=g) * 0.5  # [dim, width]
+    cb = torch.randn(CONV_DIM, generator=g) if bias else None
+    # [slots, dim, width - 1] seen through a transposed channel-last view
+    states = torch.randn(batch.num_slots, CONV_WIDTH - 1, CONV_DIM, generator=g).transpose(1, 2)
+    rows = (batch.query_start_loc, batch.state_slots, batch.num_accepted, batch.idx_mapping)
+    want = F.linear(x, w)
+    want_states = states.clone()
+    want[:, CONV_LO : CONV_LO + CONV_DIM] = causal_conv1d_verify_ref(
+        want[:, CONV_LO : CONV_LO + CONV_DIM].clone(), want_states, cw, cb, *rows, "silu")
+    got_states = states.clone()
+    got = gemv_rows(x, w, config=cfg, conv=(CONV_LO, cw, cb, got_states, *rows, True))
+    live = batch.live_tokens()
+    torch.testing.assert_close(got[live], want[live], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_states, want_states, atol=1e-5, rtol=1e-5)
+    assert _counters_zero()
+
+
 def test_norm_split_keeps_each_slice_in_one_group():
     assert norm_split(4096, 4096, 128, 4) == 4  # mamba2-1.3b's out_proj: one group
     assert norm_split(4096, 512, 128, 16) == 16  # 8 groups of 512: slices of 256, two a group
@@ -243,6 +285,23 @@ def test_gemv_rows_with_the_norm_compiles_to_wgmma_without_spills(split, slices_
         SPLIT_K=split, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, PDL=True, NORM=True,
         SLICES_PER_GROUP=slices_per_group, EARLY_BOX=early_box), num_warps=4)
     print(f"\ngemv_rows norm sm_90 split={split} per group={slices_per_group}: {r}")
+    assert r["local"] == 0 and r["pdl"] and r["wgmma"] and r["bulk_tensor_copies"] > 0, r
+
+
+@pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
+@pytest.mark.parametrize("split,early_box", [(1, False), (4, True)])
+def test_gemv_rows_with_the_conv_compiles_to_wgmma_without_spills(split, early_box):
+    # mamba2-1.3b's in_proj over 4 verify rows (its default split 4, and one slice), the conv
+    # state channel-last (unit stride along channels)
+    types = dict(x_ptr="*bf16", w_desc="tensordesc<bf16[64, 128]>", w_ptr="*bf16",
+                 y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", cw_ptr="*bf16",
+                 cb_ptr="*bf16", cs_ptr="*bf16", cqsl_ptr="*i32", cslots_ptr="*i32",
+                 cacc_ptr="*i32", cidx_ptr="*i32")
+    r = compile_sm90("krait.ops.gemv_rows", "_gemv_rows_kernel", types, dict(
+        SPLIT_K=split, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, PDL=True, CONV=True,
+        CONV_WIDTH=4, CONV_BIAS=True, CONV_SILU=True, CONV_BLOCK_T=4, CONV_BLOCK_W=4,
+        EARLY_BOX=early_box, stride_cs_d=1, stride_cw_k=1, stride_csl_c=1), num_warps=4)
+    print(f"\ngemv_rows conv sm_90 split={split}: {r}")
     assert r["local"] == 0 and r["pdl"] and r["wgmma"] and r["bulk_tensor_copies"] > 0, r
 
 
@@ -371,3 +430,34 @@ def test_gemv_rows_norm_real_sizes_gpu(m, n, k, group):
         got = gemv_rows(x, w, norm=(z, wn, 1e-5, group))
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         assert ((got.float() - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_rows", [[(4, 2, 1)], [(4, 1, 5), (4, 4, 0)]])
+def test_gemv_rows_conv_real_sizes_gpu(batch_rows):
+    """The verify conv in mamba2-1.3b's in_proj (8512 x 2048; xBC at columns 4096..8448,
+    width 4), bf16 with the default config, against F.linear then the conv in float32; twice
+    (the counters, and the states each call advances alike)."""
+    from krait.ops.causal_conv1d_verify import causal_conv1d_verify_ref
+    from tests.ops.verify_cases import verify_batch
+
+    batch = verify_batch(seed=5, rows=batch_rows)
+    lo, dim = 4096, 4352
+    x, w = (t.cuda() for t in _inputs(batch.num_tokens, 8512, 2048, dtype=torch.bfloat16))
+    g = torch.Generator().manual_seed(9)
+    cw = (torch.randn(dim, 4, generator=g) * 0.5).bfloat16().cuda()
+    cb = torch.randn(dim, generator=g).bfloat16().cuda()
+    states = torch.randn(batch.num_slots, 3, dim, generator=g).bfloat16().cuda().transpose(1, 2)
+    rows = tuple(t.cuda() for t in (batch.query_start_loc, batch.state_slots,
+                                    batch.num_accepted, batch.idx_mapping))
+    live = batch.live_tokens().cuda()
+    for _ in range(2):
+        want = F.linear(x.float(), w.float())
+        want_states = states.float()
+        want[:, lo : lo + dim] = causal_conv1d_verify_ref(
+            want[:, lo : lo + dim].bfloat16().float(), want_states, cw.float(), cb.float(),
+            *rows, "silu")
+        got = gemv_rows(x, w, conv=(lo, cw, cb, states, *rows, True))
+        err = (got[live].float() - want[live]).norm() / want[live].norm()
+        assert err < 1e-2, err
+        torch.testing.assert_close(states.float(), want_states, atol=2e-2, rtol=2e-2)
