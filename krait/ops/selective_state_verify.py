@@ -185,10 +185,11 @@ def _ssv_kernel(
             state = state * tl.exp(total * a_h)
         done = a_h * 0.0
         if UNROLL:
-            for j in tl.static_range(COLS):
+            for j in tl.static_range(COLS):  # (past count: x and B 0, dt 0, no change)
                 x, dt, bv = _kept_token(rx + j * stride_rx_j, rdt + j * stride_rdt_j,
-                                        rb + j * stride_rb_j, p_ok, n_ok, dt_bias_h, dt_min,
-                                        dt_max, DT_SOFTPLUS, DT_CLAMP)
+                                        rb + j * stride_rb_j, p_ok & (j < count),
+                                        n_ok & (j < count), dt_bias_h, dt_min, dt_max,
+                                        DT_SOFTPLUS, DT_CLAMP)
                 state, done = _replay_one(state, x, tl.where(j < count, dt, 0.0), bv, a_h,
                                           total, done, REPLAY_FOLD)
         else:
