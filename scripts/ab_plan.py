@@ -32,8 +32,8 @@ def _owner(key: str):
     """The module a constant lives in: krait.ops.linear, or krait.ops.MODULE for MODULE.CONST."""
     import importlib
 
-    module, _, _ = key.rpartition(".")
-    return importlib.import_module(f"krait.ops.{module or 'linear'}"), key.rpartition(".")[2]
+    module, _, attr = key.rpartition(".")
+    return importlib.import_module(f"krait.ops.{module or 'linear'}"), attr
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:

@@ -29,14 +29,13 @@ def conv_verify_row(
     chans, ch_ok, num_cols, stride_x_t, stride_x_d, stride_w_d, stride_w_k,
     stride_s_slot, stride_s_d, stride_s_k, stride_o_t, stride_sl_r, stride_sl_c,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, IN_PLACE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Batch row r's conv over its tokens, for channels `chans` [BLOCK_D] (where ch_ok), all
     of them at once. A conv carries no recurrence: token j's window (its last WIDTH inputs,
     oldest first) is read whole, from the row's tokens and the source state, and the state
     after token j is columns 1.. of that window; so every read lands before the first write.
-    IN_PLACE: out is x (a GEMV's epilogue convolving its own output): the program's threads
-    meet after their reads, before any output is written."""
+    out may be x (a GEMV's epilogue convolving its own output in place)."""
     req = tl.load(idx_ptr + r)
     slots_row = slots_ptr + r * stride_sl_r
     first = tl.load(slots_row)
@@ -66,15 +65,13 @@ def conv_verify_row(
         if SILU:
             acc = acc * tl.sigmoid(acc)
         tok_ok = toks < n
-        if IN_PLACE:
-            tl.debug_barrier()
-        tl.store(out_ptr + (start + toks).to(tl.int64)[None, :] * stride_o_t + chans[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=ch_ok[:, None] & tok_ok[None, :])
         dst = tl.load(slots_row + toks * stride_sl_c, mask=tok_ok, other=-1)  # [BLOCK_T]
         dst3 = tl.maximum(dst, 0).to(tl.int64)[None, :, None]
-        # the source slot may be a destination too (column 0 when nothing was accepted): every
-        # thread's read of it lands before any thread's store
+        # every thread's reads land before any thread's store: the source slot may be a
+        # destination too (column 0 when nothing was accepted), and out may be x
         tl.debug_barrier()
+        tl.store(out_ptr + (start + toks).to(tl.int64)[None, :] * stride_o_t + chans[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=ch_ok[:, None] & tok_ok[None, :])
         tl.store(states_ptr + dst3 * stride_s_slot + ch3 * stride_s_d + (taps - 1)[None, None, :]
                  * stride_s_k, win.to(states_ptr.dtype.element_ty),
                  mask=ok & (taps >= 1)[None, None, :] & (dst >= 0)[None, :, None])
@@ -97,7 +94,7 @@ def _conv_verify_kernel(
         x_ptr, w_ptr, b_ptr, states_ptr, out_ptr, qsl_ptr, slots_ptr, num_acc_ptr, idx_ptr,
         tl.program_id(0), chans, chans < dim, num_cols, stride_x_t, stride_x_d, stride_w_d,
         stride_w_k, stride_s_slot, stride_s_d, stride_s_k, stride_o_t, stride_sl_r,
-        stride_sl_c, WIDTH, HAS_BIAS, SILU, BLOCK_T, BLOCK_W, False)
+        stride_sl_c, WIDTH, HAS_BIAS, SILU, BLOCK_T, BLOCK_W)
 
 
 def causal_conv1d_verify_triton(

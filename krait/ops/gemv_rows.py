@@ -110,7 +110,7 @@ def _conv_epilogue(y_ptr, stride_ym, n0, offs_n, conv_lo, conv_dim, conv_rows, c
                             cslots_ptr, cacc_ptr, cidx_ptr, r, chans, ch_ok, conv_cols,
                             stride_ym, 1, stride_cw_d, stride_cw_k, stride_cs_slot, stride_cs_d,
                             stride_cs_k, stride_ym, stride_csl_r, stride_csl_c, WIDTH,
-                            HAS_BIAS, SILU, BLOCK_T, BLOCK_W, True)
+                            HAS_BIAS, SILU, BLOCK_T, BLOCK_W)
 
 
 @triton.jit(do_not_specialize=["M"])  # one kernel for every row count (1 too)

@@ -37,7 +37,6 @@ from krait.ops.pdl import pdl_args, pdl_trigger, pdl_wait, use_pdl
 from krait.ops.selective_state_update import (
     _block_p,
     selective_state_update_ref,
-    ssu_advance,
     ssu_warps,
 )
 
@@ -91,31 +90,26 @@ def _replay_one(state, x, dt, bv, a_h, total, done, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _own_token(state, t, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt, kb, h, g,
-               offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h, dt_bias_h, dt_min,
-               dt_max, stride_x_t, stride_x_h, stride_x_p, stride_dt_t, stride_dt_h,
-               stride_B_t, stride_B_g, stride_B_n, stride_C_t, stride_C_g, stride_C_n,
-               stride_y_t, stride_y_h, stride_rx_j, stride_rdt_j, stride_rb_j,
-               DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """Token t (the row's j-th) through the state tile: its y written, its inputs kept where
-    `keep` (kx, kdt, kb: the kept buffers at the parity written this step; dt by one program a
-    head where keep_dt, B by one a group where keep_b). Returns the state after it."""
+def _own_token(state, t, ok, x_ptr, dt_ptr, B_ptr, C_ptr, h, g, offs_p, offs_n, p_ok, n_ok,
+               a_h, d_h, dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p,
+               stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n, stride_C_t,
+               stride_C_g, stride_C_n, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+    """Token t through the state tile, nothing stored: returns (the state after it, y [P],
+    and its inputs as loaded to be kept: x [P], raw dt, B [N]). `ok` False (past the row's
+    tokens, unrolled loops): inputs 0, the state as it was."""
     x_raw = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                    mask=p_ok, other=0.0)
-    dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h)
+                    mask=p_ok & ok, other=0.0)
+    dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=ok, other=0.0)
     b_raw = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
-                    mask=n_ok, other=0.0)
+                    mask=n_ok & ok, other=0.0)
     cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
-                 mask=n_ok, other=0.0).to(tl.float32)
-    state, y = ssu_advance(state, x_raw.to(tl.float32), dt_raw.to(tl.float32) + dt_bias_h,
-                           b_raw.to(tl.float32), cv, a_h, d_h, dt_min, dt_max, DT_SOFTPLUS,
-                           DT_CLAMP)
-    tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p, y.to(y_ptr.dtype.element_ty),
-             mask=p_ok)
-    tl.store(kx + j * stride_rx_j, x_raw.to(kx.dtype.element_ty), mask=p_ok & keep)
-    tl.store(kdt + j * stride_rdt_j, dt_raw.to(kdt.dtype.element_ty), mask=keep_dt)
-    tl.store(kb + j * stride_rb_j, b_raw.to(kb.dtype.element_ty), mask=n_ok & keep_b)
-    return state
+                 mask=n_ok & ok, other=0.0).to(tl.float32)
+    x = x_raw.to(tl.float32)
+    dt = softplus_clamp(dt_raw.to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+    dt = tl.where(ok, dt, 0.0)
+    state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * b_raw.to(tl.float32)[None, :]
+    y = tl.sum(state * cv[None, :], axis=1) + d_h * x
+    return state, y, x_raw, dt_raw, b_raw
 
 
 @triton.jit
@@ -217,25 +211,16 @@ def _ssv_kernel(
             bs = tl.zeros([COLS_P2, BLOCK_N], tl.float32)
             dts = tl.zeros([COLS_P2], tl.float32)
             for j in tl.static_range(COLS):
-                ok = j < n
-                t = start + j
-                x = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                            mask=p_ok & ok, other=0.0).to(tl.float32)
-                dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=ok,
-                                 other=0.0).to(tl.float32)
-                bv = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
-                             mask=n_ok & ok, other=0.0).to(tl.float32)
-                cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
-                             mask=n_ok & ok, other=0.0).to(tl.float32)
-                dt = softplus_clamp(dt_raw + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-                dt = tl.where(ok, dt, 0.0)
-                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
-                y = tl.sum(state * cv[None, :], axis=1) + d_h * x
+                state, y, x, dt_raw, bv = _own_token(
+                    state, start + j, j < n, x_ptr, dt_ptr, B_ptr, C_ptr, h, g, offs_p, offs_n,
+                    p_ok, n_ok, a_h, d_h, dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h,
+                    stride_x_p, stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n,
+                    stride_C_t, stride_C_g, stride_C_n, DT_SOFTPLUS, DT_CLAMP)
                 here = cols == j
                 ys = tl.where(here[:, None], y[None, :], ys)
-                xs = tl.where(here[:, None], x[None, :], xs)
-                bs = tl.where(here[:, None], bv[None, :], bs)
-                dts = tl.where(here, dt_raw, dts)
+                xs = tl.where(here[:, None], x.to(tl.float32)[None, :], xs)
+                bs = tl.where(here[:, None], bv.to(tl.float32)[None, :], bs)
+                dts = tl.where(here, dt_raw.to(tl.float32), dts)
             mine = cols < n
             tl.store(y_ptr + (start + cols)[:, None] * stride_y_t + h * stride_y_h
                      + offs_p[None, :], ys.to(y_ptr.dtype.element_ty),
@@ -253,13 +238,18 @@ def _ssv_kernel(
             if (count > 0) & (n > 1):
                 tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
             for j in range(0, n):
-                state = _own_token(
-                    state, start + j, j, x_ptr, dt_ptr, B_ptr, C_ptr, y_ptr, kx, kdt, kb, h, g,
-                    offs_p, offs_n, p_ok, n_ok, keep, keep_dt, keep_b, a_h, d_h, dt_bias_h,
-                    dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p, stride_dt_t,
-                    stride_dt_h, stride_B_t, stride_B_g, stride_B_n, stride_C_t, stride_C_g,
-                    stride_C_n, stride_y_t, stride_y_h, stride_rx_j, stride_rdt_j, stride_rb_j,
-                    DT_SOFTPLUS, DT_CLAMP)
+                t = start + j
+                state, y, x_raw, dt_raw, b_raw = _own_token(
+                    state, t, j < n, x_ptr, dt_ptr, B_ptr, C_ptr, h, g, offs_p, offs_n, p_ok,
+                    n_ok, a_h, d_h, dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h,
+                    stride_x_p, stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n,
+                    stride_C_t, stride_C_g, stride_C_n, DT_SOFTPLUS, DT_CLAMP)
+                tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
+                         y.to(y_ptr.dtype.element_ty), mask=p_ok)
+                tl.store(kx + j * stride_rx_j, x_raw.to(kx.dtype.element_ty), mask=p_ok & keep)
+                tl.store(kdt + j * stride_rdt_j, dt_raw.to(kdt.dtype.element_ty), mask=keep_dt)
+                tl.store(kb + j * stride_rb_j, b_raw.to(kb.dtype.element_ty),
+                         mask=n_ok & keep_b)
             if n == 1:
                 tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
 

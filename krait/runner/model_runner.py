@@ -921,10 +921,9 @@ class ModelRunner:
         """Masks the structured rows' logits in place (one launch): `row_req_ids[j]` is the
         request of sampling row j, whose logits are row `logits_rows[j]` (default j); a verify
         row's id comes 1 + n times in the step's ids, its masks for logits rows
-        logits_rows[j] .. + n. The
-        sampler then sees the masked logits, so greedy, sampling, penalties and logprobs all
-        follow the grammar; the logprobs are those of the masked distribution (as vLLM v1's:
-        its bitmask is applied before the sampler too)."""
+        logits_rows[j] .. + n. The sampler then sees the masked logits, so greedy, sampling,
+        penalties and logprobs all follow the grammar; the logprobs are those of the masked
+        distribution (as vLLM v1's: its bitmask is applied before the sampler too)."""
         req_ids, bitmask = self._grammar
         where = {rid: j for j, rid in enumerate(row_req_ids)}
         rows = [where.get(rid, -1) for rid in req_ids]
