@@ -95,12 +95,7 @@ case $what in
   verify_folds)  # an experiment (goes once its result is in docs/benchmarks.md): the verify
     # step's switches that are off until timed, in mamba2-1.3b (k = 3 ngram, batch 1 and 64):
     # the gated norm in out_proj's and the conv in in_proj's multi-row GEMV, the verify SSM
-    # kernel unrolled (batch 1) and with its replay folded; their GPU tests first
-    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv_rows.py \
-      tests/ops/test_selective_state_verify.py tests/test_bench.py -p no:cacheprovider 2>&1 \
-      | tail -8 | tee "$LOG/kernels_folds.log"
-    timeout 90 python3 scripts/bench_ssm_verify.py > "$LOG/ssm_verify.jsonl" 2>&1
-    echo "== mamba2 verify SSM kernel forms (us a call)"; grep verify "$LOG/ssm_verify.jsonl"; pack
+    # kernel unrolled (batch 1) and with its replay folded; then their GPU tests
     G=MULTI_ROW_GATED_NORM_MAX_ELEMENTS=33554432 C=MULTI_ROW_CONV_MAX_ELEMENTS=33554432
     U=selective_state_verify.UNROLL_MAX_PAIRS=1024 F=selective_state_verify.REPLAY_FOLD=1
     timeout ${AB_TIMEOUT:-360} python3 scripts/ab_plan.py --variant base: --variant norm:$G \
@@ -109,6 +104,11 @@ case $what in
       --speculative-config '{"method":"ngram","num_speculative_tokens":3}' \
       2> "$LOG/ab_folds.err" | tee "$LOG/ab_folds.jsonl"
     pack
+    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv_rows.py \
+      tests/ops/test_selective_state_verify.py tests/test_bench.py -p no:cacheprovider 2>&1 \
+      | tail -8 | tee "$LOG/kernels_folds.log"
+    timeout 90 python3 scripts/bench_ssm_verify.py > "$LOG/ssm_verify.jsonl" 2>&1
+    echo "== mamba2 verify SSM kernel forms (us a call)"; grep verify "$LOG/ssm_verify.jsonl"; pack
     ;;
   prefix)  # prefix caching on hybrids: 64 requests sharing a 4096-token prefix + 64 distinct,
     # 32 out; TTFT cold vs warm, throughput with caching on / off, distinct prompts' cost
