@@ -22,7 +22,7 @@ bench_latency() {  # name, tag, extra args: decode steps at batch 1 and 64, cont
   echo "== $name $tag"; grep -v Warn "$LOG/lat_${name}${tag}.err" | tail -12
   pack
 }
-TARGETS="mamba2-1.3b granite-4.0-h-micro qwen3-0.6b"
+TARGETS=${TARGETS:-mamba2-1.3b granite-4.0-h-micro qwen3-0.6b}
 
 case $what in
   kernels)  # the GPU tests: kernels at real sizes, graphs, the runner on CUDA

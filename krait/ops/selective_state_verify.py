@@ -45,8 +45,9 @@ from krait.ops.selective_state_update import (
 REPLAY_FOLD = False
 # grids of fewer (row, head) pairs than this run both token loops unrolled over the kept
 # buffers' columns, masked (UNROLL): each token's loads need not wait for the token before,
-# which matters where few programs hide no latency (batch 1); not timed yet
-UNROLL_MAX_PAIRS = 0
+# which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
+# 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
+UNROLL_MAX_PAIRS = 1024
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
