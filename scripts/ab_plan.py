@@ -39,7 +39,7 @@ def _owner(key: str):
 def parse_variant(text: str) -> tuple[str, dict[str, int]]:
     """'rows:MULTI_ROW_MAX_N=16384' -> ('rows', {'MULTI_ROW_MAX_N': 16384}); every constant
     must be an int (or bool) one of krait.ops.linear's, or of another krait.ops module written
-    MODULE.CONST (selective_state_verify.REPLAY_FOLD=1): a misspelt one would measure the
+    MODULE.CONST (selective_state_verify.UNROLL_MAX_PAIRS=0): a misspelt one would measure the
     tree as it is."""
     name, _, body = text.partition(":")
     if not name:

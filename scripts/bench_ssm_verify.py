@@ -3,7 +3,7 @@ fp32 state), one JSON line a measurement, microseconds a call (a CUDA graph of c
 over LAYERS state tensors, as the model's layers do):
 
 - `selective_state_verify` (its deferred commit: every row replays k + 1 kept tokens, then runs
-  its own 1 + k) over state tiles and warps, in its four forms (REPLAY_FOLD, UNROLL);
+  its own 1 + k) over state tiles and warps, in its two forms (UNROLL or not);
 - the decode step's `selective_state_update`, for scale;
 - the gated RMSNorm of the verify rows (1 + k rows a request, one 4096-wide group) over warps.
 0 in block_p / warps: the launcher's own choice.
@@ -71,17 +71,15 @@ def bench_batch(batch: int, k: int, dev) -> None:
              torch.zeros(2, batch, cols, H, device=dev, dtype=torch.bfloat16),
              torch.zeros(2, batch, cols, G, N, device=dev, dtype=torch.bfloat16),
              torch.full((batch,), cols, device=dev, dtype=torch.int32)) for _ in range(LAYERS)]
-    # 0: verify_tile's choice; each tile with the kernel's four forms (REPLAY_FOLD, UNROLL)
+    # 0: verify_tile's choice; each tile with the kernel's two forms (UNROLL or not)
     for bp, w in ((0, 0), (8, 4), (8, 8), (16, 4), (32, 4), (64, 8)):
-        for fold in (False, True):
-            for unroll in (False, True):
-                calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias,
-                                 qsl, slots[:, None], idx, r, block_p=bp or None,
-                                 num_warps=w or None, replay_fold=fold, unroll=unroll)
-                         for s, r in zip(states, kept)]
-                print(json.dumps({**rec, "kernel": "verify", "block_p": bp, "warps": w,
-                                  "replay_fold": fold, "unroll": unroll,
-                                  "us": graph_us(calls)}), flush=True)
+        for unroll in (False, True):
+            calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias, qsl,
+                             slots[:, None], idx, r, block_p=bp or None, num_warps=w or None,
+                             unroll=unroll)
+                     for s, r in zip(states, kept)]
+            print(json.dumps({**rec, "kernel": "verify", "block_p": bp, "warps": w,
+                              "unroll": unroll, "us": graph_us(calls)}), flush=True)
     # the gated norm of the verify rows
     y = torch.randn(batch * cols, H * P, device=dev).bfloat16()
     z = torch.randn(batch * cols, H * P, device=dev).bfloat16()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: what the project measures on the GPU as it is now. Logs: $OUT/logs.tgz.
 # Usage (device machine, repo root):
-#   bash scripts/gpu_check.sh [kernels|parity|targets|maxlen|throughput|spec|prefix|gdn|verify_folds]
+#   bash scripts/gpu_check.sh [kernels|parity|targets|maxlen|throughput|spec|prefix|gdn]
 # parity needs the oracle: here, PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity,
 # and carry=[".parity"] in the device call. docs/benchmarks.md records the results.
 set -uo pipefail
@@ -10,7 +10,7 @@ LOG=/tmp/krait_logs  # packed into $OUT/logs.tgz (a device call returns few file
 mkdir -p "$OUT" "$LOG"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 KRAIT_TEST_GPU=1
 what=${1:-}
-case $what in kernels|parity|targets|maxlen|throughput|spec|prefix|gdn|verify_folds) ;; *) sed -n 3,4p "$0"; exit 2 ;; esac
+case $what in kernels|parity|targets|maxlen|throughput|spec|prefix|gdn) ;; *) sed -n 3,4p "$0"; exit 2 ;; esac
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }  # after each part: a timed-out call keeps its logs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$LOG/gpu.txt"
@@ -91,24 +91,6 @@ case $what in
       python3 scripts/draft_config.py "$m" "$d" --eagle
       bench_latency $m "_eagle" --speculative-config "{\"method\":\"eagle\",\"model\":\"$d\",\"num_speculative_tokens\":3}"
     done
-    ;;
-  verify_folds)  # an experiment (goes once its result is in docs/benchmarks.md): the verify
-    # step's switches that are off until timed, in mamba2-1.3b (k = 3 ngram, batch 1 and 64):
-    # the gated norm in out_proj's and the conv in in_proj's multi-row GEMV, the verify SSM
-    # kernel unrolled (batch 1) and with its replay folded; then their GPU tests
-    G=MULTI_ROW_GATED_NORM_MAX_ELEMENTS=33554432 C=MULTI_ROW_CONV_MAX_ELEMENTS=33554432
-    U=selective_state_verify.UNROLL_MAX_PAIRS=1024 F=selective_state_verify.REPLAY_FOLD=1
-    timeout ${AB_TIMEOUT:-360} python3 scripts/ab_plan.py --variant base: --variant norm:$G \
-      --variant conv:$C --variant unroll:$U --variant all:$G,$C,$U,$F --repeat 2 -- \
-      --config mamba2-1.3b --batch-sizes 1,64 --prompt-lens "" --workload repetitive \
-      --speculative-config '{"method":"ngram","num_speculative_tokens":3}' \
-      2> "$LOG/ab_folds.err" | tee "$LOG/ab_folds.jsonl"
-    pack
-    timeout 120 python3 -m pytest -q -m gpu tests/ops/test_gemv_rows.py \
-      tests/ops/test_selective_state_verify.py tests/test_bench.py -p no:cacheprovider 2>&1 \
-      | tail -8 | tee "$LOG/kernels_folds.log"
-    timeout 90 python3 scripts/bench_ssm_verify.py > "$LOG/ssm_verify.jsonl" 2>&1
-    echo "== mamba2 verify SSM kernel forms (us a call)"; grep verify "$LOG/ssm_verify.jsonl"; pack
     ;;
   prefix)  # prefix caching on hybrids: 64 requests sharing a 4096-token prefix + 64 distinct,
     # 32 out; TTFT cold vs warm, throughput with caching on / off, distinct prompts' cost

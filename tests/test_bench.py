@@ -178,8 +178,8 @@ def test_ab_plan_variants_and_runs(tmp_path):
     assert ab.parse_variant("rows:MULTI_ROW_MAX_N=16384,MULTI_ROW_MAX_ROWS=4") == (
         "rows", {"MULTI_ROW_MAX_N": 16384, "MULTI_ROW_MAX_ROWS": 4})
     assert ab.parse_variant("base:") == ("base", {})
-    assert ab.parse_variant("fold:selective_state_verify.REPLAY_FOLD=1") == (
-        "fold", {"selective_state_verify.REPLAY_FOLD": 1})
+    assert ab.parse_variant("loops:selective_state_verify.UNROLL_MAX_PAIRS=0") == (
+        "loops", {"selective_state_verify.UNROLL_MAX_PAIRS": 0})
     for bad in ("rows:MULTI_ROW_MAX_NN=1", ":MULTI_ROW_MAX_N=1", "x:nomodule.CONST=1",
                 "x:selective_state_verify.NO_SUCH=1"):
         with pytest.raises(ValueError):

@@ -16,7 +16,7 @@ from krait.ops import linear as plan
 from krait.ops._dispatch import num_sms, use_triton
 from krait.ops.activation import silu_and_mul
 from krait.ops.gemv import gemv_triton
-from krait.ops.gemv_rows import gemv_rows, norm_fits
+from krait.ops.gemv_rows import gemv_rows
 from krait.ops.gemv_tma import gemv_tma, tma_readable
 
 
@@ -53,24 +53,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             and _rows_take(x, weight, bias)):
         return gemv_rows(x, weight)
     return F.linear(x, weight, bias)
-
-
-def folds_gated_norm(x: Tensor, weight: Tensor, bias: Tensor | None, group_size: int) -> bool:
-    """x, 2-8 verify rows of a Mamba mixer's output, go through out_proj (weight [N, K]) with
-    their gated RMSNorm (groups of `group_size` columns) folded into the multi-row GEMV
-    (`gemv_rows(norm=...)`): where the plan takes it and the GEMV's split fits the groups."""
-    return (_few_rows(x) and plan.multi_row_gated_norm(x.shape[0], *weight.shape)
-            and _rows_take(x, weight, bias)
-            and norm_fits(x.shape[0], *weight.shape, group_size, num_sms(x.device),
-                          weight.element_size()))
-
-
-def folds_verify_conv(x: Tensor, weight: Tensor, bias: Tensor | None, conv_width: int) -> bool:
-    """x, 2-8 tokens of verify rows, go through a Mamba in_proj (weight [N, K]) with their
-    verify conv in the multi-row GEMV's epilogue (`gemv_rows(conv=...)`) where the plan takes
-    it."""
-    return (_few_rows(x) and plan.multi_row_conv(x.shape[0], *weight.shape, conv_width)
-            and _rows_take(x, weight, bias))
 
 
 def conv_linear(x: Tensor, weight: Tensor, bias: Tensor | None, conv: tuple) -> Tensor:

@@ -15,22 +15,19 @@ from krait.layers.linear import (
     Linear,
     RowParallelLinear,
     conv_linear,
-    folds_gated_norm,
-    folds_verify_conv,
     gated_norm_linear,
 )
 from krait.ops import linear as plan
 from krait.ops._dispatch import use_triton
 from krait.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from krait.ops.gated_rms_norm import gated_rms_norm
-from krait.ops.gemv_rows import gemv_rows
 from krait.ops.mamba_ssd import mamba_chunk_scan
 from krait.ops.selective_state_update import (
     gated_part_size,
     selective_state_update,
     selective_state_update_triton,
 )
-from krait.runner.piecewise_graphs import mixer_call, piecewise_forward
+from krait.runner.piecewise_graphs import mixer_call
 
 
 @dataclass
@@ -208,9 +205,7 @@ class Mamba2Mixer(torch.nn.Module):
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. A lone decode row on the Triton path takes the fusions
         krait/ops/linear.py plans: the conv in in_proj's GEMV epilogue, the gated norm in
-        out_proj's GEMV prologue (from the state update's sums of squares); 2-8 verify rows
-        their conv in in_proj's and the gated norm in out_proj's multi-row GEMV where the plan
-        folds them."""
+        out_proj's GEMV prologue (from the state update's sums of squares)."""
         d = self.d
         group = self._norm_group()
         conv = None
@@ -228,22 +223,8 @@ class Mamba2Mixer(torch.nn.Module):
                 return self.out_proj.finish(gated_norm_linear(
                     packed, self.out_proj.weight, self.out_proj.bias, self.norm_weight, group,
                     d.eps, part))
-        verify = (meta.num_accepted_tokens is not None and meta.num_prefills == 0
-                  and not piecewise_forward())
-        if verify and folds_verify_conv(x, self.in_proj.weight, self.in_proj.bias, d.d_conv):
-            # verify rows: their conv inside in_proj's multi-row GEMV
-            gate, xbc, dt = self._split_proj(gemv_rows(x, self.in_proj.weight,
-                                                       conv=self._verify_conv(meta)))
-            convolved = True
-        else:
-            gate, xbc, dt = self._project(x, conv)
-            convolved = conv is not None
-        y = mixer_call(self._ssm, (xbc, dt), meta, "mamba", convolved)
-        w = self.out_proj.weight
-        if verify and folds_gated_norm(y, w, self.out_proj.bias, group):
-            # verify rows: the gated norm inside out_proj's multi-row GEMV
-            return self.out_proj.finish(gemv_rows(y, w, norm=(gate, self.norm_weight, d.eps,
-                                                              group)))
+        gate, xbc, dt = self._project(x, conv)
+        y = mixer_call(self._ssm, (xbc, dt), meta, "mamba", conv is not None)
         return self.out_proj(gated_rms_norm(y, gate, self.norm_weight, d.eps, group))
 
     def _cross_rank_gated_norm(self, y: torch.Tensor, gate: torch.Tensor | None
@@ -319,22 +300,12 @@ class Mamba2Mixer(torch.nn.Module):
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj split into (gate [T, I], xBC [T, conv_dim], dt [T, heads]) views (with
         `conv`, xBC comes convolved from the GEMV's epilogue)."""
+        d = self.d
         if conv is not None:
-            return self._split_proj(conv_linear(x, self.in_proj.weight, self.in_proj.bias, conv))
-        return self._split_proj(self.in_proj(x))
-
-    def _split_proj(self, proj: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        d = self.d
+            proj = conv_linear(x, self.in_proj.weight, self.in_proj.bias, conv)
+        else:
+            proj = self.in_proj(x)
         return proj.split([d.intermediate, d.conv_dim, d.num_heads], dim=-1)
-
-    def _verify_conv(self, meta: MambaMetadata) -> tuple:
-        """The verify rows' conv as the multi-row in_proj GEMV's epilogue takes it
-        (`gemv_rows(conv=...)`)."""
-        d = self.d
-        return (d.intermediate, self.conv1d_weight.squeeze(1), self.conv1d_bias, self.conv_state,
-                meta.decode_query_start_loc, meta.decode_state_slots, meta.num_accepted_tokens,
-                meta.decode_idx_mapping, d.activation is not None)
 
     def _decode_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata,
                     convolved: bool = False) -> torch.Tensor:
@@ -343,7 +314,7 @@ class Mamba2Mixer(torch.nn.Module):
         d = self.d
         nd = meta.num_decode_tokens
         if meta.num_accepted_tokens is not None:
-            return self._verify_ssm(xbc[:nd], dt[:nd], meta, convolved)
+            return self._verify_ssm(xbc[:nd], dt[:nd], meta)
         idx = meta.decode_state_indices[:nd]
         xbc_d = xbc[:nd] if convolved else causal_conv1d_update(
             xbc[:nd], self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, idx,
@@ -355,22 +326,20 @@ class Mamba2Mixer(torch.nn.Module):
             d.time_step_limit,
         )
 
-    def _verify_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata,
-                    convolved: bool = False) -> torch.Tensor:
+    def _verify_ssm(self, xbc: torch.Tensor, dt: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Speculative decoding's decode rows (1 + k tokens each): the conv from the slot of
         the last accepted position (the conv state after every position kept in the row's
-        slots; unless in_proj's epilogue did it: `convolved`), the state update with its
-        deferred commit (the accepted tokens of the step before replayed onto the committed
-        state in slot column 0, this step's inputs kept): y [num_decode_tokens, heads, P]."""
+        slots), the state update with its deferred commit (the accepted tokens of the step
+        before replayed onto the committed state in slot column 0, this step's inputs kept):
+        y [num_decode_tokens, heads, P]."""
         from krait.ops.causal_conv1d_verify import causal_conv1d_verify
         from krait.ops.selective_state_verify import selective_state_verify
 
         d = self.d
         rows = (meta.decode_query_start_loc, meta.decode_state_slots, meta.num_accepted_tokens,
                 meta.decode_idx_mapping)
-        xbc_d = xbc if convolved else causal_conv1d_verify(
-            xbc, self.conv_state, self.conv1d_weight.squeeze(1), self.conv1d_bias, *rows,
-            d.activation)
+        xbc_d = causal_conv1d_verify(xbc, self.conv_state, self.conv1d_weight.squeeze(1),
+                                     self.conv1d_bias, *rows, d.activation)
         xs, B, C = self._split_xbc(xbc_d)
         return selective_state_verify(
             self.ssm_state, xs, dt, self.neg_A(), B, C, self.D, self.dt_bias,

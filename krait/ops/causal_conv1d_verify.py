@@ -24,60 +24,6 @@ from krait.ops.verify_ref import verify_start_states
 
 
 @triton.jit
-def conv_verify_row(
-    x_ptr, w_ptr, b_ptr, states_ptr, out_ptr, qsl_ptr, slots_ptr, num_acc_ptr, idx_ptr, r,
-    chans, ch_ok, num_cols, stride_x_t, stride_x_d, stride_w_d, stride_w_k,
-    stride_s_slot, stride_s_d, stride_s_k, stride_o_t, stride_sl_r, stride_sl_c,
-    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    """Batch row r's conv over its tokens, for channels `chans` [BLOCK_D] (where ch_ok), all
-    of them at once. A conv carries no recurrence: token j's window (its last WIDTH inputs,
-    oldest first) is read whole, from the row's tokens and the source state, and the state
-    after token j is columns 1.. of that window; so every read lands before the first write.
-    out may be x (a GEMV's epilogue convolving its own output in place)."""
-    req = tl.load(idx_ptr + r)
-    slots_row = slots_ptr + r * stride_sl_r
-    first = tl.load(slots_row)
-    if (req >= 0) & (first >= 0):
-        col = tl.minimum(tl.maximum(tl.load(num_acc_ptr + req) - 1, 0), num_cols - 1)
-        src = tl.load(slots_row + col * stride_sl_c)
-        start = tl.load(qsl_ptr + r)
-        n = tl.minimum(tl.load(qsl_ptr + r + 1) - start, num_cols)
-        toks = tl.arange(0, BLOCK_T)  # position j in the row
-        taps = tl.arange(0, BLOCK_W)
-        ch3 = chans[:, None, None]
-        ok = ch_ok[:, None, None] & (toks < n)[None, :, None] & (taps < WIDTH)[None, None, :]
-        # [1, BLOCK_T, BLOCK_W]: what tap k of token j reads, the row's token v (or, where
-        # v < 0, column v + WIDTH - 1 of the source state)
-        v = toks[None, :, None] + taps[None, None, :] - (WIDTH - 1)
-        xv = tl.load(x_ptr + (start + v).to(tl.int64) * stride_x_t + ch3 * stride_x_d,
-                     mask=ok & (v >= 0), other=0.0)
-        sv = tl.load(states_ptr + tl.maximum(src, 0).to(tl.int64) * stride_s_slot
-                     + ch3 * stride_s_d + (v + WIDTH - 1) * stride_s_k, mask=ok & (v < 0),
-                     other=0.0)
-        win = xv.to(tl.float32) + sv.to(tl.float32)  # [BLOCK_D, BLOCK_T, BLOCK_W] the windows
-        w = tl.load(w_ptr + chans[:, None] * stride_w_d + taps[None, :] * stride_w_k,
-                    mask=ch_ok[:, None] & (taps < WIDTH)[None, :], other=0.0)
-        acc = tl.sum(win * w.to(tl.float32)[:, None, :], axis=2)  # [BLOCK_D, BLOCK_T]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + chans, mask=ch_ok, other=0.0).to(tl.float32)[:, None]
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        tok_ok = toks < n
-        dst = tl.load(slots_row + toks * stride_sl_c, mask=tok_ok, other=-1)  # [BLOCK_T]
-        dst3 = tl.maximum(dst, 0).to(tl.int64)[None, :, None]
-        # every thread's reads land before any thread's store: the source slot may be a
-        # destination too (column 0 when nothing was accepted), and out may be x
-        tl.debug_barrier()
-        tl.store(out_ptr + (start + toks).to(tl.int64)[None, :] * stride_o_t + chans[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=ch_ok[:, None] & tok_ok[None, :])
-        tl.store(states_ptr + dst3 * stride_s_slot + ch3 * stride_s_d + (taps - 1)[None, None, :]
-                 * stride_s_k, win.to(states_ptr.dtype.element_ty),
-                 mask=ok & (taps >= 1)[None, None, :] & (dst >= 0)[None, :, None])
-
-
-@triton.jit
 def _conv_verify_kernel(
     x_ptr, w_ptr, b_ptr, states_ptr, out_ptr,
     qsl_ptr, slots_ptr, num_acc_ptr, idx_ptr,
@@ -88,13 +34,52 @@ def _conv_verify_kernel(
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
-    # One program: batch row r x BLOCK_D channels (`conv_verify_row`)
-    chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    conv_verify_row(
-        x_ptr, w_ptr, b_ptr, states_ptr, out_ptr, qsl_ptr, slots_ptr, num_acc_ptr, idx_ptr,
-        tl.program_id(0), chans, chans < dim, num_cols, stride_x_t, stride_x_d, stride_w_d,
-        stride_w_k, stride_s_slot, stride_s_d, stride_s_k, stride_o_t, stride_sl_r,
-        stride_sl_c, WIDTH, HAS_BIAS, SILU, BLOCK_T, BLOCK_W)
+    # One program: batch row r x BLOCK_D channels, all of the row's tokens at once. A conv
+    # carries no recurrence: token j's window (its last WIDTH inputs, oldest first) is read
+    # whole, from the row's tokens and the source state, and the state after token j is
+    # columns 1.. of that window; so every read lands before the first write.
+    r = tl.program_id(0)
+    req = tl.load(idx_ptr + r)
+    slots_row = slots_ptr + r * stride_sl_r
+    first = tl.load(slots_row)
+    if (req >= 0) & (first >= 0):
+        col = tl.minimum(tl.maximum(tl.load(num_acc_ptr + req) - 1, 0), num_cols - 1)
+        src = tl.load(slots_row + col * stride_sl_c)
+        start = tl.load(qsl_ptr + r)
+        n = tl.minimum(tl.load(qsl_ptr + r + 1) - start, num_cols)
+        chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        toks = tl.arange(0, BLOCK_T)  # position j in the row
+        taps = tl.arange(0, BLOCK_W)
+        ch3 = chans[:, None, None]
+        ok = (ch3 < dim) & (toks < n)[None, :, None] & (taps < WIDTH)[None, None, :]
+        # [1, BLOCK_T, BLOCK_W]: what tap k of token j reads, the row's token v (or, where
+        # v < 0, column v + WIDTH - 1 of the source state)
+        v = toks[None, :, None] + taps[None, None, :] - (WIDTH - 1)
+        xv = tl.load(x_ptr + (start + v).to(tl.int64) * stride_x_t + ch3 * stride_x_d,
+                     mask=ok & (v >= 0), other=0.0)
+        sv = tl.load(states_ptr + tl.maximum(src, 0).to(tl.int64) * stride_s_slot
+                     + ch3 * stride_s_d + (v + WIDTH - 1) * stride_s_k, mask=ok & (v < 0),
+                     other=0.0)
+        win = xv.to(tl.float32) + sv.to(tl.float32)  # [BLOCK_D, BLOCK_T, BLOCK_W] the windows
+        ch_ok = chans < dim
+        w = tl.load(w_ptr + chans[:, None] * stride_w_d + taps[None, :] * stride_w_k,
+                    mask=ch_ok[:, None] & (taps < WIDTH)[None, :], other=0.0)
+        acc = tl.sum(win * w.to(tl.float32)[:, None, :], axis=2)  # [BLOCK_D, BLOCK_T]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + chans, mask=ch_ok, other=0.0).to(tl.float32)[:, None]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tok_ok = toks < n
+        tl.store(out_ptr + (start + toks).to(tl.int64)[None, :] * stride_o_t + chans[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=ch_ok[:, None] & tok_ok[None, :])
+        dst = tl.load(slots_row + toks * stride_sl_c, mask=tok_ok, other=-1)  # [BLOCK_T]
+        dst3 = tl.maximum(dst, 0).to(tl.int64)[None, :, None]
+        # the source slot may be a destination too (column 0 when nothing was accepted): every
+        # thread's read of it lands before any thread's store
+        tl.debug_barrier()
+        tl.store(states_ptr + dst3 * stride_s_slot + ch3 * stride_s_d + (taps - 1)[None, None, :]
+                 * stride_s_k, win.to(states_ptr.dtype.element_ty),
+                 mask=ok & (taps >= 1)[None, None, :] & (dst >= 0)[None, :, None])
 
 
 def causal_conv1d_verify_triton(

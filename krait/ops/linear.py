@@ -45,16 +45,6 @@ MULTI_ROW_MAX_N = 1024
 MULTI_ROW_MAX_ELEMENTS = ROW_GEMV_MAX_ELEMENTS
 MULTI_ROW_GATE_UP_MAX_K = 1024
 MULTI_ROW_GATE_UP_MAX_ELEMENTS = GATE_UP_GEMV_MAX_ELEMENTS
-# 2 to MULTI_ROW_MAX_ROWS verify rows of a Mamba mixer may run out_proj (weights up to this
-# many elements) as the multi-row GEMV with the gated RMSNorm folded in (`gemv_rows(norm=...)`:
-# the norm's launch and cuBLAS's split-K reduce go). Not timed in a model yet: 0 keeps it off
-# until scripts/ab_plan.py measures it (`fold:MULTI_ROW_GATED_NORM_MAX_ELEMENTS=33554432`)
-MULTI_ROW_GATED_NORM_MAX_ELEMENTS = 0
-# 2 to MULTI_ROW_MAX_ROWS verify rows of a Mamba mixer may run in_proj (weights up to this many
-# elements) as the multi-row GEMV with the verify conv in its epilogue (`gemv_rows(conv=...)`:
-# the conv's launch goes, and cuBLAS's GEMM for the GEMV). Not timed in a model yet: 0 keeps it
-# off until scripts/ab_plan.py measures it (`conv:MULTI_ROW_CONV_MAX_ELEMENTS=33554432`)
-MULTI_ROW_CONV_MAX_ELEMENTS = 0
 
 
 def row_gemv(rows: int, n: int, k: int) -> bool:
@@ -69,22 +59,6 @@ def multi_row_gemv(rows: int, n: int, k: int) -> bool:
     MULTI_ROW_MAX_ELEMENTS weight elements."""
     return (2 <= rows <= MULTI_ROW_MAX_ROWS and n <= MULTI_ROW_MAX_N
             and n * k <= MULTI_ROW_MAX_ELEMENTS)
-
-
-def multi_row_gated_norm(rows: int, n: int, k: int) -> bool:
-    """A Mamba mixer's gated RMSNorm over `rows` verify rows folded into its out_proj
-    (weight [n, k]) through the multi-row GEMV: 2 to MULTI_ROW_MAX_ROWS rows, at most
-    MULTI_ROW_GATED_NORM_MAX_ELEMENTS weight elements (gemv_rows' `norm_fits` decides the
-    split)."""
-    return 2 <= rows <= MULTI_ROW_MAX_ROWS and n * k <= MULTI_ROW_GATED_NORM_MAX_ELEMENTS
-
-
-def multi_row_conv(rows: int, n: int, k: int, conv_width: int) -> bool:
-    """A Mamba mixer's verify conv over `rows` verify rows folded into its in_proj (weight
-    [n, k]) through the multi-row GEMV: 2 to MULTI_ROW_MAX_ROWS rows, at most
-    MULTI_ROW_CONV_MAX_ELEMENTS weight elements, a power-of-two conv width."""
-    return (2 <= rows <= MULTI_ROW_MAX_ROWS and n * k <= MULTI_ROW_CONV_MAX_ELEMENTS
-            and conv_width & (conv_width - 1) == 0)
 
 
 def multi_row_gate_up(rows: int, n: int, k: int) -> bool:

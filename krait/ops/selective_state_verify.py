@@ -40,30 +40,38 @@ from krait.ops.selective_state_update import (
     ssu_warps,
 )
 
-# replay the kept tokens with their decays folded into one multiply (the kernel's REPLAY_FOLD):
-# fewer instructions an element; not timed yet (scripts/bench_ssm_verify.py)
-REPLAY_FOLD = False
 # grids of fewer (row, head) pairs than this run both token loops unrolled over the kept
 # buffers' columns, masked (UNROLL): each token's loads need not wait for the token before,
 # which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
 # 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
 UNROLL_MAX_PAIRS = 1024
+# unrolled grids take state tiles of this many bytes on 4 warps (0: the 4 KB decode tiles):
+# at batch 1 the unrolled kernel took 7.58 us a call on 16 KB tiles against 8.25 on 4 KB (H100,
+# mamba2-1.3b, scripts/bench_ssm_verify.py, session 35)
+UNROLL_TILE_BYTES = 16384
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
 # ----------------------------------------------------------------------------- triton
 
 
-def verify_tile(rows: int, heads: int, head_dim: int, d_state: int, state_bytes: int
-                ) -> tuple[int, int]:
-    """(state rows a program, warps). Few (row, head) pairs (batch 1): the decode update's 4 KB
-    tiles and warps, for programs enough to fill the SMs; many: 8 KB tiles on 4 warps (H100,
-    mamba2-1.3b's sizes at batch 64, fp32 state, 4 tokens replayed and 4 run a row: 161 us a
-    call against 217 for 4 KB and 168 for 16 KB tiles; docs/benchmarks.md, session 30)."""
+def verify_tile(rows: int, heads: int, head_dim: int, d_state: int, state_bytes: int,
+                unrolled: bool = False) -> tuple[int, int]:
+    """(state rows a program, warps). Unrolled grids (few pairs): UNROLL_TILE_BYTES tiles on 4
+    warps. Other grids of few (row, head) pairs: the decode update's 4 KB tiles and warps, for
+    programs enough to fill the SMs; many: 8 KB tiles on 4 warps (H100, mamba2-1.3b's sizes at
+    batch 64, fp32 state, 4 tokens replayed and 4 run a row: 161 us a call against 217 for 4 KB
+    and 168 for 16 KB tiles; docs/benchmarks.md, session 30)."""
+
+    def rows_of(tile_bytes: int) -> int:
+        return max(1, min(next_pow2(head_dim), tile_bytes // (next_pow2(d_state) * state_bytes)))
+
+    if not interpreting() and unrolled and UNROLL_TILE_BYTES:
+        return rows_of(UNROLL_TILE_BYTES), 4
     if interpreting() or rows * heads < 1024:
         block_p = _block_p(head_dim, d_state, state_bytes)
         return block_p, ssu_warps(rows * heads * cdiv(head_dim, block_p))
-    return max(1, min(next_pow2(head_dim), 8192 // (next_pow2(d_state) * state_bytes))), 4
+    return rows_of(8192), 4
 
 
 @triton.jit
@@ -77,17 +85,10 @@ def _kept_token(x_ptrs, dt_ptr, b_ptrs, p_ok, n_ok, dt_bias_h, dt_min, dt_max,
 
 
 @triton.jit
-def _replay_one(state, x, dt, bv, a_h, total, done, FOLD: tl.constexpr):
-    """One kept token onto the state tile: token by token (a decay multiply and an FMA an
-    element), or FOLD (the state was scaled by the decay of all `total` kept dt already: the
-    token's outer product weighted by the decay of the tokens after it, one FMA an element).
-    dt 0 leaves the state as it is. Returns (state, done: the dt summed so far)."""
-    done += dt
-    if FOLD:
-        state += (dt * tl.exp(a_h * (total - done)) * x)[:, None] * bv[None, :]
-    else:
-        state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
-    return state, done
+def _replay_one(state, x, dt, bv, a_h):
+    """One kept token onto the state tile: a decay multiply and an FMA an element. dt 0
+    leaves the state as it is."""
+    return state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
 
 
 @triton.jit
@@ -126,8 +127,8 @@ def _ssv_kernel(
     stride_rdt_par, stride_rdt_q, stride_rdt_j,
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, REPLAY_FOLD: tl.constexpr,
-    UNROLL: tl.constexpr, COLS: tl.constexpr, COLS_P2: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, COLS: tl.constexpr,
+    COLS_P2: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -166,33 +167,19 @@ def _ssv_kernel(
         rx = kept_x + par * stride_rx_par
         rdt = kept_dt + par * stride_rdt_par
         rb = kept_b + par * stride_rb_par
-        total = a_h * 0.0
-        if REPLAY_FOLD:  # their dt summed first: the state takes their decays in one multiply
-            if UNROLL:
-                for j in tl.static_range(COLS):
-                    dt = softplus_clamp(tl.load(rdt + j * stride_rdt_j).to(tl.float32)
-                                        + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-                    total += tl.where(j < count, dt, 0.0)
-            else:
-                for j in range(0, count):
-                    total += softplus_clamp(tl.load(rdt + j * stride_rdt_j).to(tl.float32)
-                                            + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-            state = state * tl.exp(total * a_h)
-        done = a_h * 0.0
         if UNROLL:
             for j in tl.static_range(COLS):  # (past count: x and B 0, dt 0, no change)
                 x, dt, bv = _kept_token(rx + j * stride_rx_j, rdt + j * stride_rdt_j,
                                         rb + j * stride_rb_j, p_ok & (j < count),
                                         n_ok & (j < count), dt_bias_h, dt_min, dt_max,
                                         DT_SOFTPLUS, DT_CLAMP)
-                state, done = _replay_one(state, x, tl.where(j < count, dt, 0.0), bv, a_h,
-                                          total, done, REPLAY_FOLD)
+                state = _replay_one(state, x, tl.where(j < count, dt, 0.0), bv, a_h)
         else:
             for j in range(0, count):
                 x, dt, bv = _kept_token(rx + j * stride_rx_j, rdt + j * stride_rdt_j,
                                         rb + j * stride_rb_j, p_ok, n_ok, dt_bias_h, dt_min,
                                         dt_max, DT_SOFTPLUS, DT_CLAMP)
-                state, done = _replay_one(state, x, dt, bv, a_h, total, done, REPLAY_FOLD)
+                state = _replay_one(state, x, dt, bv, a_h)
         # 2. the row's own tokens, kept at the other parity when it has drafts
         keep = n > 1
         out = 1 - par
@@ -260,11 +247,11 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None, replay_fold: bool | None = None, unroll: bool | None = None,
+    num_warps: int | None = None, unroll: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
-    `num_warps` override `verify_tile`'s choice, `replay_fold` REPLAY_FOLD's, `unroll`
-    UNROLL_MAX_PAIRS' (scripts/bench_ssm_verify.py sweeps them)."""
+    `num_warps` override `verify_tile`'s choice, `unroll` UNROLL_MAX_PAIRS'
+    (scripts/bench_ssm_verify.py sweeps them)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     rows = state_slots.shape[0]
@@ -275,7 +262,8 @@ def selective_state_verify_triton(
     num_cols = kept_x.shape[2]  # S: the most tokens a row keeps (and runs)
     assert kept_x.stride(-1) == 1 and kept_b.stride(-1) == 1, "kept x and B: unit last stride"
     slots = state_slots.to(torch.int32)
-    tile_p, warps = verify_tile(rows, heads, head_dim, d_state, ssm_state.element_size())
+    unroll = rows * heads < UNROLL_MAX_PAIRS if unroll is None else unroll
+    tile_p, warps = verify_tile(rows, heads, head_dim, d_state, ssm_state.element_size(), unroll)
     block_p = block_p or tile_p
     clamp = dt_limit != (0.0, float("inf"))
     grid = (rows, heads, cdiv(head_dim, block_p))
@@ -289,9 +277,8 @@ def selective_state_verify_triton(
         *y.stride()[:2], slots.stride(0),
         *kept_x.stride()[:4], *kept_dt.stride()[:3], *kept_b.stride()[:4],
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
-        BLOCK_N=next_pow2(d_state), REPLAY_FOLD=REPLAY_FOLD if replay_fold is None else replay_fold,
-        UNROLL=rows * heads < UNROLL_MAX_PAIRS if unroll is None else unroll, COLS=num_cols,
-        COLS_P2=next_pow2(num_cols),
+        BLOCK_N=next_pow2(d_state),
+        UNROLL=unroll, COLS=num_cols, COLS_P2=next_pow2(num_cols),
         **pdl_args(use_pdl(x)),
         num_warps=num_warps or warps,
     )

@@ -10,16 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from krait.ops import linear as plan
-from krait.ops.gated_rms_norm import gated_rms_norm_ref
-from krait.ops.gemv_rows import (
-    _COUNTERS,
-    MAX_ROWS,
-    RING_BYTES,
-    gemv_rows,
-    norm_fits,
-    norm_split,
-    rows_config,
-)
+from krait.ops.gemv_rows import _COUNTERS, MAX_ROWS, RING_BYTES, gemv_rows, rows_config
 from tests.ops.sm90 import compile_sm90, sm90_available
 
 
@@ -94,103 +85,6 @@ def test_gemv_rows_half_inputs_accumulate_in_float32(dtype):
     # each half rounded to the dtype first, as a gate_up GEMM then silu_and_mul would
     want = _silu_and_mul(F.linear(x.float(), w.float()).to(dtype).float())
     assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()
-
-
-def _norm_inputs(m: int, k: int, seed: int, dtype: torch.dtype = torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    z = (2 * torch.randn(m, k, generator=g)).to(dtype)  # [M, K] the gate
-    wn = (1 + 0.3 * torch.randn(k, generator=g)).to(dtype)  # [K] the norm's weight
-    return z, wn
-
-
-# (K, group, config): one group and one slice; one group over 2 and 4 slices; two groups of
-# one and two slices each; four groups, 8 slices; the early box; a split no group fits (3
-# slices of 96 columns: one slice then, K one group); four groups under one slice (split 4)
-NORM_CASES = [
-    (256, 256, dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=1)),
-    (256, 256, dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=2)),
-    (256, 256, dict(BLOCK_N=32, BLOCK_K=32, STAGES=3, SPLIT_K=4)),
-    (256, 128, dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=2)),
-    (256, 128, dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=4)),
-    (256, 64, dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=8)),
-    (256, 128, dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=4, EARLY_BOX=True)),
-    (256, 256, dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=3)),
-    (256, 64, dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=1)),  # split up to 4 groups' 4
-]
-
-
-@pytest.mark.parametrize("m", [2, 4, 7])
-@pytest.mark.parametrize("case", range(len(NORM_CASES)))
-def test_gemv_rows_with_the_gated_norm_folded_in(m, case):
-    """norm=(z, weight, eps, group): the launch equals Mamba's gated RMSNorm (gate first, a
-    statistic per group of columns) then the projection; the slices' sums of squares meet where
-    the split-K partials do."""
-    k, group, cfg = NORM_CASES[case]
-    x, w = _inputs(m, 40, k, seed=case + 10 * m)
-    z, wn = _norm_inputs(m, k, seed=case)
-    want = F.linear(gated_rms_norm_ref(x, z, wn, 1e-5, group), w)
-    for _ in range(2):
-        got = gemv_rows(x, w, config=cfg, norm=(z, wn, 1e-5, group))
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert _counters_zero()
-
-
-# verify batches of at most 8 tokens (tests/ops/verify_cases.py rows: n_r, accepted, request):
-# one row of 4; rows of 4 and 2 and a padding row; four rows, one of one token
-CONV_BATCHES = [[(4, 2, 1)], [(4, 1, 5), (2, 3, 0), (2, 2, -1)],
-                [(3, 4, 5), (1, 3, 0), (2, 2, -1), (2, 1, 3)]]
-CONV_LO, CONV_DIM, CONV_WIDTH = 12, 40, 4
-
-
-@pytest.mark.parametrize("cfg", [dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=1),
-                                 dict(BLOCK_N=16, BLOCK_K=32, STAGES=2, SPLIT_K=3),
-                                 dict(BLOCK_N=32, BLOCK_K=32, STAGES=2, SPLIT_K=2,
-                                      EARLY_BOX=True)])
-@pytest.mark.parametrize("batch_rows", CONV_BATCHES)
-@pytest.mark.parametrize("bias", [True, False])
-def test_gemv_rows_with_the_verify_conv_in_its_epilogue(cfg, batch_rows, bias):
-    """conv=(...): a Mamba in_proj over verify rows with `causal_conv1d_verify` folded in: the
-    xBC columns come out convolved (column tiles straddling xBC's ends, split K), the other
-    columns as F.linear's, and the conv states (channel-last, as the engine's) as that op
-    writes them; padding rows write nothing."""
-    from krait.ops.causal_conv1d_verify import causal_conv1d_verify_ref
-    from tests.ops.verify_cases import verify_batch
-
-    batch = verify_batch(seed=3, rows=batch_rows)
-    m, n, k = batch.num_tokens, CONV_LO + CONV_DIM + 9, 96
-    x, w = _inputs(m, n, k, seed=m)
-    g = torch.Generator().manual_seed(7)
-    cw = torch.randn(CONV_DIM, CONV_WIDTH, generator=g) * 0.5  # [dim, width]
-    cb = torch.randn(CONV_DIM, generator=g) if bias else None
-    # [slots, dim, width - 1] seen through a transposed channel-last view
-    states = torch.randn(batch.num_slots, CONV_WIDTH - 1, CONV_DIM, generator=g).transpose(1, 2)
-    rows = (batch.query_start_loc, batch.state_slots, batch.num_accepted, batch.idx_mapping)
-    want = F.linear(x, w)
-    want_states = states.clone()
-    want[:, CONV_LO : CONV_LO + CONV_DIM] = causal_conv1d_verify_ref(
-        want[:, CONV_LO : CONV_LO + CONV_DIM].clone(), want_states, cw, cb, *rows, "silu")
-    got_states = states.clone()
-    got = gemv_rows(x, w, config=cfg, conv=(CONV_LO, cw, cb, got_states, *rows, True))
-    live = batch.live_tokens()
-    torch.testing.assert_close(got[live], want[live], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got_states, want_states, atol=1e-5, rtol=1e-5)
-    assert _counters_zero()
-
-
-def test_norm_split_keeps_each_slice_in_one_group():
-    assert norm_split(4096, 4096, 128, 4) == 4  # mamba2-1.3b's out_proj: one group
-    assert norm_split(4096, 512, 128, 16) == 16  # 8 groups of 512: slices of 256, two a group
-    assert norm_split(4096, 512, 128, 4) == 8  # slices of 1024 span groups: 8 of 512
-    assert norm_split(256, 256, 32, 3) == 1  # slices of 96: one slice, K one group
-    assert norm_split(256, 128, 32, 3) == 6  # slices of 64 (the last two empty)
-    assert norm_split(256, 100, 32, 2) is None  # groups must tile K
-    assert norm_fits(4, 2048, 4096, 4096)
-    z, wn = _norm_inputs(4, 64, seed=0)
-    x, w = _inputs(4, 16, 64)
-    with pytest.raises(ValueError, match="norm group"):
-        gemv_rows(x, w, norm=(z, wn, 1e-5, 48))  # groups that do not tile K
-    with pytest.raises(ValueError, match="norm takes"):
-        gemv_rows(x, w, norm=(z[:, :32], wn, 1e-5, 64))
 
 
 def test_gemv_rows_strided_input():
@@ -272,40 +166,6 @@ def test_gemv_rows_compiles_to_bulk_copies_and_wgmma_without_spills(
 
 
 @pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
-@pytest.mark.parametrize("split,slices_per_group,early_box", [(1, 1, False), (4, 4, True),
-                                                              (16, 2, False)])
-def test_gemv_rows_with_the_norm_compiles_to_wgmma_without_spills(split, slices_per_group,
-                                                                   early_box):
-    # mamba2-1.3b's out_proj (one group: its default split 4, and one slice) and 8 groups
-    # (nemotron-h's) of two slices each
-    types = dict(x_ptr="*bf16", w_desc="tensordesc<bf16[64, 128]>", w_ptr="*bf16",
-                 y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", z_ptr="*bf16",
-                 wn_ptr="*bf16", sums_ptr="*fp32", eps="fp32")
-    r = compile_sm90("krait.ops.gemv_rows", "_gemv_rows_kernel", types, dict(
-        SPLIT_K=split, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, PDL=True, NORM=True,
-        SLICES_PER_GROUP=slices_per_group, EARLY_BOX=early_box), num_warps=4)
-    print(f"\ngemv_rows norm sm_90 split={split} per group={slices_per_group}: {r}")
-    assert r["local"] == 0 and r["pdl"] and r["wgmma"] and r["bulk_tensor_copies"] > 0, r
-
-
-@pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
-@pytest.mark.parametrize("split,early_box", [(1, False), (4, True)])
-def test_gemv_rows_with_the_conv_compiles_to_wgmma_without_spills(split, early_box):
-    # mamba2-1.3b's in_proj over 4 verify rows (its default split 4, and one slice), the conv
-    # state channel-last (unit stride along channels)
-    types = dict(x_ptr="*bf16", w_desc="tensordesc<bf16[64, 128]>", w_ptr="*bf16",
-                 y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", cw_ptr="*bf16",
-                 cb_ptr="*bf16", cs_ptr="*bf16", cqsl_ptr="*i32", cslots_ptr="*i32",
-                 cacc_ptr="*i32", cidx_ptr="*i32")
-    r = compile_sm90("krait.ops.gemv_rows", "_gemv_rows_kernel", types, dict(
-        SPLIT_K=split, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, PDL=True, CONV=True,
-        CONV_WIDTH=4, CONV_BIAS=True, CONV_SILU=True, CONV_BLOCK_T=4, CONV_BLOCK_W=4,
-        EARLY_BOX=early_box, stride_cs_d=1, stride_cw_k=1, stride_csl_c=1), num_warps=4)
-    print(f"\ngemv_rows conv sm_90 split={split}: {r}")
-    assert r["local"] == 0 and r["pdl"] and r["wgmma"] and r["bulk_tensor_copies"] > 0, r
-
-
-@pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
 def test_gemv_rows_float32_compiles_without_spills():
     # float32 (the GPU parity tests' models): the exact dot, no tensor cores, still TMA boxes
     cfg = rows_config(4, 4096, 1024, False, 132, 4)
@@ -321,7 +181,6 @@ def test_plan_sends_verify_rows_to_the_multi_row_gemv():
     assert not plan.multi_row_gemv(4, 4096, 1024)  # qwen3 qkv
     assert not plan.multi_row_gemv(4, 8512, 2048)  # mamba2 in_proj
     assert not plan.multi_row_gemv(4, 2048, 4096)  # mamba2 out_proj
-    assert not plan.multi_row_gated_norm(4, 2048, 4096)  # the norm fold: off until timed
     assert not plan.multi_row_gemv(1, 1024, 2048)  # one row: the one-row plan
     assert not plan.multi_row_gemv(9, 1024, 2048)  # a wider batch: cuBLAS
     assert not plan.multi_row_gemv(4, 1024, plan.MULTI_ROW_MAX_ELEMENTS // 1024 + 1)
@@ -415,49 +274,3 @@ def test_gemv_rows_real_sizes_gpu(m, n, k, silu):
         got = gemv_rows(x, w, silu_mul_out=silu)
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         assert ((got.float() - want).norm() / want.norm()) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 4, 8])
-@pytest.mark.parametrize("n,k,group", [(2048, 4096, 4096), (4096, 8192, 1024)])
-def test_gemv_rows_norm_real_sizes_gpu(m, n, k, group):
-    """The gated-norm fold at mamba2-1.3b's out_proj (one group) and at 8 groups, bf16 with the
-    default config, against the norm then F.linear in float32; twice, for the counters."""
-    x, w = (t.cuda() for t in _inputs(m, n, k, dtype=torch.bfloat16, seed=m))
-    z, wn = (t.cuda() for t in _norm_inputs(m, k, seed=m, dtype=torch.bfloat16))
-    want = F.linear(gated_rms_norm_ref(x.float(), z.float(), wn.float(), 1e-5, group), w.float())
-    for _ in range(2):
-        got = gemv_rows(x, w, norm=(z, wn, 1e-5, group))
-        assert got.shape == want.shape and got.dtype == torch.bfloat16
-        assert ((got.float() - want).norm() / want.norm()) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch_rows", [[(4, 2, 1)], [(4, 1, 5), (4, 4, 0)]])
-def test_gemv_rows_conv_real_sizes_gpu(batch_rows):
-    """The verify conv in mamba2-1.3b's in_proj (8512 x 2048; xBC at columns 4096..8448,
-    width 4), bf16 with the default config, against F.linear then the conv in float32; twice
-    (the counters, and the states each call advances alike)."""
-    from krait.ops.causal_conv1d_verify import causal_conv1d_verify_ref
-    from tests.ops.verify_cases import verify_batch
-
-    batch = verify_batch(seed=5, rows=batch_rows)
-    lo, dim = 4096, 4352
-    x, w = (t.cuda() for t in _inputs(batch.num_tokens, 8512, 2048, dtype=torch.bfloat16))
-    g = torch.Generator().manual_seed(9)
-    cw = (torch.randn(dim, 4, generator=g) * 0.5).bfloat16().cuda()
-    cb = torch.randn(dim, generator=g).bfloat16().cuda()
-    states = torch.randn(batch.num_slots, 3, dim, generator=g).bfloat16().cuda().transpose(1, 2)
-    rows = tuple(t.cuda() for t in (batch.query_start_loc, batch.state_slots,
-                                    batch.num_accepted, batch.idx_mapping))
-    live = batch.live_tokens().cuda()
-    for _ in range(2):
-        want = F.linear(x.float(), w.float())
-        want_states = states.float()
-        want[:, lo : lo + dim] = causal_conv1d_verify_ref(
-            want[:, lo : lo + dim].bfloat16().float(), want_states, cw.float(), cb.float(),
-            *rows, "silu")
-        got = gemv_rows(x, w, conv=(lo, cw, cb, states, *rows, True))
-        err = (got[live].float() - want[live]).norm() / want[live].norm()
-        assert err < 1e-2, err
-        torch.testing.assert_close(states.float(), want_states, atol=2e-2, rtol=2e-2)

@@ -15,11 +15,9 @@ from krait.ops import selective_state_verify as ssv
 from krait.ops.num_accepted import fill_replay_ctl_ref, fill_replay_ctl_triton
 from krait.ops.selective_state_update import selective_state_update_ref
 
-# the kernel's forms: token loops as loops or unrolled (UNROLL), kept tokens replayed token by
-# token or with their decays folded (REPLAY_FOLD)
-KERNELS = {f"triton{'_fold' * fold}{'_unroll' * unroll}": partial(
-    ssv.selective_state_verify_triton, replay_fold=fold, unroll=unroll)
-    for fold in (False, True) for unroll in (False, True)}
+# the kernel's forms: token loops as loops or unrolled (UNROLL)
+KERNELS = {f"triton{'_unroll' * unroll}": partial(ssv.selective_state_verify_triton,
+                                                   unroll=unroll) for unroll in (False, True)}
 VERIFY = {"ref": ssv.selective_state_verify_ref, **KERNELS}
 HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 16, 2, 16
 S = 4  # 1 + 3 drafts
