@@ -1,15 +1,15 @@
 """Writes a draft-model checkpoint directory for a bench config: the config cut to its first LAYERS
 layers (random weights under `load_format=dummy`), sharing the target's vocabulary. Under the
 same seed such a draft shares the target's embedding and first layers, and its drafts are often
-accepted (on the GPU: qwen3-0.6b 0.65, but granite-4.0-h-micro 0.00). `--foreign` is the always-
-rejected draft: it halves the widths (hidden, intermediate, heads), so every weight differs, and
-unties the draft's lm_head from its embedding. (Small random weights leave the residual stream
-near the input embedding, so a tied model's logits are about E·e_last and its greedy token
-repeats the last one. Every such model agrees on that, so tied foreign drafts were accepted
-throughout on the H200. An untied head picks other tokens: acceptance 0.00 on CPU for a tiny
-Qwen3 target.) `--eagle` writes an EAGLE-1 head for a Llama-family config instead (one decoder
-layer at the target's widths, `LlamaForCausalLMEagle`; random weights: its drafts are rejected,
-so a bench shows what the head and its graphs cost).
+accepted (on the GPU: qwen3-0.6b 0.65, but granite-4.0-h-micro 0.00). `--foreign` is the
+always-rejected draft: it halves the widths (hidden, intermediate, heads), so every weight
+differs, and unties the draft's lm_head from its embedding. (Small random weights leave the
+residual stream near the input embedding, so a tied model's logits are about E·e_last and its
+greedy token repeats the last one. Every such model agrees on that, so tied foreign drafts were
+accepted throughout on the H200. An untied head picks other tokens: acceptance 0.00 on CPU for a
+tiny Qwen3 target.) `--eagle` writes an EAGLE-1 head for a Llama-family config instead (one
+decoder layer at the target's widths, `LlamaForCausalLMEagle`; random weights: its drafts are
+rejected, so a bench shows what the head and its graphs cost).
 
 python3 scripts/draft_config.py NAME OUT_DIR [LAYERS] [--foreign | --eagle]
 
