@@ -45,10 +45,11 @@ from krait.ops.selective_state_update import (
 # which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
 # 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
 UNROLL_MAX_PAIRS = 1024
-# unrolled grids take state tiles of this many bytes on 4 warps (0: the 4 KB decode tiles):
-# at batch 1 the unrolled kernel took 7.58 us a call on 16 KB tiles against 8.25 on 4 KB (H100,
-# mamba2-1.3b, scripts/bench_ssm_verify.py, session 35)
-UNROLL_TILE_BYTES = 16384
+# unrolled grids take state tiles of this many bytes on 4 warps (0: the 4 KB decode tiles).
+# Alone, the unrolled kernel took 7.58 us a call on 16 KB tiles against 8.25 on 4 KB (H100,
+# mamba2-1.3b at batch 1, scripts/bench_ssm_verify.py, session 35); off until timed in the
+# model: scripts/ab_plan.py --variant base: --variant tile:selective_state_verify.UNROLL_TILE_BYTES=16384
+UNROLL_TILE_BYTES = 0
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
