@@ -6,6 +6,9 @@ machine: its older transformers gives other tokens for the Mamba-family models.
 
     PYTHONPATH=. python3 scripts/gpu_parity.py make .parity        # here: checkpoints + HF outputs
     PYTHONPATH=. python3 scripts/gpu_parity.py check .parity       # device machine (carry .parity)
+
+PARITY_MODES=spec,spec_chunked picks modes (default: all), PARITY_FIXTURES=nemotronh,qwen3
+fixtures (default: every one made), in the order given.
 """
 
 from __future__ import annotations
@@ -93,7 +96,13 @@ def check_arch(d: Path) -> bool:
 
 def check(root: Path) -> int:
     bad = []
-    for d in sorted(p for p in root.iterdir() if (p / "reference.json").exists()):
+    made = sorted(p.name for p in root.iterdir() if (p / "reference.json").exists())
+    picked = os.environ.get("PARITY_FIXTURES")
+    names = picked.split(",") if picked else made
+    if missing := sorted(set(names) - set(made)):
+        print(f"no such fixtures in {root}: {missing} (made: {made})")
+        return 1
+    for d in (root / n for n in names):
         try:
             if not check_arch(d):
                 bad.append(d.name)
