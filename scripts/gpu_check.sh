@@ -3,8 +3,8 @@
 # Usage (device machine, repo root):
 #   bash scripts/gpu_check.sh [kernels|parity|targets|maxlen|throughput|spec|prefix|gdn]
 # parity needs the oracle: here, PYTHONPATH=. .venv/bin/python scripts/gpu_parity.py make .parity,
-# (PARITY_MODES= and PARITY_FIXTURES= narrow the check: scripts/gpu_parity.py)
-# and carry=[".parity"] in the device call. docs/benchmarks.md records the results.
+# and carry=[".parity"] in the device call (PARITY_MODES= and PARITY_FIXTURES= narrow the check:
+# scripts/gpu_parity.py). docs/benchmarks.md records the results.
 set -uo pipefail
 OUT=${OUT:-/tmp/krait_gpu}
 LOG=/tmp/krait_logs  # packed into $OUT/logs.tgz (a device call returns few files)
