@@ -58,21 +58,22 @@ COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
 def verify_tile(rows: int, heads: int, head_dim: int, d_state: int, state_bytes: int,
                 unrolled: bool = False) -> tuple[int, int]:
-    """(state rows a program, warps). Unrolled grids (few pairs): UNROLL_TILE_BYTES tiles on 4
-    warps. Other grids of few (row, head) pairs: the decode update's 4 KB tiles and warps, for
-    programs enough to fill the SMs; many: 8 KB tiles on 4 warps (H100, mamba2-1.3b's sizes at
-    batch 64, fp32 state, 4 tokens replayed and 4 run a row: 161 us a call against 217 for 4 KB
-    and 168 for 16 KB tiles; docs/benchmarks.md, session 30)."""
+    """(state rows a program, warps). Few (row, head) pairs (batch 1): the decode update's 4 KB
+    tiles and warps, for programs enough to fill the SMs, or, for unrolled grids with
+    UNROLL_TILE_BYTES set, tiles of that size on 4 warps; many: 8 KB tiles on 4 warps (H100,
+    mamba2-1.3b's sizes at batch 64, fp32 state, 4 tokens replayed and 4 run a row: 161 us a
+    call against 217 for 4 KB and 168 for 16 KB tiles; docs/benchmarks.md, session 30)."""
 
     def rows_of(tile_bytes: int) -> int:
         return max(1, min(next_pow2(head_dim), tile_bytes // (next_pow2(d_state) * state_bytes)))
 
-    if not interpreting() and unrolled and UNROLL_TILE_BYTES:
+    compiled = not interpreting()
+    if compiled and unrolled and UNROLL_TILE_BYTES:
         return rows_of(UNROLL_TILE_BYTES), 4
-    if interpreting() or rows * heads < 1024:
-        block_p = _block_p(head_dim, d_state, state_bytes)
-        return block_p, ssu_warps(rows * heads * cdiv(head_dim, block_p))
-    return rows_of(8192), 4
+    if compiled and rows * heads >= 1024:
+        return rows_of(8192), 4
+    block_p = _block_p(head_dim, d_state, state_bytes)
+    return block_p, ssu_warps(rows * heads * cdiv(head_dim, block_p))
 
 
 @triton.jit
