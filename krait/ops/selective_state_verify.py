@@ -45,32 +45,25 @@ from krait.ops.selective_state_update import (
 # which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
 # 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
 UNROLL_MAX_PAIRS = 1024
-# unrolled grids take state tiles of this many bytes on 4 warps (0: the 4 KB decode tiles).
-# Alone, the unrolled kernel took 7.58 us a call on 16 KB tiles against 8.25 on 4 KB (H100,
-# mamba2-1.3b at batch 1, scripts/bench_ssm_verify.py, session 35); off until timed in the
-# model: scripts/ab_plan.py --variant base: --variant tile:selective_state_verify.UNROLL_TILE_BYTES=16384
-UNROLL_TILE_BYTES = 0
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
 # ----------------------------------------------------------------------------- triton
 
 
-def verify_tile(rows: int, heads: int, head_dim: int, d_state: int, state_bytes: int,
-                unrolled: bool = False) -> tuple[int, int]:
+def verify_tile(rows: int, heads: int, head_dim: int, d_state: int,
+                state_bytes: int) -> tuple[int, int]:
     """(state rows a program, warps). Few (row, head) pairs (batch 1): the decode update's 4 KB
-    tiles and warps, for programs enough to fill the SMs, or, for unrolled grids with
-    UNROLL_TILE_BYTES set, tiles of that size on 4 warps; many: 8 KB tiles on 4 warps (H100,
-    mamba2-1.3b's sizes at batch 64, fp32 state, 4 tokens replayed and 4 run a row: 161 us a
-    call against 217 for 4 KB and 168 for 16 KB tiles; docs/benchmarks.md, session 30)."""
+    tiles and warps, for programs enough to fill the SMs (16 KB tiles on 4 warps made the
+    unrolled kernel faster alone but mamba2-1.3b's verify graph 1.6% slower, session 36);
+    many: 8 KB tiles on 4 warps (H100, mamba2-1.3b's sizes at batch 64, fp32 state, 4 tokens
+    replayed and 4 run a row: 161 us a call against 217 for 4 KB and 168 for 16 KB tiles;
+    docs/benchmarks.md, session 30)."""
 
     def rows_of(tile_bytes: int) -> int:
         return max(1, min(next_pow2(head_dim), tile_bytes // (next_pow2(d_state) * state_bytes)))
 
-    compiled = not interpreting()
-    if compiled and unrolled and UNROLL_TILE_BYTES:
-        return rows_of(UNROLL_TILE_BYTES), 4
-    if compiled and rows * heads >= 1024:
+    if not interpreting() and rows * heads >= 1024:
         return rows_of(8192), 4
     block_p = _block_p(head_dim, d_state, state_bytes)
     return block_p, ssu_warps(rows * heads * cdiv(head_dim, block_p))
@@ -265,7 +258,7 @@ def selective_state_verify_triton(
     assert kept_x.stride(-1) == 1 and kept_b.stride(-1) == 1, "kept x and B: unit last stride"
     slots = state_slots.to(torch.int32)
     unroll = rows * heads < UNROLL_MAX_PAIRS if unroll is None else unroll
-    tile_p, warps = verify_tile(rows, heads, head_dim, d_state, ssm_state.element_size(), unroll)
+    tile_p, warps = verify_tile(rows, heads, head_dim, d_state, ssm_state.element_size())
     block_p = block_p or tile_p
     clamp = dt_limit != (0.0, float("inf"))
     grid = (rows, heads, cdiv(head_dim, block_p))

@@ -150,15 +150,11 @@ def test_invariant_2_triton_equals_reference():
 
 def test_verify_tile_on_the_gpu(monkeypatch):
     """The compiled kernel's tiles at mamba2-1.3b's sizes (fp32 state): the decode update's at
-    batch 1, 8 KB on 4 warps at batch 64; UNROLL_TILE_BYTES (off by default) gives unrolled
-    grids tiles of that size on 4 warps."""
+    batch 1, 8 KB on 4 warps at batch 64."""
     monkeypatch.setattr(ssv, "interpreting", lambda: False)
-    decode_tile = ssv.verify_tile(1, 64, 64, 128, 4, unrolled=True)
-    assert decode_tile == ssv.verify_tile(1, 64, 64, 128, 4)
+    block_p = ssv._block_p(64, 128, 4)
+    assert ssv.verify_tile(1, 64, 64, 128, 4) == (block_p, ssv.ssu_warps(64 * 64 // block_p))
     assert ssv.verify_tile(64, 64, 64, 128, 4) == (16, 4)
-    monkeypatch.setattr(ssv, "UNROLL_TILE_BYTES", 16384)
-    assert ssv.verify_tile(1, 64, 64, 128, 4, unrolled=True) == (32, 4)
-    assert ssv.verify_tile(1, 64, 64, 128, 4) == decode_tile
 
 
 @pytest.mark.parametrize("impl", list(VERIFY))
