@@ -570,8 +570,10 @@ class ModelRunner:
         spec = sched.scheduled_spec_decode_tokens
         per_row = 1 + self.num_spec_tokens
         size = None
-        if self.verify_graphs is not None and all(t == per_row for t in num_scheduled):
-            size = self.verify_graphs.size_for(len(req_ids))  # every row a full verify row
+        # every row a full verify row: k drafts (a prefill chunk of 1 + k tokens has none)
+        if self.verify_graphs is not None and all(
+                len(spec.get(r, ())) == self.num_spec_tokens for r in req_ids):
+            size = self.verify_graphs.size_for(len(req_ids))
         if size is not None:
             into = self.verify_graphs.captured_batch(size) if self.tables is not None else None
             batch = build_input_batch(

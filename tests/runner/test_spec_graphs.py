@@ -75,3 +75,40 @@ def test_verify_graphs_match_eager(arch: str, tmp_path, monkeypatch) -> None:
         assert np.allclose(g, w, atol=1e-4)
     assert replays and max(replays) == 3, replays  # three verify rows padded to a graph of 4
     assert stats["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "granitemoehybrid"])
+def test_a_prefill_of_one_plus_k_tokens_never_takes_the_verify_graph(arch: str, tmp_path):
+    """A prompt of exactly 1 + k tokens arriving while another row verifies drafts: every row
+    of that step has 1 + k tokens, but the prompt's row is a prefill row (logits at its last
+    token only, its own state rules), so the step runs eagerly. The verify graph took it once:
+    the synchronous path raised, the device path committed the prompt's first position's
+    token (found by a differential fuzz, session 36)."""
+    d = (make_tiny_llama(tmp_path / arch) if arch == "llama"
+         else make_tiny_hybrid(tmp_path / arch, arch))
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    short = list(range(40, 41 + K))  # 1 + k tokens
+
+    def run(graphs: bool) -> dict[str, list[int]]:
+        llm = LLM(d, device="cpu", dtype="float32", max_num_seqs=4,
+                  speculative_config=SPEC if graphs else None)
+        runner = llm.llm_engine.runner
+        if graphs:
+            runner.drafter = LastTokenDrafter()
+            runner.cuda_graphs = CudaGraphRunner(runner, record=False)
+            runner.cuda_graphs.capture_all()
+            runner.verify_graphs = CudaGraphRunner(runner, record=False, tokens_per_row=1 + K)
+            runner.verify_graphs.capture_all()
+        eng, out = llm.llm_engine, {}
+        eng.add_request("a", {"prompt_token_ids": PROMPTS[1]}, greedy)
+        for step in range(200):
+            if step == 3:
+                eng.add_request("b", {"prompt_token_ids": short}, greedy)
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = o.outputs[0].token_ids
+            if not eng.has_unfinished_requests():
+                break
+        return out
+
+    assert run(graphs=True) == run(graphs=False)
