@@ -287,6 +287,30 @@ def test_point_mass_seeded_rows_are_reproducible():
         assert a.num_sampled[0] == b.num_sampled[1]
 
 
+def test_point_mass_rows_emit_the_samplers_own_draws():
+    """Point-mass drafts take the coupled test: position j's output is Sampler's draw for
+    output index offset + j, whatever the drafts are; they only decide how many positions
+    count. So a seeded row emits with drafts exactly what it emits without them."""
+    vocab, k, offset = 12, 4, 5
+    g = torch.Generator().manual_seed(3)
+    stops = set()
+    for seed in range(16):
+        logits = torch.randn(k + 1, vocab, generator=g) * 0.7
+        kw = {"temperature": 0.9, "top_p": 0.95, "seed": seed}
+        draws = [int(plain(logits[j : j + 1], [row(num_outputs=offset + j, **kw)])
+                     .sampled_token_ids[0]) for j in range(k + 1)]
+        m = seed % (k + 1)  # drafts equal to the draws up to m, then one that is not
+        drafts = draws[:k]
+        if m < k:
+            drafts[m] = (draws[m] + 1) % vocab
+        out = verify(logits, [k], drafts, [row(num_outputs=offset, **kw)])
+        n = int(out.num_sampled[0])
+        assert n == m + 1
+        assert out.output_token_ids[0, :n].tolist() == draws[:n]
+        stops.add(n)
+    assert stops == set(range(1, k + 2))
+
+
 # ---------------------------------------------------------------------------------------------
 # the output distribution is the target's
 

@@ -3,9 +3,9 @@ each captured body eagerly over the captured buffers): verify steps of 1 + k tok
 to a captured size, decode graphs of one-token rows with the speculative metadata, and the
 drafts filled up to k for the verify graphs. Eager and graph outputs are equal (issue 27's
 runner invariant 6); with KRAIT_TRITON_CPU=1 the Triton kernels (the verify forms of the Mamba
-conv and state update among them) and the device-side input preparation run too. Sampled
-rows are not compared: graph steps verify drafts filled up to k, so they draw other (equally
-distributed) tokens."""
+conv and state update among them) and the device-side input preparation run too. Graph steps
+verify drafts filled up to k; sampled rows still draw what they would without drafts (the
+rejection sampler's coupled test for point-mass drafts), which the seeded-row test checks."""
 
 from __future__ import annotations
 
@@ -60,8 +60,6 @@ def test_verify_graphs_match_eager(arch: str, tmp_path, monkeypatch) -> None:
          else make_tiny_qwen3_next(tmp_path / arch) if arch == "qwen3next"
          else make_tiny_hybrid(tmp_path / arch, arch))
     n = 6 if triton else 12  # the interpreter is slow
-    # greedy: graph steps verify drafts filled up to k, eager ones the proposals alone, so a
-    # sampled row would draw other (equally distributed) tokens
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=1)
               for m in ((n, n, n) if n == 6 else (n, n - 2, n - 4))]
     # +triton: the eager reference through the torch ops (greedy rows: the same tokens,
@@ -112,3 +110,25 @@ def test_a_prefill_of_one_plus_k_tokens_never_takes_the_verify_graph(arch: str, 
         return out
 
     assert run(graphs=True) == run(graphs=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "granitemoehybrid"])
+def test_seeded_rows_in_verify_graphs_sample_what_they_would_without_speculation(arch, tmp_path):
+    """The verify graphs fill every row's proposal up to k drafts, so whether a seeded sampled
+    row verifies drafts depends on the other rows. With point-mass drafts the rejection sampler
+    emits Sampler's own draws (its coupled test), so the seeded row's tokens equal those of a
+    run without speculation, alone. (Before, its accept tests drew other randomness and its
+    tokens followed the batch: found by a differential fuzz, session 36.) The model repeats its
+    last token (tied, small weights), so the drafts are often, not always, accepted."""
+    rep = {"tie_word_embeddings": True, "initializer_range": 0.01}
+    d = (make_tiny_llama(tmp_path / arch, **rep) if arch == "llama"
+         else make_tiny_hybrid(tmp_path / arch, arch, **rep))
+    seeded = [SamplingParams(temperature=0.03, seed=s, max_tokens=12, ignore_eos=True,
+                             logprobs=1) for s in (1234, 7)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    base = LLM(d, device="cpu", dtype="float32", max_num_seqs=4)
+    alone = [base.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p, sp in zip(PROMPTS, seeded)]
+    got, replays, stats = _run(d, graphs=True, params=[*seeded, greedy])
+    assert [t for t, _ in got[:2]] == alone
+    assert replays and 0 < stats["spec_decode_num_accepted_tokens"]

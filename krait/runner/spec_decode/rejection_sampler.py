@@ -8,8 +8,13 @@ output tokens per row, distributed exactly as sampling one token at a time with 
   (temperature, min-p, top-k/top-p; greedy rows: the argmax);
 - draft d_j is accepted with probability min(1, p_j(d_j) / q_j(d_j)) (greedy rows: while it is
   the argmax); at the first rejection a token is drawn from the residual max(p_j - q_j, 0)
-  (point-mass drafts, q_j(d_j) = 1: p_j without d_j) and the row stops; when every draft is
-  accepted the bonus token is drawn from p_{k_r}.
+  and the row stops; when every draft is accepted the bonus token is drawn from p_{k_r}.
+- point-mass drafts (q_j(d_j) = 1: every krait drafter's) take the coupled form of that test:
+  position j draws t_j from p_j as `Sampler` would, and d_j is accepted when t_j = d_j
+  (probability p_j(d_j)); at a rejection t_j is the output, a draw from p_j given t_j != d_j,
+  which is the residual. A row's outputs are then the very tokens it would sample without
+  drafts: seeded rows give the same output with or without speculation, whatever else shares
+  the batch (the verify graphs fill short proposals of sampled rows up to k).
 
 All positions of all rows are processed at once on the packed [T, V] logits: every position gets
 its accept test and its residual (or, at a row's last position, bonus) draw, and a cumulative
@@ -17,9 +22,9 @@ product over the positions picks where each row stops. A row without drafts (k_r
 plain decode row: it samples exactly what `Sampler` samples for it, seeds included.
 
 Seeds: a seeded row's position j uses randomness of (seed, seed_offsets[r] + j) only, the output
-index it decides: the residual/bonus draw is `exponential_noise` with `Sampler`'s mixing (so a
-k_r = 0 row draws Sampler's token), the accept test a uniform from `exponential_noise` under a
-seed mixed with a tag. Unseeded rows draw from the global torch RNG.
+index it decides: the draw is `exponential_noise` with `Sampler`'s mixing (so a k_r = 0 row
+draws Sampler's token), and with draft distributions the accept test takes a uniform from
+`exponential_noise` under a seed mixed with a tag. Unseeded rows draw from the global torch RNG.
 """
 
 from __future__ import annotations
@@ -299,23 +304,25 @@ def _verify(
         None if meta.top_p is None else meta.top_p[row_of],
     )
     probs = x.softmax(dim=-1)  # [T, V]
-    col = drafts.unsqueeze(1)  # [T, 1]
-    p_draft = probs.gather(1, col).squeeze(1)  # [T]
-    if draft_probs is None:  # point mass: q(d) = 1, residual = p without d
-        q_draft = torch.ones_like(p_draft)
-        probs.scatter_(1, col, torch.where(is_draft, 0.0, p_draft).unsqueeze(1))
+    noise = exponential_noise(probs.shape, seeds.draw, seeds.offsets, probs.device)  # [T, V]
+    if draft_probs is None:
+        # point mass (q(d) = 1): Sampler's own draw at the position, accepted when it is the
+        # draft (probability p(d)); otherwise it is the output, a draw from p given "not d",
+        # which is the residual. A row so emits what it would without drafts, seeds included
+        drawn = probs.div_(noise).argmax(dim=-1)  # the exponential race: a draw from p
+        accept = drawn == drafts
     else:
+        col = drafts.unsqueeze(1)  # [T, 1]
+        p_draft = probs.gather(1, col).squeeze(1)  # [T]
         q = draft_probs.index_select(0, draft_idx).float()  # [T, V]
         q_draft = q.gather(1, col).squeeze(1)
         # a residual of all zeros means p <= q everywhere, so p = q and nothing is rejected
         probs = torch.where(is_draft.unsqueeze(1), (probs - q).clamp_(min=0.0), probs)
-    # exp(-Exp(1)) is Uniform(0, 1]: u * q <= p has probability min(1, p / q)
-    u = torch.exp(
-        -exponential_noise(torch.Size((x.shape[0], 1)), seeds.accept, seeds.offsets, x.device)
-    ).squeeze(1)  # [T]
-    accept = (u * q_draft <= p_draft) & (p_draft > 0)
-    noise = exponential_noise(probs.shape, seeds.draw, seeds.offsets, probs.device)  # [T, V]
-    drawn = probs.div_(noise).argmax(dim=-1)  # the exponential race: a draw from probs
+        # exp(-Exp(1)) is Uniform(0, 1]: u * q <= p has probability min(1, p / q)
+        u = torch.exp(-exponential_noise(torch.Size((x.shape[0], 1)), seeds.accept,
+                                         seeds.offsets, x.device)).squeeze(1)  # [T]
+        accept = (u * q_draft <= p_draft) & (p_draft > 0)
+        drawn = probs.div_(noise).argmax(dim=-1)  # a draw from the residual (or p)
     if greedy is not None:
         accept = torch.where(is_greedy, drafts == greedy, accept)
         drawn = torch.where(is_greedy, greedy, drawn)
