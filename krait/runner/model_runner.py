@@ -621,7 +621,7 @@ class ModelRunner:
         if st.plain_greedy[rows_i].all():  # no per-row parameters to gather
             meta = greedy_sampling_metadata(len(v.rows), v.logits.device)
         else:
-            meta = self._sampling_metadata(v.logits, rows_i)
+            meta = self._sampling_metadata(v.logits, rows_i, (v.batch, v.rows))
         # (cu_num_logits: not read when num_draft_tokens is given, so a host one serves)
         return self.rejection_sampler(v.logits, torch.from_numpy(v.cu), draft_ids,
                                       None, meta, num_draft_tokens=v.counts - 1,
@@ -879,7 +879,7 @@ class ModelRunner:
             if self._grammar is not None:
                 self._apply_grammar(logits, [batch.req_ids[r] for r in rows])
                 greedy, greedy_written = None, False  # a decode graph's argmax was unmasked
-            result = self._sample(logits, idx[rows], greedy)
+            result = self._sample(logits, idx[rows], greedy, (batch, rows))
             self.penalties.record(idx[rows], result.sampled_token_ids)
             pos = st.num_tokens[idx[rows]].copy()  # where each sampled token goes
             num_drafts = None
@@ -941,16 +941,22 @@ class ModelRunner:
                             host_to_device(np.array(rows, dtype=np.int32), dev))
 
     def _sample(
-        self, logits: torch.Tensor, idx: np.ndarray, greedy: torch.Tensor | None = None
+        self, logits: torch.Tensor, idx: np.ndarray, greedy: torch.Tensor | None = None,
+        delta: tuple[InputBatch, np.ndarray] | None = None,
     ) -> SamplerOutput:
         st = self.states
         if st.plain_greedy[idx].all():
             tokens = greedy if greedy is not None else argmax(logits)
             return SamplerOutput(sampled_token_ids=tokens, logprobs=None)
-        return self.sampler(logits, self._sampling_metadata(logits, idx))
+        return self.sampler(logits, self._sampling_metadata(logits, idx, delta))
 
-    def _sampling_metadata(self, logits: torch.Tensor, idx: np.ndarray) -> SamplingMetadata:
-        """The sampling parameters of the rows at req_state indices `idx`."""
+    def _sampling_metadata(self, logits: torch.Tensor, idx: np.ndarray,
+                           delta: tuple[InputBatch, np.ndarray] | None = None
+                           ) -> SamplingMetadata:
+        """The sampling parameters of the rows at req_state indices `idx`. `delta`: (the
+        step's batch, the rows' batch rows): seeded rows then draw at their true output index,
+        the host's count less the rejections it has not learned (`batch.spec_delta`,
+        asynchronous speculation)."""
         st = self.states
         params = [st.params[i] for i in idx]
         num_out = st.num_tokens[idx] - (st.num_prompt_tokens[idx] - st.num_output_offset[idx])
@@ -965,7 +971,13 @@ class ModelRunner:
             for p, i, n in zip(params, idx, num_out)
         ]
         counts, mask = self.penalties.gather(idx)
-        return build_sampling_metadata(rows, logits.shape[-1], logits.device, counts, mask)
+        meta = build_sampling_metadata(rows, logits.shape[-1], logits.device, counts, mask)
+        if (delta is not None and delta[0].spec_delta is not None
+                and any(p.seed is not None for p in params)):
+            batch, batch_rows = delta
+            meta.seed_offset_delta = batch.spec_delta[host_to_device(
+                np.asarray(batch_rows, dtype=np.int64), batch.spec_delta.device)]
+        return meta
 
 
 @dataclass

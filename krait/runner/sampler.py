@@ -62,6 +62,9 @@ class SamplingMetadata:
     banned: list[tuple[int, list[int]]]  # (row, token ids that row must not sample)
     max_num_logprobs: int | None
     all_random: bool = False  # no greedy row: the sampler may skip the greedy argmax
+    # int [B] on the device, subtracted from seed_offsets (asynchronous speculation: each row's
+    # rejected drafts the host has not learned yet, so its counts run ahead), or None
+    seed_offset_delta: torch.Tensor | None = None
     # (row, token ids, biases) added to that row's logits first (OpenAI's logit_bias)
     bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
 
@@ -281,17 +284,42 @@ def apply_top_k_top_p(
     return torch.empty_like(x).scatter_(1, order, x_sorted)
 
 
+def _i64(c: int) -> int:
+    """A 64-bit constant as the int64 that has its bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> keeps the sign)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix_seeds(keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """int64 [B] generator seeds from a row's seed key (-1: unseeded) and the output index it
+    samples, on the tensors' device (splitmix64's finalizer, int64 products wrapping): where
+    the index is known on the device only (asynchronous speculation) it is mixed there."""
+    x = keys * _GOLDEN + offsets
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return torch.where(keys < 0, -1, x & _SEED_MASK)
+
+
 def exponential_noise(
-    shape: torch.Size, seeds: list[int | None], offsets: list[int], device: torch.device
+    shape: torch.Size, seeds: list[int | None], offsets: list[int], device: torch.device,
+    offset_delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exp(1) noise; a seeded row's noise depends only on (seed, offset) and the vocab size."""
+    """Exp(1) noise; a seeded row's noise depends only on (seed, offset) and the vocab size.
+    offset_delta (int [B] on the device, or None) is subtracted from the offsets first."""
     q = torch.empty(shape, dtype=torch.float32, device=device).exponential_()  # [B, V]
     if any(seed is not None for seed in seeds):
-        mixed = [
-            -1 if seed is None else hash((seed, offset)) & _SEED_MASK
-            for seed, offset in zip(seeds, offsets)
-        ]
-        seeded_exponential(q, host_to_device(mixed, device, torch.int64))
+        keys = [-1 if seed is None else hash(seed) & _SEED_MASK for seed in seeds]
+        both = host_to_device(np.array([keys, offsets], dtype=np.int64), device)  # [2, B]
+        offs = both[1] if offset_delta is None else both[1] - offset_delta.to(torch.int64)
+        seeded_exponential(q, mix_seeds(both[0], offs))
     return q
 
 
@@ -347,7 +375,8 @@ class Sampler(torch.nn.Module):
             x = apply_min_p(x, meta.min_p)
         x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
         probs = x.softmax(dim=-1)  # [B, V]
-        q = exponential_noise(probs.shape, meta.seeds, meta.seed_offsets, probs.device)
+        q = exponential_noise(probs.shape, meta.seeds, meta.seed_offsets, probs.device,
+                              meta.seed_offset_delta)
         sampled = probs.div_(q).argmax(dim=-1)
         if greedy is not None:
             sampled = torch.where(is_greedy, greedy, sampled)

@@ -32,6 +32,9 @@ def models(tmp_path_factory):
             path = tmp_path_factory.mktemp(arch)
             if arch == "llama":
                 d = make_tiny_llama(path, arch="llama")
+            elif arch == "llama_repeating":  # (as mamba2_repeating: drafts often accepted)
+                d = make_tiny_llama(path, arch="llama", tie_word_embeddings=True,
+                                    initializer_range=0.01)
             elif arch == "mamba2_repeating":
                 # tied embeddings and tiny weights: the residual stream stays near the input
                 # embedding, so greedy repeats the last token and ngram drafts get accepted
@@ -176,6 +179,25 @@ def test_async_device_ngram_with_preemption_and_stops(models, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == [w[:n] for w, n in zip(want, lens)]
     assert sum(r.num_preemptions for r in seen) > 0
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
+
+
+def test_async_seeded_rows_sample_what_they_would_without_speculation(models, monkeypatch):
+    """Seeded sampled rows in asynchronous verify steps: the host's output counts run ahead by
+    the rejections it has not read back, so each row's seed offset is corrected on the device
+    (`batch.spec_delta`, mixed there: sampler.mix_seeds). With the rejection sampler's coupled
+    test for point-mass drafts the rows then emit exactly what they emit without speculation.
+    (Before, their offsets skipped ahead after a rejection: found in session 36.)"""
+    model_dir, _ = models("llama_repeating")
+    monkeypatch.setenv("KRAIT_TRITON_CPU", "1")  # both runs: the same noise kernel
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
+              for t, s in ((0.08, 1234), (0.12, 7), (0.2, 3))]
+    plain = LLM(model_dir, device="cpu", dtype="float32")
+    want = _generate(plain, params)
+    llm = _llm(model_dir)
+    assert _generate(llm, params) == want
+    stats = llm.llm_engine.get_stats()
+    accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
+    assert 0 < accepted < drafted, (accepted, drafted)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mamba2_repeating"])

@@ -12,6 +12,8 @@ from krait.runner.sampler import (
     SamplingRow,
     apply_bans_and_penalties,
     build_sampling_metadata,
+    exponential_noise,
+    mix_seeds,
 )
 from krait.sampling_params import SamplingParams
 
@@ -332,3 +334,24 @@ def test_model_dtype_logits_on_cuda():
     assert torch.equal(low.logprobs.logprobs, high.logprobs.logprobs)
     greedy = [row(temperature=0.0) for _ in range(8)]
     assert torch.equal(sample(logits, greedy).sampled_token_ids, logits.float().argmax(-1))
+
+
+def test_seed_mixing_on_the_device_and_offset_delta():
+    """mix_seeds: one non-negative generator seed per (seed key, output index), -1 for unseeded
+    rows; exponential_noise's offset_delta (asynchronous speculation's correction, a device
+    tensor) draws the noise of the corrected index."""
+    keys = torch.tensor([7, 7, 7, -1, 123456789012345], dtype=torch.int64)
+    offs = torch.tensor([0, 1, 2, 0, 0], dtype=torch.int64)
+    mixed = mix_seeds(keys, offs)
+    assert torch.equal(mixed, mix_seeds(keys, offs))
+    assert mixed[3] == -1 and (mixed[[0, 1, 2, 4]] >= 0).all()
+    assert len(set(mixed.tolist())) == 5
+    many = mix_seeds(torch.full((1000,), 3, dtype=torch.int64), torch.arange(1000))
+    assert many.unique().numel() == 1000
+    seeds = [11, None, 12]
+    a = exponential_noise(torch.Size((3, 16)), seeds, [5, 0, 9], torch.device("cpu"),
+                          torch.tensor([2, 0, 0], dtype=torch.int32))
+    b = exponential_noise(torch.Size((3, 16)), seeds, [3, 0, 9], torch.device("cpu"))
+    assert torch.equal(a[[0, 2]], b[[0, 2]])
+    c = exponential_noise(torch.Size((3, 16)), seeds, [5, 0, 9], torch.device("cpu"))
+    assert not torch.equal(a[0], c[0])

@@ -304,7 +304,10 @@ def _verify(
         None if meta.top_p is None else meta.top_p[row_of],
     )
     probs = x.softmax(dim=-1)  # [T, V]
-    noise = exponential_noise(probs.shape, seeds.draw, seeds.offsets, probs.device)  # [T, V]
+    # (asynchronous speculation: the host's output counts less the unlearned rejections)
+    delta = None if meta.seed_offset_delta is None else meta.seed_offset_delta[row_of]  # [T]
+    noise = exponential_noise(probs.shape, seeds.draw, seeds.offsets, probs.device,
+                              delta)  # [T, V]
     if draft_probs is None:
         # point mass (q(d) = 1): Sampler's own draw at the position, accepted when it is the
         # draft (probability p(d)); otherwise it is the output, a draw from p given "not d",
@@ -320,7 +323,7 @@ def _verify(
         probs = torch.where(is_draft.unsqueeze(1), (probs - q).clamp_(min=0.0), probs)
         # exp(-Exp(1)) is Uniform(0, 1]: u * q <= p has probability min(1, p / q)
         u = torch.exp(-exponential_noise(torch.Size((x.shape[0], 1)), seeds.accept,
-                                         seeds.offsets, x.device)).squeeze(1)  # [T]
+                                         seeds.offsets, x.device, delta)).squeeze(1)  # [T]
         accept = (u * q_draft <= p_draft) & (p_draft > 0)
         drawn = probs.div_(noise).argmax(dim=-1)  # a draw from the residual (or p)
     if greedy is not None:
