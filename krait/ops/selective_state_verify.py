@@ -45,10 +45,6 @@ from krait.ops.selective_state_update import (
 # which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
 # 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
 UNROLL_MAX_PAIRS = 1024
-# registers a thread of the grids of UNROLL_MAX_PAIRS or more pairs may hold (ptx .maxnreg;
-# 0: the compiler's choice): fewer raise the programs an SM holds, which hide each other's
-# token-by-token load latency (off until timed in the model)
-MANY_PAIRS_MAX_REGS = 0
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
@@ -246,11 +242,11 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None, unroll: bool | None = None, max_regs: int | None = None,
+    num_warps: int | None = None, unroll: bool | None = None,
 ) -> Tensor:
     """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
-    `num_warps` override `verify_tile`'s choice, `unroll` UNROLL_MAX_PAIRS', `max_regs`
-    MANY_PAIRS_MAX_REGS' (scripts/bench_ssm_verify.py sweeps them)."""
+    `num_warps` override `verify_tile`'s choice, `unroll` UNROLL_MAX_PAIRS'
+    (scripts/bench_ssm_verify.py sweeps them)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     rows = state_slots.shape[0]
@@ -264,9 +260,6 @@ def selective_state_verify_triton(
     unroll = rows * heads < UNROLL_MAX_PAIRS if unroll is None else unroll
     tile_p, warps = verify_tile(rows, heads, head_dim, d_state, ssm_state.element_size())
     block_p = block_p or tile_p
-    if max_regs is None:
-        max_regs = MANY_PAIRS_MAX_REGS if rows * heads >= UNROLL_MAX_PAIRS else 0
-    extra = {"maxnreg": max_regs} if max_regs and not interpreting() else {}
     clamp = dt_limit != (0.0, float("inf"))
     grid = (rows, heads, cdiv(head_dim, block_p))
     _ssv_kernel[grid](
@@ -281,7 +274,7 @@ def selective_state_verify_triton(
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state),
         UNROLL=unroll, COLS=num_cols, COLS_P2=next_pow2(num_cols),
-        **pdl_args(use_pdl(x)), **extra,
+        **pdl_args(use_pdl(x)),
         num_warps=num_warps or warps,
     )
     return y
