@@ -248,7 +248,8 @@ class _ScriptedDrafter:
                 drafts[j] = token_table[row, n - 1]
                 continue
             out = int(n) - len(self.prompts[p])
-            cont = (self.want[p] + [3] * (self.k + 1))[out : out + self.k]
+            cont = self.want[p][out : out + self.k]  # (sampled rows may run past it)
+            cont += [3] * (self.k - len(cont))
             right = self.calls % (self.k + 1)
             self.calls += 1
             drafts[j] = cont[:right] + [(t + 1) % TINY_VOCAB for t in cont[right:]]
