@@ -308,13 +308,7 @@ def _verify(
     delta = None if meta.seed_offset_delta is None else meta.seed_offset_delta[row_of]  # [T]
     noise = exponential_noise(probs.shape, seeds.draw, seeds.offsets, probs.device,
                               delta)  # [T, V]
-    if draft_probs is None:
-        # point mass (q(d) = 1): Sampler's own draw at the position, accepted when it is the
-        # draft (probability p(d)); otherwise it is the output, a draw from p given "not d",
-        # which is the residual. A row so emits what it would without drafts, seeds included
-        drawn = probs.div_(noise).argmax(dim=-1)  # the exponential race: a draw from p
-        accept = drawn == drafts
-    else:
+    if draft_probs is not None:
         col = drafts.unsqueeze(1)  # [T, 1]
         p_draft = probs.gather(1, col).squeeze(1)  # [T]
         q = draft_probs.index_select(0, draft_idx).float()  # [T, V]
@@ -325,7 +319,12 @@ def _verify(
         u = torch.exp(-exponential_noise(torch.Size((x.shape[0], 1)), seeds.accept,
                                          seeds.offsets, x.device, delta)).squeeze(1)  # [T]
         accept = (u * q_draft <= p_draft) & (p_draft > 0)
-        drawn = probs.div_(noise).argmax(dim=-1)  # a draw from the residual (or p)
+    drawn = probs.div_(noise).argmax(dim=-1)  # the exponential race: a draw from probs
+    if draft_probs is None:
+        # point mass (q(d) = 1): Sampler's own draw at the position, accepted when it is the
+        # draft (probability p(d)); otherwise it is the output, a draw from p given "not d",
+        # which is the residual. A row so emits what it would without drafts, seeds included
+        accept = drawn == drafts
     if greedy is not None:
         accept = torch.where(is_greedy, drafts == greedy, accept)
         drawn = torch.where(is_greedy, greedy, drawn)
