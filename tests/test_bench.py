@@ -4,6 +4,7 @@ fields docs/benchmarks.md quotes, the HF baseline in the same run."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -69,12 +70,15 @@ def test_summarize_bench_reads_the_latency_files(tmp_path):
     from scripts.summarize_bench import rows
 
     doc = {"model": "qwen3-0.6b", "decode": [
-        {"batch": 1, "step_ms": 1.2, "ratio": 3.7, "device_wait_ms": 0.4, "graph_ms": 1.1},
+        {"batch": 1, "step_ms": 1.2, "ratio": 3.7, "device_wait_ms": 0.4, "graph_ms": 1.1,
+         "verify_graph_ms": 1.3, "tokens_per_row_step": 4.0},  # a speculative run's row
         {"batch": 64, "step_ms": 3.3, "ratio": 1.55, "device_wait_ms": 1.7, "graph_ms": 3.2}]}
     (tmp_path / "lat_qwen3-0.6b_epi.json").write_text(json.dumps(doc))
     (tmp_path / "lat_broken.json").write_text("")  # a run cut by its time box
-    assert rows(tmp_path) == [("qwen3-0.6b", "epi", 1, 1.2, 3.7, 0.4, 1.1),
-                              ("qwen3-0.6b", "epi", 64, 3.3, 1.55, 1.7, 3.2)]
+    got = rows(tmp_path)
+    assert got[0] == ("qwen3-0.6b", "epi", 1, 1.2, 3.7, 0.4, 1.1, 1.3, 4.0)
+    assert got[1][:7] == ("qwen3-0.6b", "epi", 64, 3.3, 1.55, 1.7, 3.2)
+    assert len(got) == 2 and all(math.isnan(v) for v in got[1][7:])  # no speculation there
 
 
 @pytest.mark.gpu
