@@ -39,6 +39,7 @@ from krait.ops.argmax import argmax
 from krait.ops.greedy_accept import greedy_accept
 from krait.runner.input_batch import to_device
 from krait.runner.sampler import (
+    _SEED_MASK,
     LogprobsTensors,
     SamplingMetadata,
     apply_bans_and_penalties,
@@ -49,7 +50,6 @@ from krait.runner.sampler import (
 )
 
 _GREEDY_EPS = 1e-5  # Sampler's: temperature below it is greedy
-_SEED_MASK = (1 << 63) - 1
 _ACCEPT_TAG = 0x5EEDACCE  # mixed into a seed for the accept tests' uniforms
 
 
@@ -258,21 +258,24 @@ class _Seeds:
     """Per-logits-row seed lists for `exponential_noise` (empty when no row is seeded)."""
 
     draw: list[int | None]  # the row's seed: the residual/bonus draw, mixed as Sampler does
-    accept: list[int | None]  # the seed mixed with _ACCEPT_TAG: the accept test's uniform
     offsets: list[int]  # seed_offsets[r] + j: the output index position j decides
+
+    @property
+    def accept(self) -> list[int | None]:
+        """The seeds mixed with _ACCEPT_TAG: the accept test's uniforms (draft distributions
+        only; point-mass drafts take none)."""
+        return [None if s is None else hash((s, _ACCEPT_TAG)) & _SEED_MASK for s in self.draw]
 
 
 def _seed_lists(meta: SamplingMetadata, num_drafts: np.ndarray) -> _Seeds:
     if all(s is None for s in meta.seeds):
-        return _Seeds([], [], [])
+        return _Seeds([], [])
     counts = num_drafts + 1
     row_of = np.repeat(np.arange(len(counts)), counts)  # [T]
     firsts = np.cumsum(counts) - counts  # [R]
     pos = np.arange(int(counts.sum())) - np.repeat(firsts, counts)  # [T]
     offsets = (np.asarray(meta.seed_offsets, dtype=np.int64)[row_of] + pos).tolist()
-    draw = [meta.seeds[r] for r in row_of.tolist()]
-    accept = [None if s is None else hash((s, _ACCEPT_TAG)) & _SEED_MASK for s in draw]
-    return _Seeds(draw, accept, offsets)
+    return _Seeds([meta.seeds[r] for r in row_of.tolist()], offsets)
 
 
 def _verify(
