@@ -71,15 +71,17 @@ def bench_batch(batch: int, k: int, dev) -> None:
              torch.zeros(2, batch, cols, H, device=dev, dtype=torch.bfloat16),
              torch.zeros(2, batch, cols, G, N, device=dev, dtype=torch.bfloat16),
              torch.full((batch,), cols, device=dev, dtype=torch.int32)) for _ in range(LAYERS)]
-    # 0: verify_tile's choice; each tile with the kernel's two forms (UNROLL or not)
-    for bp, w in ((0, 0), (8, 4), (8, 8), (16, 4), (32, 4), (64, 8)):
-        for unroll in (False, True):
+    # 0: verify_tile's choice; each tile with the kernel's three forms (token loops, UNROLL,
+    # PRELOAD)
+    for bp, w in ((0, 0), (4, 4), (8, 4), (8, 8), (16, 4), (16, 8)):
+        for unroll, preload in ((False, 0), (True, 0), (False, 1), (False, 2)):
             calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias, qsl,
                              slots[:, None], idx, r, block_p=bp or None, num_warps=w or None,
-                             unroll=unroll)
+                             unroll=unroll, preload=preload)
                      for s, r in zip(states, kept)]
             print(json.dumps({**rec, "kernel": "verify", "block_p": bp, "warps": w,
-                              "unroll": unroll, "us": graph_us(calls)}), flush=True)
+                              "unroll": unroll, "preload": preload, "us": graph_us(calls)}),
+                  flush=True)
     # the gated norm of the verify rows
     y = torch.randn(batch * cols, H * P, device=dev).bfloat16()
     z = torch.randn(batch * cols, H * P, device=dev).bfloat16()

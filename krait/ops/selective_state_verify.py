@@ -45,6 +45,7 @@ from krait.ops.selective_state_update import (
 # which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
 # 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
 UNROLL_MAX_PAIRS = 1024
+PRELOAD = 0  # experiment: 1 every token input loaded up front; 2 broadcast loads
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
@@ -87,6 +88,18 @@ def _replay_one(state, x, dt, bv, a_h):
 
 
 @triton.jit
+def _pick(tile, cols, j):
+    """Row j of a [COLS_P2, W] float32 tile."""
+    return tl.sum(tl.where((cols == j)[:, None], tile, 0.0), axis=0)
+
+
+@triton.jit
+def _pick1(vec, cols, j):
+    """Element j of a [COLS_P2] float32 vector."""
+    return tl.sum(tl.where(cols == j, vec, 0.0), axis=0)
+
+
+@triton.jit
 def _own_token(state, t, ok, x_ptr, dt_ptr, B_ptr, C_ptr, h, g, offs_p, offs_n, p_ok, n_ok,
                a_h, d_h, dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p,
                stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n, stride_C_t,
@@ -123,7 +136,8 @@ def _ssv_kernel(
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, COLS: tl.constexpr,
-    COLS_P2: tl.constexpr, PDL: tl.constexpr,
+    COLS_P2: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0,
+    VEC: tl.constexpr = 4,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -162,7 +176,112 @@ def _ssv_kernel(
         rx = kept_x + par * stride_rx_par
         rdt = kept_dt + par * stride_rdt_par
         rb = kept_b + par * stride_rb_par
-        if UNROLL:
+        if PRELOAD == 2:
+            # the own tokens' inputs copied to the kept buffers (other parity) up front, then
+            # both token loops with B and C loaded as [BLOCK_P, BLOCK_N] broadcasts in the state
+            # tile's own layout (their columns' contiguity capped at VEC, the state's vector) and
+            # x in its row slice: no layout conversion and no barrier between tokens but y's
+            keep = n > 1
+            out = 1 - par
+            keep_dt = keep & (pb == 0)  # one program a (row, head)
+            keep_b = keep_dt & (h % heads_per_group == 0)  # one program a (row, group)
+            for j in tl.static_range(COLS):
+                own = (j < n) & keep
+                t = start + j
+                tl.store(kept_x + out * stride_rx_par + j * stride_rx_j,
+                         tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
+                                 mask=p_ok & own), mask=p_ok & own)
+                tl.store(kept_dt + out * stride_rdt_par + j * stride_rdt_j,
+                         tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h,
+                                 mask=own & keep_dt), mask=own & keep_dt)
+                tl.store(kept_b + out * stride_rb_par + j * stride_rb_j,
+                         tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
+                                 mask=n_ok & own & keep_b), mask=n_ok & own & keep_b)
+            nn = (offs_n // VEC) * VEC + offs_n % VEC
+            bcast = nn[None, :] + 0 * offs_p[:, None]  # [BLOCK_P, BLOCK_N]
+            rb2 = rb_ptr + q64 * stride_rb_q + g * stride_rb_g + par * stride_rb_par + bcast
+            for j in tl.static_range(COLS):  # (past count: dt 0, no change)
+                kin = j < count
+                x = tl.load(rx + j * stride_rx_j, mask=p_ok & kin, other=0.0).to(tl.float32)
+                dt = tl.load(rdt + j * stride_rdt_j, mask=kin, other=0.0).to(tl.float32)
+                bv = tl.load(rb2 + j * stride_rb_j, mask=tile_ok & kin, other=0.0).to(tl.float32)
+                dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+                dt = tl.where(kin, dt, 0.0)
+                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv
+            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty),
+                     mask=tile_ok & (count > 0) & (n > 1))
+            b2 = B_ptr + g * stride_B_g + bcast * stride_B_n
+            c2 = C_ptr + g * stride_C_g + bcast * stride_C_n
+            for j in tl.static_range(COLS):
+                own = j < n
+                t = start + j
+                x = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
+                            mask=p_ok & own, other=0.0).to(tl.float32)
+                dt = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=own,
+                             other=0.0).to(tl.float32)
+                bv = tl.load(b2 + t * stride_B_t, mask=tile_ok & own, other=0.0).to(tl.float32)
+                cv = tl.load(c2 + t * stride_C_t, mask=tile_ok & own, other=0.0).to(tl.float32)
+                dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+                dt = tl.where(own, dt, 0.0)
+                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv
+                y = tl.sum(state * cv, axis=1) + d_h * x
+                tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
+                         y.to(y_ptr.dtype.element_ty), mask=p_ok & own)
+            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok & (n == 1))
+        elif PRELOAD:
+            # every input of the step's tokens, kept and own, in flight at once beside the
+            # state (tuples of per-token loads: no load waits on a token's arithmetic)
+            kx = ()
+            kdt = ()
+            kbv = ()
+            ox = ()
+            odt = ()
+            ob = ()
+            oc = ()
+            for j in tl.static_range(COLS):
+                kin = j < count
+                kx = kx + (tl.load(rx + j * stride_rx_j, mask=p_ok & kin, other=0.0),)
+                kdt = kdt + (tl.load(rdt + j * stride_rdt_j, mask=kin, other=0.0),)
+                kbv = kbv + (tl.load(rb + j * stride_rb_j, mask=n_ok & kin, other=0.0),)
+                own = j < n
+                t = start + j
+                ox = ox + (tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
+                                   mask=p_ok & own, other=0.0),)
+                odt = odt + (tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=own,
+                                     other=0.0),)
+                ob = ob + (tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
+                                   mask=n_ok & own, other=0.0),)
+                oc = oc + (tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
+                                   mask=n_ok & own, other=0.0),)
+            for j in tl.static_range(COLS):  # (past count: dt 0, no change)
+                dt = softplus_clamp(kdt[j].to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP,
+                                    dt_min, dt_max)
+                state = _replay_one(state, kx[j].to(tl.float32), tl.where(j < count, dt, 0.0),
+                                    kbv[j].to(tl.float32), a_h)
+            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty),
+                     mask=tile_ok & (count > 0) & (n > 1))
+            keep = n > 1
+            out = 1 - par
+            keep_dt = keep & (pb == 0)  # one program a (row, head)
+            keep_b = keep_dt & (h % heads_per_group == 0)  # one program a (row, group)
+            for j in tl.static_range(COLS):
+                own = j < n
+                x = ox[j].to(tl.float32)
+                dt = softplus_clamp(odt[j].to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP,
+                                    dt_min, dt_max)
+                dt = tl.where(own, dt, 0.0)
+                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * ob[j].to(tl.float32)[None, :]
+                y = tl.sum(state * oc[j].to(tl.float32)[None, :], axis=1) + d_h * x
+                tl.store(y_ptr + (start + j) * stride_y_t + h * stride_y_h + offs_p,
+                         y.to(y_ptr.dtype.element_ty), mask=p_ok & own)
+                tl.store(kept_x + out * stride_rx_par + j * stride_rx_j,
+                         ox[j].to(rx_ptr.dtype.element_ty), mask=p_ok & own & keep)
+                tl.store(kept_dt + out * stride_rdt_par + j * stride_rdt_j,
+                         odt[j].to(rdt_ptr.dtype.element_ty), mask=own & keep_dt)
+                tl.store(kept_b + out * stride_rb_par + j * stride_rb_j,
+                         ob[j].to(rb_ptr.dtype.element_ty), mask=n_ok & own & keep_b)
+            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok & (n == 1))
+        elif UNROLL:
             for j in tl.static_range(COLS):  # (past count: x and B 0, dt 0, no change)
                 x, dt, bv = _kept_token(rx + j * stride_rx_j, rdt + j * stride_rdt_j,
                                         rb + j * stride_rb_j, p_ok & (j < count),
@@ -176,6 +295,8 @@ def _ssv_kernel(
                                         dt_max, DT_SOFTPLUS, DT_CLAMP)
                 state = _replay_one(state, x, dt, bv, a_h)
         # 2. the row's own tokens, kept at the other parity when it has drafts
+        if PRELOAD:
+            return
         keep = n > 1
         out = 1 - par
         keep_dt = keep & (pb == 0)  # one program a (row, head)
@@ -242,7 +363,7 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None, unroll: bool | None = None,
+    num_warps: int | None = None, unroll: bool | None = None, preload: int | None = None,
 ) -> Tensor:
     """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
     `num_warps` override `verify_tile`'s choice, `unroll` UNROLL_MAX_PAIRS'
@@ -274,6 +395,8 @@ def selective_state_verify_triton(
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state),
         UNROLL=unroll, COLS=num_cols, COLS_P2=next_pow2(num_cols),
+        PRELOAD=int(PRELOAD if preload is None else preload),
+        VEC=max(1, 16 // ssm_state.element_size()),
         **pdl_args(use_pdl(x)),
         num_warps=num_warps or warps,
     )
