@@ -140,7 +140,8 @@ def _ssv_kernel(
     VEC: tl.constexpr = 4,
 ):
     pdl_trigger(PDL)
-    pdl_wait(PDL)
+    if PRELOAD != 2:
+        pdl_wait(PDL)
     # One program: batch row r, head h, BLOCK_P rows of the [P, N] state (all of N), over the
     # kept tokens, then the row's own, with the state tile in registers. UNROLL: both loops
     # run all COLS (= num_cols) positions, masked past the row's count, as straight-line code
@@ -151,11 +152,6 @@ def _ssv_kernel(
     req = tl.load(idx_ptr + r)
     slot = tl.load(slots_ptr + r * stride_sl_r)
     if (req >= 0) & (slot >= 0):
-        ctl = tl.load(ctl_ptr + req)
-        count = ctl & 0xFFFF
-        par = ctl >> 16
-        start = tl.load(qsl_ptr + r)
-        n = tl.minimum(tl.load(qsl_ptr + r + 1) - start, num_cols)
         offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         p_ok = offs_p < head_dim
@@ -163,10 +159,20 @@ def _ssv_kernel(
         tile_ok = p_ok[:, None] & n_ok[None, :]
         tile = h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
         s_ptrs = state_ptr + slot.to(tl.int64) * stride_s_slot + tile
+        # PRELOAD 2: the state (written by this layer's kernel a step before), the row's slot
+        # and the head's constants read before the wait for the kernel before, as the decode
+        # update reads them
         state = tl.load(s_ptrs, mask=tile_ok, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
         a_h = tl.load(A_ptr + h).to(tl.float32)
         d_h = tl.load(D_ptr + h).to(tl.float32)
         dt_bias_h = tl.load(dt_bias_ptr + h).to(tl.float32)
+        if PRELOAD == 2:
+            pdl_wait(PDL)
+        ctl = tl.load(ctl_ptr + req)
+        count = ctl & 0xFFFF
+        par = ctl >> 16
+        start = tl.load(qsl_ptr + r)
+        n = tl.minimum(tl.load(qsl_ptr + r + 1) - start, num_cols)
         g = h // heads_per_group
         q64 = req.to(tl.int64)
         kept_x = rx_ptr + q64 * stride_rx_q + h * stride_rx_h + offs_p
