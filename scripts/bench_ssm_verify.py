@@ -73,8 +73,9 @@ def bench_batch(batch: int, k: int, dev) -> None:
              torch.full((batch,), cols, device=dev, dtype=torch.int32)) for _ in range(LAYERS)]
     # 0: verify_tile's choice; each tile with the kernel's three forms (token loops, UNROLL,
     # PRELOAD)
-    for bp, w in ((0, 0), (4, 4), (8, 4), (8, 8), (16, 4), (16, 8)):
-        for unroll, preload in ((False, 0), (True, 0), (False, 1), (False, 2)):
+    forms = ((False, 0), (True, 0), (False, 1), (False, 2), (False, 3))
+    for bp, w in ((0, 0), (4, 4), (8, 4), (16, 8)):
+        for unroll, preload in forms if bp == 0 else forms[3:]:
             calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias, qsl,
                              slots[:, None], idx, r, block_p=bp or None, num_warps=w or None,
                              unroll=unroll, preload=preload)

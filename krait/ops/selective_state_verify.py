@@ -45,7 +45,7 @@ from krait.ops.selective_state_update import (
 # which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
 # 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
 UNROLL_MAX_PAIRS = 1024
-PRELOAD = 0  # experiment: 1 every token input loaded up front; 2 broadcast loads
+PRELOAD = 0  # experiment: 1 every token input loaded up front; 2 broadcast loads; 3: 2 with y stored once
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
@@ -140,7 +140,7 @@ def _ssv_kernel(
     VEC: tl.constexpr = 4,
 ):
     pdl_trigger(PDL)
-    if PRELOAD != 2:
+    if PRELOAD < 2:
         pdl_wait(PDL)
     # One program: batch row r, head h, BLOCK_P rows of the [P, N] state (all of N), over the
     # kept tokens, then the row's own, with the state tile in registers. UNROLL: both loops
@@ -166,7 +166,7 @@ def _ssv_kernel(
         a_h = tl.load(A_ptr + h).to(tl.float32)
         d_h = tl.load(D_ptr + h).to(tl.float32)
         dt_bias_h = tl.load(dt_bias_ptr + h).to(tl.float32)
-        if PRELOAD == 2:
+        if PRELOAD >= 2:
             pdl_wait(PDL)
         ctl = tl.load(ctl_ptr + req)
         count = ctl & 0xFFFF
@@ -182,7 +182,7 @@ def _ssv_kernel(
         rx = kept_x + par * stride_rx_par
         rdt = kept_dt + par * stride_rdt_par
         rb = kept_b + par * stride_rb_par
-        if PRELOAD == 2:
+        if PRELOAD >= 2:
             # the own tokens' inputs copied to the kept buffers (other parity) up front, then
             # both token loops with B and C loaded as [BLOCK_P, BLOCK_N] broadcasts in the state
             # tile's own layout (their columns' contiguity capped at VEC, the state's vector) and
@@ -218,6 +218,8 @@ def _ssv_kernel(
                      mask=tile_ok & (count > 0) & (n > 1))
             b2 = B_ptr + g * stride_B_g + bcast * stride_B_n
             c2 = C_ptr + g * stride_C_g + bcast * stride_C_n
+            cols = tl.arange(0, COLS_P2)
+            ys = tl.zeros([BLOCK_P, COLS_P2], tl.float32)  # y of each token, stored once
             for j in tl.static_range(COLS):
                 own = j < n
                 t = start + j
@@ -231,8 +233,15 @@ def _ssv_kernel(
                 dt = tl.where(own, dt, 0.0)
                 state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv
                 y = tl.sum(state * cv, axis=1) + d_h * x
-                tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
-                         y.to(y_ptr.dtype.element_ty), mask=p_ok & own)
+                if PRELOAD == 3:
+                    ys = tl.where((cols == j)[None, :], y[:, None], ys)
+                else:
+                    tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
+                             y.to(y_ptr.dtype.element_ty), mask=p_ok & own)
+            if PRELOAD == 3:
+                tl.store(y_ptr + (start + cols)[None, :] * stride_y_t + h * stride_y_h
+                         + offs_p[:, None], ys.to(y_ptr.dtype.element_ty),
+                         mask=p_ok[:, None] & (cols < n)[None, :])
             tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok & (n == 1))
         elif PRELOAD:
             # every input of the step's tokens, kept and own, in flight at once beside the

@@ -21,6 +21,7 @@ KERNELS = {f"triton{'_unroll' * unroll}": partial(ssv.selective_state_verify_tri
            for unroll in (False, True)}
 KERNELS["triton_preload"] = partial(ssv.selective_state_verify_triton, preload=1)
 KERNELS["triton_preload2"] = partial(ssv.selective_state_verify_triton, preload=2)
+KERNELS["triton_preload3"] = partial(ssv.selective_state_verify_triton, preload=3)
 VERIFY = {"ref": ssv.selective_state_verify_ref, **KERNELS}
 HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 16, 2, 16
 S = 4  # 1 + 3 drafts
