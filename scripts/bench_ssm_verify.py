@@ -71,18 +71,17 @@ def bench_batch(batch: int, k: int, dev) -> None:
              torch.zeros(2, batch, cols, H, device=dev, dtype=torch.bfloat16),
              torch.zeros(2, batch, cols, G, N, device=dev, dtype=torch.bfloat16),
              torch.full((batch,), cols, device=dev, dtype=torch.int32)) for _ in range(LAYERS)]
-    # 0: verify_tile's choice; each tile with the kernel's three forms (token loops, UNROLL,
-    # PRELOAD)
-    forms = ((False, 0), (True, 0), (False, 1), (False, 2), (False, 3))
-    for bp, w in ((0, 0), (4, 4), (8, 4), (16, 8)):
-        for unroll, preload in forms if bp == 0 else forms[3:]:
-            calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias, qsl,
-                             slots[:, None], idx, r, block_p=bp or None, num_warps=w or None,
-                             unroll=unroll, preload=preload)
-                     for s, r in zip(states, kept)]
-            print(json.dumps({**rec, "kernel": "verify", "block_p": bp, "warps": w,
-                              "unroll": unroll, "preload": preload, "us": graph_us(calls)}),
-                  flush=True)
+    # verify_tile's tile; the kernel's forms (UNROLL or not), dt and decay per token or from
+    # per-program vectors, register caps on the looped form
+    forms = [(u, v, 0) for u in (False, True) for v in (True, False)]
+    forms += [(False, v, m) for v in (True, False) for m in (72, 64)]
+    for unroll, vec, cap in forms:
+        calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias, qsl,
+                         slots[:, None], idx, r, unroll=unroll, vector_dt=vec,
+                         maxnreg=cap or None)
+                 for s, r in zip(states, kept)]
+        print(json.dumps({**rec, "kernel": "verify", "unroll": unroll, "vector_dt": vec,
+                          "maxnreg": cap, "us": graph_us(calls)}), flush=True)
     # the gated norm of the verify rows
     y = torch.randn(batch * cols, H * P, device=dev).bfloat16()
     z = torch.randn(batch * cols, H * P, device=dev).bfloat16()

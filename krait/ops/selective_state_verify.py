@@ -45,7 +45,8 @@ from krait.ops.selective_state_update import (
 # which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
 # 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
 UNROLL_MAX_PAIRS = 1024
-PRELOAD = 0  # experiment: 1 every token input loaded up front; 2 broadcast loads; 3: 2 with y stored once
+VECTOR_DT = True  # experiment: each token's dt and decay from per-program vectors
+MAXNREG = 0  # experiment: a register cap for the looped form (0: none)
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
@@ -71,55 +72,67 @@ def verify_tile(rows: int, heads: int, head_dim: int, d_state: int,
 
 
 @triton.jit
-def _kept_token(x_ptrs, dt_ptr, b_ptrs, p_ok, n_ok, dt_bias_h, dt_min, dt_max,
-                DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """A kept token's x [P], dt (softplus and clamp applied) and B [N], in float32."""
+def _kept_token(x_ptrs, b_ptrs, p_ok, n_ok):
+    """A kept token's x [P] and B [N], in float32."""
     x = tl.load(x_ptrs, mask=p_ok, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr).to(tl.float32)
-    bv = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)
-    return x, softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max), bv
+    return x, tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _replay_one(state, x, dt, bv, a_h):
-    """One kept token onto the state tile: a decay multiply and an FMA an element. dt 0
-    leaves the state as it is."""
-    return state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv[None, :]
+def _token_dts(dt_ptrs, ok, dt_bias_h, a_h, dt_min, dt_max, DT_SOFTPLUS: tl.constexpr,
+               DT_CLAMP: tl.constexpr):
+    """The tokens' raw dt [COLS_P2] (0 where not `ok`), their dt after softplus and clamp (0
+    where not `ok`: no change to the state) and decays exp(dt * A), in float32: computed once a
+    program, not once a token in every thread."""
+    raw = tl.load(dt_ptrs, mask=ok, other=0.0)
+    dt = softplus_clamp(raw.to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+    dt = tl.where(ok, dt, 0.0)
+    return raw, dt, tl.exp(dt * a_h)
 
 
 @triton.jit
-def _pick(tile, cols, j):
-    """Row j of a [COLS_P2, W] float32 tile."""
-    return tl.sum(tl.where((cols == j)[:, None], tile, 0.0), axis=0)
-
-
-@triton.jit
-def _pick1(vec, cols, j):
-    """Element j of a [COLS_P2] float32 vector."""
+def _at(vec, cols, j):
+    """Element j of a [COLS_P2] vector, as a scalar."""
     return tl.sum(tl.where(cols == j, vec, 0.0), axis=0)
 
 
 @triton.jit
-def _own_token(state, t, ok, x_ptr, dt_ptr, B_ptr, C_ptr, h, g, offs_p, offs_n, p_ok, n_ok,
-               a_h, d_h, dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h, stride_x_p,
-               stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n, stride_C_t,
-               stride_C_g, stride_C_n, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
-    """Token t through the state tile, nothing stored: returns (the state after it, y [P],
-    and its inputs as loaded to be kept: x [P], raw dt, B [N]). `ok` False (past the row's
-    tokens, unrolled loops): inputs 0, the state as it was."""
+def _dt_decay(dts, decays, cols, j, raw_ptr, ok, dt_bias_h, a_h, dt_min, dt_max,
+              DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr, VECTOR_DT: tl.constexpr):
+    """Token j's dt and decay: picked from `_token_dts`' vectors (VECTOR_DT), or computed
+    here from its raw dt (experiment: the per-token form before)."""
+    if VECTOR_DT:
+        return _at(dts, cols, j), _at(decays, cols, j)
+    dt = softplus_clamp(tl.load(raw_ptr, mask=ok, other=0.0).to(tl.float32) + dt_bias_h,
+                        DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
+    dt = tl.where(ok, dt, 0.0)
+    return dt, tl.exp(dt * a_h)
+
+
+@triton.jit
+def _replay_one(state, x, dt, decay, bv):
+    """One kept token onto the state tile: a decay multiply and an FMA an element. dt 0
+    (decay 1) leaves the state as it is."""
+    return state * decay + (dt * x)[:, None] * bv[None, :]
+
+
+@triton.jit
+def _own_token(state, t, ok, dt, decay, x_ptr, B_ptr, C_ptr, h, g, offs_p, offs_n, p_ok, n_ok,
+               d_h, stride_x_t, stride_x_h, stride_x_p, stride_B_t, stride_B_g, stride_B_n,
+               stride_C_t, stride_C_g, stride_C_n):
+    """Token t through the state tile (its dt and decay from `_token_dts`), nothing stored:
+    returns (the state after it, y [P], and its inputs as loaded to be kept: x [P], B [N]).
+    `ok` False (past the row's tokens, unrolled loops): inputs 0, dt 0, the state as it was."""
     x_raw = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
                     mask=p_ok & ok, other=0.0)
-    dt_raw = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=ok, other=0.0)
     b_raw = tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
                     mask=n_ok & ok, other=0.0)
     cv = tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
                  mask=n_ok & ok, other=0.0).to(tl.float32)
     x = x_raw.to(tl.float32)
-    dt = softplus_clamp(dt_raw.to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-    dt = tl.where(ok, dt, 0.0)
-    state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * b_raw.to(tl.float32)[None, :]
+    state = state * decay + (dt * x)[:, None] * b_raw.to(tl.float32)[None, :]
     y = tl.sum(state * cv[None, :], axis=1) + d_h * x
-    return state, y, x_raw, dt_raw, b_raw
+    return state, y, x_raw, b_raw
 
 
 @triton.jit
@@ -136,12 +149,10 @@ def _ssv_kernel(
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, COLS: tl.constexpr,
-    COLS_P2: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr = 0,
-    VEC: tl.constexpr = 4,
+    COLS_P2: tl.constexpr, PDL: tl.constexpr, VECTOR_DT: tl.constexpr = True,
 ):
     pdl_trigger(PDL)
-    if PRELOAD < 2:
-        pdl_wait(PDL)
+    pdl_wait(PDL)
     # One program: batch row r, head h, BLOCK_P rows of the [P, N] state (all of N), over the
     # kept tokens, then the row's own, with the state tile in registers. UNROLL: both loops
     # run all COLS (= num_cols) positions, masked past the row's count, as straight-line code
@@ -152,6 +163,11 @@ def _ssv_kernel(
     req = tl.load(idx_ptr + r)
     slot = tl.load(slots_ptr + r * stride_sl_r)
     if (req >= 0) & (slot >= 0):
+        ctl = tl.load(ctl_ptr + req)
+        count = ctl & 0xFFFF
+        par = ctl >> 16
+        start = tl.load(qsl_ptr + r)
+        n = tl.minimum(tl.load(qsl_ptr + r + 1) - start, num_cols)
         offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         p_ok = offs_p < head_dim
@@ -159,195 +175,78 @@ def _ssv_kernel(
         tile_ok = p_ok[:, None] & n_ok[None, :]
         tile = h * stride_s_h + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
         s_ptrs = state_ptr + slot.to(tl.int64) * stride_s_slot + tile
-        # PRELOAD 2: the state (written by this layer's kernel a step before), the row's slot
-        # and the head's constants read before the wait for the kernel before, as the decode
-        # update reads them
         state = tl.load(s_ptrs, mask=tile_ok, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
         a_h = tl.load(A_ptr + h).to(tl.float32)
         d_h = tl.load(D_ptr + h).to(tl.float32)
         dt_bias_h = tl.load(dt_bias_ptr + h).to(tl.float32)
-        if PRELOAD >= 2:
-            pdl_wait(PDL)
-        ctl = tl.load(ctl_ptr + req)
-        count = ctl & 0xFFFF
-        par = ctl >> 16
-        start = tl.load(qsl_ptr + r)
-        n = tl.minimum(tl.load(qsl_ptr + r + 1) - start, num_cols)
         g = h // heads_per_group
         q64 = req.to(tl.int64)
         kept_x = rx_ptr + q64 * stride_rx_q + h * stride_rx_h + offs_p
         kept_dt = rdt_ptr + q64 * stride_rdt_q + h
         kept_b = rb_ptr + q64 * stride_rb_q + g * stride_rb_g + offs_n
-        # 1. the previous step's accepted tokens (kept at parity `par`)
+        # 1. the previous step's accepted tokens (kept at parity `par`); every token's dt and
+        # decay computed once a program (the own tokens' too, below)
         rx = kept_x + par * stride_rx_par
-        rdt = kept_dt + par * stride_rdt_par
         rb = kept_b + par * stride_rb_par
-        if PRELOAD >= 2:
-            # the own tokens' inputs copied to the kept buffers (other parity) up front, then
-            # both token loops with B and C loaded as [BLOCK_P, BLOCK_N] broadcasts in the state
-            # tile's own layout (their columns' contiguity capped at VEC, the state's vector) and
-            # x in its row slice: no layout conversion and no barrier between tokens but y's
-            keep = n > 1
-            out = 1 - par
-            keep_dt = keep & (pb == 0)  # one program a (row, head)
-            keep_b = keep_dt & (h % heads_per_group == 0)  # one program a (row, group)
-            for j in tl.static_range(COLS):
-                own = (j < n) & keep
-                t = start + j
-                tl.store(kept_x + out * stride_rx_par + j * stride_rx_j,
-                         tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                                 mask=p_ok & own), mask=p_ok & own)
-                tl.store(kept_dt + out * stride_rdt_par + j * stride_rdt_j,
-                         tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h,
-                                 mask=own & keep_dt), mask=own & keep_dt)
-                tl.store(kept_b + out * stride_rb_par + j * stride_rb_j,
-                         tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
-                                 mask=n_ok & own & keep_b), mask=n_ok & own & keep_b)
-            nn = (offs_n // VEC) * VEC + offs_n % VEC
-            bcast = nn[None, :] + 0 * offs_p[:, None]  # [BLOCK_P, BLOCK_N]
-            rb2 = rb_ptr + q64 * stride_rb_q + g * stride_rb_g + par * stride_rb_par + bcast
-            for j in tl.static_range(COLS):  # (past count: dt 0, no change)
-                kin = j < count
-                x = tl.load(rx + j * stride_rx_j, mask=p_ok & kin, other=0.0).to(tl.float32)
-                dt = tl.load(rdt + j * stride_rdt_j, mask=kin, other=0.0).to(tl.float32)
-                bv = tl.load(rb2 + j * stride_rb_j, mask=tile_ok & kin, other=0.0).to(tl.float32)
-                dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-                dt = tl.where(kin, dt, 0.0)
-                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv
-            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty),
-                     mask=tile_ok & (count > 0) & (n > 1))
-            b2 = B_ptr + g * stride_B_g + bcast * stride_B_n
-            c2 = C_ptr + g * stride_C_g + bcast * stride_C_n
-            cols = tl.arange(0, COLS_P2)
-            ys = tl.zeros([BLOCK_P, COLS_P2], tl.float32)  # y of each token, stored once
-            for j in tl.static_range(COLS):
-                own = j < n
-                t = start + j
-                x = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                            mask=p_ok & own, other=0.0).to(tl.float32)
-                dt = tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=own,
-                             other=0.0).to(tl.float32)
-                bv = tl.load(b2 + t * stride_B_t, mask=tile_ok & own, other=0.0).to(tl.float32)
-                cv = tl.load(c2 + t * stride_C_t, mask=tile_ok & own, other=0.0).to(tl.float32)
-                dt = softplus_clamp(dt + dt_bias_h, DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-                dt = tl.where(own, dt, 0.0)
-                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * bv
-                y = tl.sum(state * cv, axis=1) + d_h * x
-                if PRELOAD == 3:
-                    ys = tl.where((cols == j)[None, :], y[:, None], ys)
-                else:
-                    tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
-                             y.to(y_ptr.dtype.element_ty), mask=p_ok & own)
-            if PRELOAD == 3:
-                tl.store(y_ptr + (start + cols)[None, :] * stride_y_t + h * stride_y_h
-                         + offs_p[:, None], ys.to(y_ptr.dtype.element_ty),
-                         mask=p_ok[:, None] & (cols < n)[None, :])
-            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok & (n == 1))
-        elif PRELOAD:
-            # every input of the step's tokens, kept and own, in flight at once beside the
-            # state (tuples of per-token loads: no load waits on a token's arithmetic)
-            kx = ()
-            kdt = ()
-            kbv = ()
-            ox = ()
-            odt = ()
-            ob = ()
-            oc = ()
-            for j in tl.static_range(COLS):
-                kin = j < count
-                kx = kx + (tl.load(rx + j * stride_rx_j, mask=p_ok & kin, other=0.0),)
-                kdt = kdt + (tl.load(rdt + j * stride_rdt_j, mask=kin, other=0.0),)
-                kbv = kbv + (tl.load(rb + j * stride_rb_j, mask=n_ok & kin, other=0.0),)
-                own = j < n
-                t = start + j
-                ox = ox + (tl.load(x_ptr + t * stride_x_t + h * stride_x_h + offs_p * stride_x_p,
-                                   mask=p_ok & own, other=0.0),)
-                odt = odt + (tl.load(dt_ptr + t * stride_dt_t + h * stride_dt_h, mask=own,
-                                     other=0.0),)
-                ob = ob + (tl.load(B_ptr + t * stride_B_t + g * stride_B_g + offs_n * stride_B_n,
-                                   mask=n_ok & own, other=0.0),)
-                oc = oc + (tl.load(C_ptr + t * stride_C_t + g * stride_C_g + offs_n * stride_C_n,
-                                   mask=n_ok & own, other=0.0),)
-            for j in tl.static_range(COLS):  # (past count: dt 0, no change)
-                dt = softplus_clamp(kdt[j].to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP,
-                                    dt_min, dt_max)
-                state = _replay_one(state, kx[j].to(tl.float32), tl.where(j < count, dt, 0.0),
-                                    kbv[j].to(tl.float32), a_h)
-            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty),
-                     mask=tile_ok & (count > 0) & (n > 1))
-            keep = n > 1
-            out = 1 - par
-            keep_dt = keep & (pb == 0)  # one program a (row, head)
-            keep_b = keep_dt & (h % heads_per_group == 0)  # one program a (row, group)
-            for j in tl.static_range(COLS):
-                own = j < n
-                x = ox[j].to(tl.float32)
-                dt = softplus_clamp(odt[j].to(tl.float32) + dt_bias_h, DT_SOFTPLUS, DT_CLAMP,
-                                    dt_min, dt_max)
-                dt = tl.where(own, dt, 0.0)
-                state = state * tl.exp(dt * a_h) + (dt * x)[:, None] * ob[j].to(tl.float32)[None, :]
-                y = tl.sum(state * oc[j].to(tl.float32)[None, :], axis=1) + d_h * x
-                tl.store(y_ptr + (start + j) * stride_y_t + h * stride_y_h + offs_p,
-                         y.to(y_ptr.dtype.element_ty), mask=p_ok & own)
-                tl.store(kept_x + out * stride_rx_par + j * stride_rx_j,
-                         ox[j].to(rx_ptr.dtype.element_ty), mask=p_ok & own & keep)
-                tl.store(kept_dt + out * stride_rdt_par + j * stride_rdt_j,
-                         odt[j].to(rdt_ptr.dtype.element_ty), mask=own & keep_dt)
-                tl.store(kept_b + out * stride_rb_par + j * stride_rb_j,
-                         ob[j].to(rb_ptr.dtype.element_ty), mask=n_ok & own & keep_b)
-            tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok & (n == 1))
-        elif UNROLL:
+        cols = tl.arange(0, COLS_P2)
+        kdt_ptr = kept_dt + par * stride_rdt_par
+        _, kdt, kdecay = _token_dts(kdt_ptr + cols * stride_rdt_j,
+                                    cols < count, dt_bias_h, a_h, dt_min, dt_max, DT_SOFTPLUS,
+                                    DT_CLAMP)
+        if UNROLL:
             for j in tl.static_range(COLS):  # (past count: x and B 0, dt 0, no change)
-                x, dt, bv = _kept_token(rx + j * stride_rx_j, rdt + j * stride_rdt_j,
-                                        rb + j * stride_rb_j, p_ok & (j < count),
-                                        n_ok & (j < count), dt_bias_h, dt_min, dt_max,
-                                        DT_SOFTPLUS, DT_CLAMP)
-                state = _replay_one(state, x, tl.where(j < count, dt, 0.0), bv, a_h)
+                x, bv = _kept_token(rx + j * stride_rx_j, rb + j * stride_rb_j,
+                                    p_ok & (j < count), n_ok & (j < count))
+                dt, decay = _dt_decay(kdt, kdecay, cols, j, kdt_ptr + j * stride_rdt_j,
+                                      j < count, dt_bias_h, a_h, dt_min, dt_max, DT_SOFTPLUS,
+                                      DT_CLAMP, VECTOR_DT)
+                state = _replay_one(state, x, dt, decay, bv)
         else:
             for j in range(0, count):
-                x, dt, bv = _kept_token(rx + j * stride_rx_j, rdt + j * stride_rdt_j,
-                                        rb + j * stride_rb_j, p_ok, n_ok, dt_bias_h, dt_min,
-                                        dt_max, DT_SOFTPLUS, DT_CLAMP)
-                state = _replay_one(state, x, dt, bv, a_h)
+                x, bv = _kept_token(rx + j * stride_rx_j, rb + j * stride_rb_j, p_ok, n_ok)
+                dt, decay = _dt_decay(kdt, kdecay, cols, j, kdt_ptr + j * stride_rdt_j,
+                                      j < count, dt_bias_h, a_h, dt_min, dt_max, DT_SOFTPLUS,
+                                      DT_CLAMP, VECTOR_DT)
+                state = _replay_one(state, x, dt, decay, bv)
         # 2. the row's own tokens, kept at the other parity when it has drafts
-        if PRELOAD:
-            return
+        odt_raw, odt, odecay = _token_dts(dt_ptr + (start + cols) * stride_dt_t
+                                          + h * stride_dt_h, cols < n, dt_bias_h, a_h, dt_min,
+                                          dt_max, DT_SOFTPLUS, DT_CLAMP)
         keep = n > 1
         out = 1 - par
         keep_dt = keep & (pb == 0)  # one program a (row, head)
         keep_b = keep_dt & (h % heads_per_group == 0)  # one program a (row, group)
         kx = kept_x + out * stride_rx_par
-        kdt = kept_dt + out * stride_rdt_par
         kb = kept_b + out * stride_rb_par
+        tl.store(kept_dt + out * stride_rdt_par + cols * stride_rdt_j,
+                 odt_raw.to(rdt_ptr.dtype.element_ty), mask=(cols < n) & keep_dt)
         if UNROLL:
             # nothing stored before the last token's loads (a store may alias them, so no load
             # would be issued ahead of it): outputs and kept inputs gather in [COLS_P2, .] tiles
             # and the state, as replayed and after the tokens, stays in registers
             committed = state
-            cols = tl.arange(0, COLS_P2)
             ys = tl.zeros([COLS_P2, BLOCK_P], tl.float32)
             xs = tl.zeros([COLS_P2, BLOCK_P], tl.float32)
             bs = tl.zeros([COLS_P2, BLOCK_N], tl.float32)
-            dts = tl.zeros([COLS_P2], tl.float32)
             for j in tl.static_range(COLS):
-                state, y, x, dt_raw, bv = _own_token(
-                    state, start + j, j < n, x_ptr, dt_ptr, B_ptr, C_ptr, h, g, offs_p, offs_n,
-                    p_ok, n_ok, a_h, d_h, dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h,
-                    stride_x_p, stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n,
-                    stride_C_t, stride_C_g, stride_C_n, DT_SOFTPLUS, DT_CLAMP)
+                dt, decay = _dt_decay(odt, odecay, cols, j, dt_ptr + (start + j) * stride_dt_t
+                                      + h * stride_dt_h, j < n, dt_bias_h, a_h, dt_min,
+                                      dt_max, DT_SOFTPLUS, DT_CLAMP, VECTOR_DT)
+                state, y, x, bv = _own_token(
+                    state, start + j, j < n, dt, decay, x_ptr,
+                    B_ptr, C_ptr, h, g, offs_p, offs_n, p_ok, n_ok, d_h, stride_x_t,
+                    stride_x_h, stride_x_p, stride_B_t, stride_B_g, stride_B_n, stride_C_t,
+                    stride_C_g, stride_C_n)
                 here = cols == j
                 ys = tl.where(here[:, None], y[None, :], ys)
                 xs = tl.where(here[:, None], x.to(tl.float32)[None, :], xs)
                 bs = tl.where(here[:, None], bv.to(tl.float32)[None, :], bs)
-                dts = tl.where(here, dt_raw.to(tl.float32), dts)
             mine = cols < n
             tl.store(y_ptr + (start + cols)[:, None] * stride_y_t + h * stride_y_h
                      + offs_p[None, :], ys.to(y_ptr.dtype.element_ty),
                      mask=mine[:, None] & p_ok[None, :])
             tl.store(kx[None, :] + cols[:, None] * stride_rx_j, xs.to(rx_ptr.dtype.element_ty),
                      mask=mine[:, None] & p_ok[None, :] & keep)
-            tl.store(kdt + cols * stride_rdt_j, dts.to(rdt_ptr.dtype.element_ty),
-                     mask=mine & keep_dt)
             tl.store(kb[None, :] + cols[:, None] * stride_rb_j, bs.to(rb_ptr.dtype.element_ty),
                      mask=mine[:, None] & n_ok[None, :] & keep_b)
             # a row without drafts: the state after its token; with drafts: the replayed one
@@ -358,15 +257,17 @@ def _ssv_kernel(
                 tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
             for j in range(0, n):
                 t = start + j
-                state, y, x_raw, dt_raw, b_raw = _own_token(
-                    state, t, j < n, x_ptr, dt_ptr, B_ptr, C_ptr, h, g, offs_p, offs_n, p_ok,
-                    n_ok, a_h, d_h, dt_bias_h, dt_min, dt_max, stride_x_t, stride_x_h,
-                    stride_x_p, stride_dt_t, stride_dt_h, stride_B_t, stride_B_g, stride_B_n,
-                    stride_C_t, stride_C_g, stride_C_n, DT_SOFTPLUS, DT_CLAMP)
+                dt, decay = _dt_decay(odt, odecay, cols, j, dt_ptr + t * stride_dt_t
+                                      + h * stride_dt_h, j < n, dt_bias_h, a_h, dt_min,
+                                      dt_max, DT_SOFTPLUS, DT_CLAMP, VECTOR_DT)
+                state, y, x_raw, b_raw = _own_token(
+                    state, t, j < n, dt, decay, x_ptr, B_ptr,
+                    C_ptr, h, g, offs_p, offs_n, p_ok, n_ok, d_h, stride_x_t, stride_x_h,
+                    stride_x_p, stride_B_t, stride_B_g, stride_B_n, stride_C_t, stride_C_g,
+                    stride_C_n)
                 tl.store(y_ptr + t * stride_y_t + h * stride_y_h + offs_p,
                          y.to(y_ptr.dtype.element_ty), mask=p_ok)
                 tl.store(kx + j * stride_rx_j, x_raw.to(kx.dtype.element_ty), mask=p_ok & keep)
-                tl.store(kdt + j * stride_rdt_j, dt_raw.to(kdt.dtype.element_ty), mask=keep_dt)
                 tl.store(kb + j * stride_rb_j, b_raw.to(kb.dtype.element_ty),
                          mask=n_ok & keep_b)
             if n == 1:
@@ -378,7 +279,8 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None, unroll: bool | None = None, preload: int | None = None,
+    num_warps: int | None = None, unroll: bool | None = None, vector_dt: bool | None = None,
+    maxnreg: int | None = None,
 ) -> Tensor:
     """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
     `num_warps` override `verify_tile`'s choice, `unroll` UNROLL_MAX_PAIRS'
@@ -410,8 +312,9 @@ def selective_state_verify_triton(
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state),
         UNROLL=unroll, COLS=num_cols, COLS_P2=next_pow2(num_cols),
-        PRELOAD=int(PRELOAD if preload is None else preload),
-        VEC=max(1, 16 // ssm_state.element_size()),
+        VECTOR_DT=bool(VECTOR_DT if vector_dt is None else vector_dt),
+        **({"maxnreg": maxnreg or MAXNREG} if (maxnreg or MAXNREG) and not unroll
+           and not interpreting() else {}),
         **pdl_args(use_pdl(x)),
         num_warps=num_warps or warps,
     )
