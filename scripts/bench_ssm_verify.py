@@ -3,10 +3,11 @@ fp32 state), one JSON line a measurement, microseconds a call (a CUDA graph of c
 over LAYERS state tensors, as the model's layers do):
 
 - `selective_state_verify` (its deferred commit: every row replays k + 1 kept tokens, then runs
-  its own 1 + k) over state tiles and warps, in its two forms (UNROLL or not);
+  its own 1 + k) on the launcher's tile, in its forms: UNROLL or not, each token's dt and decay
+  from per-program vectors (VECTOR_DT) or computed per token, register caps (MAXNREG);
 - the decode step's `selective_state_update`, for scale;
-- the gated RMSNorm of the verify rows (1 + k rows a request, one 4096-wide group) over warps.
-0 in block_p / warps: the launcher's own choice.
+- the gated RMSNorm of the verify rows (1 + k rows a request, one 4096-wide group) over warps
+  (0: the launcher's choice).
 
 Usage (GPU): PYTHONPATH=. python3 scripts/bench_ssm_verify.py [--batches 1,64]
 """
