@@ -3,8 +3,8 @@ fp32 state), one JSON line a measurement, microseconds a call (a CUDA graph of c
 over LAYERS state tensors, as the model's layers do):
 
 - `selective_state_verify` (its deferred commit: every row replays k + 1 kept tokens, then runs
-  its own 1 + k) on the launcher's tile, in its forms: UNROLL or not, each token's dt and decay
-  from per-program vectors (VECTOR_DT) or computed per token, register caps (MAXNREG);
+  its own 1 + k) on the launcher's tile, in its two forms (UNROLL or not), the looped one under
+  register caps;
 - the decode step's `selective_state_update`, for scale;
 - the gated RMSNorm of the verify rows (1 + k rows a request, one 4096-wide group) over warps
   (0: the launcher's choice).
@@ -72,17 +72,14 @@ def bench_batch(batch: int, k: int, dev) -> None:
              torch.zeros(2, batch, cols, H, device=dev, dtype=torch.bfloat16),
              torch.zeros(2, batch, cols, G, N, device=dev, dtype=torch.bfloat16),
              torch.full((batch,), cols, device=dev, dtype=torch.int32)) for _ in range(LAYERS)]
-    # verify_tile's tile; the kernel's forms (UNROLL or not), dt and decay per token or from
-    # per-program vectors, register caps on the looped form
-    forms = [(u, v, 0) for u in (False, True) for v in (True, False)]
-    forms += [(False, v, m) for v in (True, False) for m in (72, 64)]
-    for unroll, vec, cap in forms:
+    # verify_tile's tile; the kernel's two forms (UNROLL or not), the looped one under register
+    # caps (0: LOOP_MAXNREG, 255: none)
+    for unroll, cap in ((False, 0), (False, 72), (False, 255), (True, 0)):
         calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias, qsl,
-                         slots[:, None], idx, r, unroll=unroll, vector_dt=vec,
-                         maxnreg=cap or None)
+                         slots[:, None], idx, r, unroll=unroll, maxnreg=cap or None)
                  for s, r in zip(states, kept)]
-        print(json.dumps({**rec, "kernel": "verify", "unroll": unroll, "vector_dt": vec,
-                          "maxnreg": cap, "us": graph_us(calls)}), flush=True)
+        print(json.dumps({**rec, "kernel": "verify", "unroll": unroll, "maxnreg": cap,
+                          "us": graph_us(calls)}), flush=True)
     # the gated norm of the verify rows
     y = torch.randn(batch * cols, H * P, device=dev).bfloat16()
     z = torch.randn(batch * cols, H * P, device=dev).bfloat16()

@@ -45,8 +45,11 @@ from krait.ops.selective_state_update import (
 # which matters where few programs hide no latency. H100, mamba2-1.3b, k = 3: the verify graph
 # 2.072 -> 2.022 ms at batch 1 (64 pairs); the kernel 161 -> 170 us at batch 64 (4 096 pairs)
 UNROLL_MAX_PAIRS = 1024
-VECTOR_DT = True  # experiment: each token's dt and decay from per-program vectors
-MAXNREG = 0  # experiment: a register cap for the looped form (0: none)
+# registers a thread for the looped form (many pairs: batch 64). Uncapped ptxas takes 86 and
+# the SM holds 5 programs; the kernel is bound by instruction issue, and more resident warps
+# hide its L1 waits (no spills down to 56). H100, mamba2-1.3b, k = 3, batch 64: the verify
+# graph 10.66 ms uncapped, 10.15 at 72, 9.65 at 64, 9.97 at 56 (docs/benchmarks.md)
+LOOP_MAXNREG = 64
 PARITY_SHIFT = 16  # replay_ctl = count | parity << PARITY_SHIFT
 COUNT_MASK = (1 << PARITY_SHIFT) - 1
 
@@ -97,19 +100,6 @@ def _at(vec, cols, j):
 
 
 @triton.jit
-def _dt_decay(dts, decays, cols, j, raw_ptr, ok, dt_bias_h, a_h, dt_min, dt_max,
-              DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr, VECTOR_DT: tl.constexpr):
-    """Token j's dt and decay: picked from `_token_dts`' vectors (VECTOR_DT), or computed
-    here from its raw dt (experiment: the per-token form before)."""
-    if VECTOR_DT:
-        return _at(dts, cols, j), _at(decays, cols, j)
-    dt = softplus_clamp(tl.load(raw_ptr, mask=ok, other=0.0).to(tl.float32) + dt_bias_h,
-                        DT_SOFTPLUS, DT_CLAMP, dt_min, dt_max)
-    dt = tl.where(ok, dt, 0.0)
-    return dt, tl.exp(dt * a_h)
-
-
-@triton.jit
 def _replay_one(state, x, dt, decay, bv):
     """One kept token onto the state tile: a decay multiply and an FMA an element. dt 0
     (decay 1) leaves the state as it is."""
@@ -149,7 +139,7 @@ def _ssv_kernel(
     stride_rb_par, stride_rb_q, stride_rb_j, stride_rb_g,
     DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, COLS: tl.constexpr,
-    COLS_P2: tl.constexpr, PDL: tl.constexpr, VECTOR_DT: tl.constexpr = True,
+    COLS_P2: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_trigger(PDL)
     pdl_wait(PDL)
@@ -189,25 +179,18 @@ def _ssv_kernel(
         rx = kept_x + par * stride_rx_par
         rb = kept_b + par * stride_rb_par
         cols = tl.arange(0, COLS_P2)
-        kdt_ptr = kept_dt + par * stride_rdt_par
-        _, kdt, kdecay = _token_dts(kdt_ptr + cols * stride_rdt_j,
+        _, kdt, kdecay = _token_dts(kept_dt + par * stride_rdt_par + cols * stride_rdt_j,
                                     cols < count, dt_bias_h, a_h, dt_min, dt_max, DT_SOFTPLUS,
                                     DT_CLAMP)
         if UNROLL:
             for j in tl.static_range(COLS):  # (past count: x and B 0, dt 0, no change)
                 x, bv = _kept_token(rx + j * stride_rx_j, rb + j * stride_rb_j,
                                     p_ok & (j < count), n_ok & (j < count))
-                dt, decay = _dt_decay(kdt, kdecay, cols, j, kdt_ptr + j * stride_rdt_j,
-                                      j < count, dt_bias_h, a_h, dt_min, dt_max, DT_SOFTPLUS,
-                                      DT_CLAMP, VECTOR_DT)
-                state = _replay_one(state, x, dt, decay, bv)
+                state = _replay_one(state, x, _at(kdt, cols, j), _at(kdecay, cols, j), bv)
         else:
             for j in range(0, count):
                 x, bv = _kept_token(rx + j * stride_rx_j, rb + j * stride_rb_j, p_ok, n_ok)
-                dt, decay = _dt_decay(kdt, kdecay, cols, j, kdt_ptr + j * stride_rdt_j,
-                                      j < count, dt_bias_h, a_h, dt_min, dt_max, DT_SOFTPLUS,
-                                      DT_CLAMP, VECTOR_DT)
-                state = _replay_one(state, x, dt, decay, bv)
+                state = _replay_one(state, x, _at(kdt, cols, j), _at(kdecay, cols, j), bv)
         # 2. the row's own tokens, kept at the other parity when it has drafts
         odt_raw, odt, odecay = _token_dts(dt_ptr + (start + cols) * stride_dt_t
                                           + h * stride_dt_h, cols < n, dt_bias_h, a_h, dt_min,
@@ -229,11 +212,8 @@ def _ssv_kernel(
             xs = tl.zeros([COLS_P2, BLOCK_P], tl.float32)
             bs = tl.zeros([COLS_P2, BLOCK_N], tl.float32)
             for j in tl.static_range(COLS):
-                dt, decay = _dt_decay(odt, odecay, cols, j, dt_ptr + (start + j) * stride_dt_t
-                                      + h * stride_dt_h, j < n, dt_bias_h, a_h, dt_min,
-                                      dt_max, DT_SOFTPLUS, DT_CLAMP, VECTOR_DT)
                 state, y, x, bv = _own_token(
-                    state, start + j, j < n, dt, decay, x_ptr,
+                    state, start + j, j < n, _at(odt, cols, j), _at(odecay, cols, j), x_ptr,
                     B_ptr, C_ptr, h, g, offs_p, offs_n, p_ok, n_ok, d_h, stride_x_t,
                     stride_x_h, stride_x_p, stride_B_t, stride_B_g, stride_B_n, stride_C_t,
                     stride_C_g, stride_C_n)
@@ -257,11 +237,8 @@ def _ssv_kernel(
                 tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
             for j in range(0, n):
                 t = start + j
-                dt, decay = _dt_decay(odt, odecay, cols, j, dt_ptr + t * stride_dt_t
-                                      + h * stride_dt_h, j < n, dt_bias_h, a_h, dt_min,
-                                      dt_max, DT_SOFTPLUS, DT_CLAMP, VECTOR_DT)
                 state, y, x_raw, b_raw = _own_token(
-                    state, t, j < n, dt, decay, x_ptr, B_ptr,
+                    state, t, j < n, _at(odt, cols, j), _at(odecay, cols, j), x_ptr, B_ptr,
                     C_ptr, h, g, offs_p, offs_n, p_ok, n_ok, d_h, stride_x_t, stride_x_h,
                     stride_x_p, stride_B_t, stride_B_g, stride_B_n, stride_C_t, stride_C_g,
                     stride_C_n)
@@ -279,12 +256,11 @@ def selective_state_verify_triton(
     dt_bias: Tensor, query_start_loc: Tensor, state_slots: Tensor, idx_mapping: Tensor,
     replay: tuple[Tensor, Tensor, Tensor, Tensor], dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")), block_p: int | None = None,
-    num_warps: int | None = None, unroll: bool | None = None, vector_dt: bool | None = None,
-    maxnreg: int | None = None,
+    num_warps: int | None = None, unroll: bool | None = None, maxnreg: int | None = None,
 ) -> Tensor:
     """Triton launcher of `selective_state_verify`; returns y [T, H, P]. `block_p` and
-    `num_warps` override `verify_tile`'s choice, `unroll` UNROLL_MAX_PAIRS'
-    (scripts/bench_ssm_verify.py sweeps them)."""
+    `num_warps` override `verify_tile`'s choice, `unroll` UNROLL_MAX_PAIRS', `maxnreg` the
+    looped form's LOOP_MAXNREG (scripts/bench_ssm_verify.py sweeps them)."""
     num_tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     rows = state_slots.shape[0]
@@ -312,9 +288,7 @@ def selective_state_verify_triton(
         DT_SOFTPLUS=dt_softplus, DT_CLAMP=clamp, BLOCK_P=block_p,
         BLOCK_N=next_pow2(d_state),
         UNROLL=unroll, COLS=num_cols, COLS_P2=next_pow2(num_cols),
-        VECTOR_DT=bool(VECTOR_DT if vector_dt is None else vector_dt),
-        **({"maxnreg": maxnreg or MAXNREG} if (maxnreg or MAXNREG) and not unroll
-           and not interpreting() else {}),
+        **({"maxnreg": maxnreg or LOOP_MAXNREG} if not unroll and not interpreting() else {}),
         **pdl_args(use_pdl(x)),
         num_warps=num_warps or warps,
     )

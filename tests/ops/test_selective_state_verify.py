@@ -16,9 +16,8 @@ from krait.ops.num_accepted import fill_replay_ctl_ref, fill_replay_ctl_triton
 from krait.ops.selective_state_update import selective_state_update_ref
 
 # the kernel's forms: token loops as loops or unrolled (UNROLL)
-KERNELS = {f"triton{'_unroll' * unroll}{'_pertoken' * (not vec)}": partial(
-    ssv.selective_state_verify_triton, unroll=unroll, vector_dt=vec)
-    for unroll in (False, True) for vec in (True, False)}
+KERNELS = {f"triton{'_unroll' * unroll}": partial(ssv.selective_state_verify_triton,
+                                                   unroll=unroll) for unroll in (False, True)}
 VERIFY = {"ref": ssv.selective_state_verify_ref, **KERNELS}
 HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 16, 2, 16
 S = 4  # 1 + 3 drafts

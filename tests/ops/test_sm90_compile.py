@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from krait.ops.selective_state_verify import LOOP_MAXNREG
 from tests.ops.sm90 import compile_sm90, sm90_available
 
 pytestmark = pytest.mark.skipif(not sm90_available(), reason="Triton without its CUDA tools")
@@ -302,15 +303,18 @@ def test_verify_split_compiles_without_spills(group, head_dim, q_max, programs):
 def test_mamba_verify_ssm_kernel_compiles(state, block_p, unroll):
     # speculative verify: the kept tokens replayed, then the row's 1 + k tokens in a loop with
     # the state tile in registers, their inputs kept (unit strides as a real launch
-    # specializes them: the loops convert no layout through shared memory); the loops as
-    # loops or unrolled over 4 columns
+    # specializes them); the loops as loops or unrolled over 4 columns
     types = dict(state_ptr=state, x_ptr=BF, dt_ptr=BF, A_ptr=F32, B_ptr=BF, C_ptr=BF, D_ptr=F32,
                  dt_bias_ptr=F32, y_ptr=BF, qsl_ptr=I32, slots_ptr=I32, ctl_ptr=I32,
                  idx_ptr=I32, rx_ptr=BF, rdt_ptr=BF, rb_ptr=BF, dt_min="fp32", dt_max="fp32")
     r = compile_sm90("krait.ops.selective_state_verify", "_ssv_kernel", types, dict(
         DT_SOFTPLUS=True, DT_CLAMP=False, BLOCK_P=block_p, BLOCK_N=128, PDL=True, stride_s_n=1,
-        stride_x_p=1, stride_B_n=1, stride_C_n=1, UNROLL=unroll, COLS=4, COLS_P2=4))
-    assert r["pdl"] and r["local"] == 0 and r["loop_barriers"] == 0 and r["regs"] <= 128, r
+        stride_x_p=1, stride_B_n=1, stride_C_n=1, UNROLL=unroll, COLS=4, COLS_P2=4),
+        maxnreg=None if unroll else LOOP_MAXNREG)
+    # the looped form under its register cap: nothing spilled. Its loops convert x, B and C
+    # into the state tile's row and column slices through shared memory (2 barriers a kept
+    # token, 6 an own one, as the SASS shows: session 38); no more than that
+    assert r["pdl"] and r["local"] == 0 and r["loop_barriers"] <= 8 and r["regs"] <= 128, r
 
 
 @pytest.mark.parametrize("channel_last", [True, False])
