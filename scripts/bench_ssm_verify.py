@@ -4,7 +4,7 @@ over LAYERS state tensors, as the model's layers do):
 
 - `selective_state_verify` (its deferred commit: every row replays k + 1 kept tokens, then runs
   its own 1 + k) on the launcher's tile, in its two forms (UNROLL or not), the looped one under
-  register caps;
+  register caps, the unrolled one on smaller tiles too;
 - the decode step's `selective_state_update`, for scale;
 - the gated RMSNorm of the verify rows (1 + k rows a request, one 4096-wide group) over warps
   (0: the launcher's choice).
@@ -73,13 +73,17 @@ def bench_batch(batch: int, k: int, dev) -> None:
              torch.zeros(2, batch, cols, G, N, device=dev, dtype=torch.bfloat16),
              torch.full((batch,), cols, device=dev, dtype=torch.int32)) for _ in range(LAYERS)]
     # verify_tile's tile; the kernel's two forms (UNROLL or not), the looped one under register
-    # caps (0: LOOP_MAXNREG, 255: none)
-    for unroll, cap in ((False, 0), (False, 72), (False, 255), (True, 0)):
+    # caps (0: LOOP_MAXNREG, 255: none); then the unrolled form on smaller tiles (block_p x
+    # warps; 0: the launcher's), which batch 1's few programs may want
+    runs = [(False, 0, 0, 0), (False, 72, 0, 0), (False, 255, 0, 0), (True, 0, 0, 0)]
+    runs += [(True, 0, bp, w) for bp, w in ((4, 4), (4, 8), (8, 4))]
+    for unroll, cap, bp, w in runs:
         calls = [partial(selective_state_verify_triton, s, x, dt, A, B, C, D, dt_bias, qsl,
-                         slots[:, None], idx, r, unroll=unroll, maxnreg=cap or None)
+                         slots[:, None], idx, r, unroll=unroll, maxnreg=cap or None,
+                         block_p=bp or None, num_warps=w or None)
                  for s, r in zip(states, kept)]
         print(json.dumps({**rec, "kernel": "verify", "unroll": unroll, "maxnreg": cap,
-                          "us": graph_us(calls)}), flush=True)
+                          "block_p": bp, "warps": w, "us": graph_us(calls)}), flush=True)
     # the gated norm of the verify rows
     y = torch.randn(batch * cols, H * P, device=dev).bfloat16()
     z = torch.randn(batch * cols, H * P, device=dev).bfloat16()
