@@ -6,6 +6,7 @@ over LAYERS state tensors, as the model's layers do):
   its own 1 + k) on the launcher's tile, in its two forms (UNROLL or not), the looped one under
   register caps, the unrolled one on smaller tiles too;
 - the decode step's `selective_state_update`, for scale;
+- `causal_conv1d_verify` over channels a program;
 - the gated RMSNorm of the verify rows (1 + k rows a request, one 4096-wide group) over warps
   (0: the launcher's choice).
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemv_rows import graph_us as _graph_us  # noqa: E402
 
+from krait.ops.causal_conv1d_verify import causal_conv1d_verify_triton  # noqa: E402
 from krait.ops.gated_rms_norm import gated_rms_norm_triton  # noqa: E402
 from krait.ops.selective_state_update import selective_state_update_triton  # noqa: E402
 from krait.ops.selective_state_verify import selective_state_verify_triton  # noqa: E402
@@ -84,6 +86,20 @@ def bench_batch(batch: int, k: int, dev) -> None:
                  for s, r in zip(states, kept)]
         print(json.dumps({**rec, "kernel": "verify", "unroll": unroll, "maxnreg": cap,
                           "block_p": bp, "warps": w, "us": graph_us(calls)}), flush=True)
+    # the verify conv over the rows' xBC (channel-last bf16 state as the engine keeps it, one
+    # slot column a token) over channels a program (0: the launcher's)
+    dim = H * P + 2 * G * N
+    xbc = torch.randn(batch * cols, dim, device=dev).bfloat16()  # [T, conv_dim]
+    w = torch.randn(dim, 4, device=dev).bfloat16()
+    conv_states = [torch.randn(batch * cols, 3, dim, device=dev).bfloat16().transpose(1, 2)
+                   for _ in range(LAYERS)]
+    conv_slots = torch.arange(batch * cols, device=dev, dtype=torch.int32).view(batch, cols)
+    accepted = torch.full((batch,), cols, device=dev, dtype=torch.int32)
+    for bd in (0, 32, 64, 256):
+        calls = [partial(causal_conv1d_verify_triton, xbc, cs, w, None, qsl, conv_slots, accepted,
+                         idx, "silu", block_d=bd or None) for cs in conv_states]
+        print(json.dumps({**rec, "kernel": "conv_verify", "block_d": bd,
+                          "us": graph_us(calls)}), flush=True)
     # the gated norm of the verify rows
     y = torch.randn(batch * cols, H * P, device=dev).bfloat16()
     z = torch.randn(batch * cols, H * P, device=dev).bfloat16()

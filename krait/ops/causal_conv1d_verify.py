@@ -85,9 +85,10 @@ def _conv_verify_kernel(
 def causal_conv1d_verify_triton(
     x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None,
     query_start_loc: Tensor, state_slots: Tensor, num_accepted: Tensor, idx_mapping: Tensor,
-    activation: str | None = "silu",
+    activation: str | None = "silu", block_d: int | None = None,
 ) -> Tensor:
-    """Triton launcher of `causal_conv1d_verify`; returns [T, dim]."""
+    """Triton launcher of `causal_conv1d_verify`; returns [T, dim]. `block_d` overrides the
+    channels a program (scripts/bench_ssm_verify.py sweeps it)."""
     silu = _check_activation(activation)
     num_tokens, dim = x.shape
     width = weight.shape[1]
@@ -98,7 +99,7 @@ def causal_conv1d_verify_triton(
     slots = state_slots.to(torch.int32)
     # 128 channels (4 warps): 56 registers a thread for a channel-last bf16 state, compiled for
     # sm_90 with tests/ops/sm90.py (96 at 256), and twice the programs at batch 1
-    block_d = min(next_pow2(dim), 1024 if interpreting() else 128)
+    block_d = block_d or min(next_pow2(dim), 1024 if interpreting() else 128)
     _conv_verify_kernel[(rows, cdiv(dim, block_d))](
         x, weight, bias if bias is not None else weight, conv_state, out,
         query_start_loc.to(torch.int32), slots, num_accepted.to(torch.int32),
