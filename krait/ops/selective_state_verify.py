@@ -204,7 +204,7 @@ def _ssv_kernel(
         tl.store(kept_dt + out * stride_rdt_par + cols * stride_rdt_j,
                  odt_raw.to(rdt_ptr.dtype.element_ty), mask=(cols < n) & keep_dt)
         if UNROLL:
-            # nothing stored before the last token's loads (a store may alias them, so no load
+            # nothing stored between the tokens' loads (a store may alias them, so no later load
             # would be issued ahead of it): outputs and kept inputs gather in [COLS_P2, .] tiles
             # and the state, as replayed and after the tokens, stays in registers
             committed = state
