@@ -90,14 +90,14 @@ def bench_batch(batch: int, k: int, dev) -> None:
     # slot column a token) over channels a program (0: the launcher's)
     dim = H * P + 2 * G * N
     xbc = torch.randn(batch * cols, dim, device=dev).bfloat16()  # [T, conv_dim]
-    w = torch.randn(dim, 4, device=dev).bfloat16()
+    conv_w = torch.randn(dim, 4, device=dev).bfloat16()  # [conv_dim, width]
     conv_states = [torch.randn(batch * cols, 3, dim, device=dev).bfloat16().transpose(1, 2)
                    for _ in range(LAYERS)]
     conv_slots = torch.arange(batch * cols, device=dev, dtype=torch.int32).view(batch, cols)
     accepted = torch.full((batch,), cols, device=dev, dtype=torch.int32)
     for bd in (0, 32, 64, 256):
-        calls = [partial(causal_conv1d_verify_triton, xbc, cs, w, None, qsl, conv_slots, accepted,
-                         idx, "silu", block_d=bd or None) for cs in conv_states]
+        calls = [partial(causal_conv1d_verify_triton, xbc, cs, conv_w, None, qsl, conv_slots,
+                         accepted, idx, "silu", block_d=bd or None) for cs in conv_states]
         print(json.dumps({**rec, "kernel": "conv_verify", "block_d": bd,
                           "us": graph_us(calls)}), flush=True)
     # the gated norm of the verify rows

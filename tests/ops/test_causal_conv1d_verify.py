@@ -1,6 +1,8 @@
 """causal_conv1d_verify (reference and Triton) against causal_conv1d_update run token by token
 (tests/ops/verify_cases.py), and Triton against the reference at mamba2-1.3b's size."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -8,7 +10,10 @@ from krait.ops import causal_conv1d_verify as ccv
 from krait.ops.causal_conv1d import causal_conv1d_update_ref
 from tests.ops.verify_cases import NUM_COLS, token_by_token, verify_batch
 
-VERIFY = {"ref": ccv.causal_conv1d_verify_ref, "triton": ccv.causal_conv1d_verify_triton}
+# "triton_split": channels across programs as on the GPU (the interpreter's default puts a row's
+# channels in one program), the last block partial
+VERIFY = {"ref": ccv.causal_conv1d_verify_ref, "triton": ccv.causal_conv1d_verify_triton,
+          "triton_split": partial(ccv.causal_conv1d_verify_triton, block_d=16)}
 WIDTH, DIM = 4, 40
 
 
